@@ -1,0 +1,75 @@
+"""What one forward pass needs to know about the batch and the paged KV cache.
+
+The batch is *flattened*: the new tokens of every scheduled sequence are
+concatenated into one [T] vector. Sequence i owns rows
+``query_start_loc[i]:query_start_loc[i+1]`` and, after this step, has
+``seq_lens[i]`` tokens of context in the cache (its cached prefix plus its new
+tokens). KV caches are one tensor per layer of shape
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = keys, 1 = values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    """[T] int64: flat cache slot (block_id * block_size + offset) of each new token."""
+    query_start_loc: tuple[int, ...]
+    """B+1 row offsets of each sequence's new tokens in the flattened batch."""
+    seq_lens: tuple[int, ...]
+    """B context lengths after this step (cached prefix + new tokens)."""
+    block_tables: torch.Tensor
+    """[B, max_blocks] int64 block ids; rows padded with 0 past a sequence's blocks."""
+    block_size: int
+    seq_lens_tensor: torch.Tensor
+    """[B] int64, the same as seq_lens, on the device (for the batched decode path)."""
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_all_decode(self) -> bool:
+        """True when every sequence brings exactly one new token."""
+        return self.query_start_loc[-1] == self.num_seqs
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Build metadata from plain lists (what the model runner and tests have)."""
+        qsl = [0]
+        slots: list[int] = []
+        for q_len, s_len, table in zip(query_lens, seq_lens, block_tables):
+            qsl.append(qsl[-1] + q_len)
+            for pos in range(s_len - q_len, s_len):
+                slots.append(table[pos // block_size] * block_size + pos % block_size)
+        width = max((len(t) for t in block_tables), default=1) or 1
+        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        return cls(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=tuple(qsl),
+            seq_lens=tuple(seq_lens),
+            block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
+            block_size=block_size,
+            seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        )
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Passed explicitly to every model forward (no hidden globals)."""
+
+    attn: AttentionMetadata
+    kv_caches: list[torch.Tensor]
+    """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
