@@ -1,0 +1,81 @@
+"""Engine options: one frozen dataclass, validated before any weight is read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.errors import InvalidRequestError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None
+    """HF checkpoint folder or .gguf file; None = the embedded SmolLM2-135M-Instruct."""
+    tokenizer: str | None = None
+    """HF tokenizer folder overriding the checkpoint's own tokenizer."""
+    dtype: str = "auto"
+    """Compute and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
+    device: str = "auto"
+    """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    max_model_len: int | None = None
+    """Longest prompt + output in tokens; may only lower the model's own limit."""
+    max_num_seqs: int = 256
+    """Most requests running in one step."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step; default max(2048, max_num_seqs)."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    kv_cache_memory_bytes: int | None = None
+    """Memory for the KV cache; default 1 GiB, raised to hold one max_model_len sequence."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks (overrides kv_cache_memory_bytes; tests use tiny caches)."""
+    seed: int = 0
+    """Seed of the generator used by requests that set no seed of their own."""
+    max_logprobs: int = 20
+    """Most logprobs / prompt_logprobs alternatives a request may ask for."""
+    served_model_name: str | None = None
+    """Model name reported in outputs and by the server; default: the path's name."""
+
+    def __post_init__(self) -> None:
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("block_size", self.block_size)
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "num_kv_blocks"):
+            value = getattr(self, name)
+            if value is not None:
+                _check_positive(name, value)
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise InvalidRequestError(
+                f"dtype={self.dtype!r} is not supported; use auto or one of {', '.join(DTYPES)}"
+            )
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise InvalidRequestError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise InvalidRequestError(f"device={self.device!r} asked for but CUDA is not available")
+
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return DTYPES[self.dtype]
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,146 @@
+"""The engine loop: add requests, step, get outputs. One owner, one thread."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.loading import LoadedModel, kv_cache_blocks, load_model
+from tokenmill.engine.output_processor import OutputProcessor, ParentState
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.validation import check_params, check_prompt, resolve_max_tokens
+from tokenmill.errors import InvalidRequestError
+from tokenmill.kv_cache import KVCacheManager
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling import Sampler
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.worker.model_runner import ModelRunner, allocate_kv_caches
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config)
+        self.tokenizer = self.loaded.tokenizer
+        self.max_model_len = self.loaded.max_model_len
+        num_blocks = kv_cache_blocks(config, self.loaded)
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, budget, self.max_model_len), self.kv
+        )
+        caches = allocate_kv_caches(
+            self.loaded.model, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device
+        )
+        generator = torch.Generator(device=self.loaded.device).manual_seed(config.seed)
+        self.runner = ModelRunner(
+            self.loaded.model, caches, config.block_size, self.loaded.device, Sampler(generator)
+        )
+        self.processor = OutputProcessor(self.tokenizer)
+        self._children: dict[str, list[str]] = {}
+        self._parent_of: dict[str, str] = {}
+        logger.info("KV cache: %d blocks x %d tokens", num_blocks, config.block_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.loaded.model.vocab_size
+
+    # -- requests ---------------------------------------------------------------
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> str:
+        """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._children:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
+        check_params(params, self.vocab_size, self.config.max_logprobs)
+        max_tokens = resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len)
+        children = [self._child(prompt_token_ids, params, max_tokens, request_id, i) for i in range(params.n)]
+        parent = ParentState(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            kind=params.output_kind,
+            completions=[CompletionOutput(i, "", []) for i in range(params.n)],
+        )
+        self.processor.add(parent, [c.request_id for c in children], children)
+        self._children[request_id] = [c.request_id for c in children]
+        self._parent_of.update((c.request_id, request_id) for c in children)
+        for child in children:
+            self.scheduler.add(child)
+        return request_id
+
+    def _child(self, prompt_ids, params, max_tokens, parent_id, index) -> Request:
+        """n > 1 fans out into n requests; child i gets seed + i so they differ."""
+        child_id = parent_id
+        if params.n > 1:
+            child_id = f"{index}_{parent_id}"
+            params = params.clone()
+            params.seed = None if params.seed is None else params.seed + index
+            params.n = 1
+        return Request(child_id, list(prompt_ids), params, max_tokens, self.tokenizer.eos_token_ids)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Cancel a request (and its n children); its KV blocks are free on return."""
+        out = None
+        for cid in list(self._children.get(request_id, [])):
+            req = self.scheduler.finish(cid, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                out = self.processor.finish(req) or out
+                self._forget(cid)
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the loop ---------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        try:
+            result = self.runner.execute(sched)
+        except Exception as exc:  # a broken step fails its requests, not the engine
+            logger.exception("model step failed")
+            return self._fail([s.request for s in sched.seqs], f"{type(exc).__name__}: {exc}")
+        for rid, (start, entries) in result.prompt_logprobs.items():
+            self.processor.record_prompt_logprobs(rid, start, entries)
+        outputs: list[RequestOutput] = []
+        for req in self.scheduler.update(sched, result.sampled):
+            stop = self.processor.process_token(req, result.logprobs.get(req.request_id))
+            if stop is not None and not req.is_finished:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            out = self.processor.finish(req) if req.is_finished else self.processor.progress(req)
+            if req.is_finished:
+                self._forget(req.request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
+        outputs = []
+        for req in requests:
+            self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
+            out = self.processor.finish(req, error=message)
+            self._forget(req.request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _forget(self, child_id: str) -> None:
+        """Drop the parent entry once none of its children is live."""
+        parent_id = self._parent_of.pop(child_id)
+        kids = self._children[parent_id]
+        if all(k not in self._parent_of for k in kids):
+            del self._children[parent_id]

@@ -1,0 +1,83 @@
+"""Checkpoint -> ready model, tokenizer and limits. Options are checked before weights are read."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.errors import InvalidRequestError
+from tokenmill.loader import Checkpoint, load_checkpoint
+from tokenmill.models import resolve_model_class
+from tokenmill.models.base import CausalLM
+from tokenmill.tokenizer import Tokenizer, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    checkpoint: Checkpoint
+    model: CausalLM
+    tokenizer: Tokenizer
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def model_context_limit(hf_config: dict) -> int:
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        if hf_config.get(key):
+            return int(hf_config[key])
+    return 2048
+
+
+def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
+    limit = model_context_limit(hf_config)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise InvalidRequestError(
+            f"max_model_len={config.max_model_len} is longer than the model's own limit "
+            f"({limit} tokens); use at most {limit}"
+        )
+    return config.max_model_len
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    start = time.perf_counter()
+    ckpt = load_checkpoint(config.model)
+    model_cls = resolve_model_class(ckpt.hf_config.get("architectures"))
+    max_model_len = resolve_max_model_len(config, ckpt.hf_config)
+    dtype, device = config.torch_dtype(), config.torch_device()
+    tokenizer = load_tokenizer(ckpt, config.tokenizer)
+    logger.info("building %s (%s, %s) from %s", model_cls.__name__, dtype, device, ckpt.path)
+    model = model_cls(ckpt.hf_config, dtype)
+    model.load_weights(ckpt.weights(dtype))
+    model = model.to(device).eval()
+    logger.info("model ready in %.1f s", time.perf_counter() - start)
+    return LoadedModel(ckpt, model, tokenizer, max_model_len, dtype, device)
+
+
+def kv_cache_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
+    """How many KV blocks to allocate; the cache must hold one max_model_len sequence."""
+    m = loaded.model
+    elem = torch.tensor([], dtype=loaded.dtype).element_size()
+    block_bytes = 2 * m.num_layers * config.block_size * m.num_kv_heads * m.head_dim * elem
+    one_seq = -(-loaded.max_model_len // config.block_size)
+    if config.num_kv_blocks is not None:
+        blocks = config.num_kv_blocks
+    elif config.kv_cache_memory_bytes is not None:
+        blocks = config.kv_cache_memory_bytes // block_bytes
+    else:
+        return max((1 << 30) // block_bytes, one_seq)
+    if blocks < one_seq:
+        raise InvalidRequestError(
+            f"the KV cache ({blocks} blocks of {config.block_size} tokens) can not hold one "
+            f"sequence of max_model_len={loaded.max_model_len} tokens ({one_seq} blocks): "
+            "lower max_model_len or give the KV cache more memory"
+        )
+    return blocks

@@ -1,0 +1,176 @@
+"""Turns engine progress into RequestOutputs: text, stop strings, logprobs, n > 1."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.stop_strings import StopStringMatcher
+from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind
+from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
+from tokenmill.worker import TokenLogprobs
+
+
+@dataclass
+class ParentState:
+    """A user request; n > 1 fans out into n child requests that share it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    kind: RequestOutputKind
+    completions: list[CompletionOutput]
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    num_unfinished: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.num_unfinished == 0
+
+
+@dataclass
+class ChildState:
+    parent: ParentState
+    index: int
+    detok: IncrementalDetokenizer
+    stops: StopStringMatcher
+    text_sent: int = 0
+    tokens_sent: int = 0
+    logprobs_sent: int = 0
+    completion: CompletionOutput = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.completion = self.parent.completions[self.index]
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.children: dict[str, ChildState] = {}
+
+    def add(self, parent: ParentState, child_ids: list[str], requests: list[Request]) -> None:
+        for index, (cid, req) in enumerate(zip(child_ids, requests)):
+            params = req.params
+            detok = IncrementalDetokenizer(
+                self.tokenizer, req.prompt_token_ids, params.skip_special_tokens
+            )
+            stops = StopStringMatcher(list(params.stop or []), params.include_stop_str_in_output)
+            self.children[cid] = ChildState(parent, index, detok, stops)
+        parent.num_unfinished = len(child_ids)
+
+    def record_prompt_logprobs(self, request_id: str, start: int, entries: list[TokenLogprobs]) -> None:
+        parent = self.children[request_id].parent
+        if parent.prompt_logprobs is None:
+            parent.prompt_logprobs = [None]
+        for j, entry in enumerate(entries):
+            if start + 1 + j == len(parent.prompt_logprobs):  # skip positions seen before a preemption
+                parent.prompt_logprobs.append(self._position(entry))
+
+    def process_token(self, req: Request, logprobs: TokenLogprobs | None) -> str | None:
+        """Detokenize the request's newest token; return a stop string it completed."""
+        child = self.children[req.request_id]
+        token = req.output_token_ids[-1]
+        if logprobs is not None:
+            self._add_logprobs(child.completion, logprobs)
+        hidden_stop = req.is_finished and req.status is RequestStatus.FINISHED_STOPPED and not (
+            req.params.include_stop_str_in_output
+        )
+        delta = "" if hidden_stop else child.detok.append([token])
+        text, stop = child.stops.feed(delta)
+        child.completion.text += text
+        child.completion.token_ids = req.output_token_ids
+        if stop is not None:
+            child.completion.stop_reason = stop
+        return stop
+
+    def finish(self, req: Request, error: str | None = None) -> RequestOutput | None:
+        """Mark a child finished (after the scheduler freed it); emit its output."""
+        child = self.children.pop(req.request_id, None)
+        if child is None:
+            return None
+        comp = child.completion
+        if comp.stop_reason is None or isinstance(comp.stop_reason, int):
+            comp.text += child.stops.feed(child.detok.flush())[0] + child.stops.flush()
+            comp.stop_reason = comp.stop_reason if comp.stop_reason is not None else req.stop_reason
+        comp.token_ids = list(req.output_token_ids)
+        comp.finish_reason = req.status.value
+        child.parent.num_unfinished -= 1
+        if error is not None:
+            child.parent.error = error
+        return self._emit(child)
+
+    def progress(self, req: Request) -> RequestOutput | None:
+        return self._emit(self.children[req.request_id])
+
+    # -- building outputs -------------------------------------------------------
+    def _emit(self, child: ChildState) -> RequestOutput | None:
+        parent = child.parent
+        if parent.kind is RequestOutputKind.FINAL_ONLY:
+            return self._output(parent, parent.completions) if parent.finished else None
+        if parent.kind is RequestOutputKind.DELTA:
+            return self._output(parent, [self._delta(child)])
+        return self._output(parent, [_copy(c) for c in parent.completions])
+
+    def _output(self, parent: ParentState, comps: list[CompletionOutput]) -> RequestOutput:
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            outputs=comps,
+            finished=parent.finished,
+            prompt_logprobs=parent.prompt_logprobs,
+            error=parent.error,
+        )
+
+    def _delta(self, child: ChildState) -> CompletionOutput:
+        comp = child.completion
+        delta = CompletionOutput(
+            index=comp.index,
+            text=comp.text[child.text_sent :],
+            token_ids=comp.token_ids[child.tokens_sent :],
+            cumulative_logprob=comp.cumulative_logprob,
+            logprobs=comp.logprobs[child.logprobs_sent :] if comp.logprobs is not None else None,
+            finish_reason=comp.finish_reason,
+            stop_reason=comp.stop_reason,
+        )
+        child.text_sent = len(comp.text)
+        child.tokens_sent = len(comp.token_ids)
+        child.logprobs_sent = len(comp.logprobs or [])
+        return delta
+
+    def _add_logprobs(self, comp: CompletionOutput, entry: TokenLogprobs) -> None:
+        if comp.logprobs is None:
+            comp.logprobs = []
+            comp.cumulative_logprob = 0.0
+        comp.logprobs.append(self._position(entry))
+        comp.cumulative_logprob += entry.logprob
+
+    def _position(self, entry: TokenLogprobs) -> PositionLogprobs:
+        out: PositionLogprobs = {entry.token_id: self._logprob(entry.token_id, entry.logprob, entry.rank)}
+        for rank, (tid, value) in enumerate(entry.top, start=1):
+            if tid not in out:
+                out[tid] = self._logprob(tid, value, rank)
+        return out
+
+    def _logprob(self, token_id: int, value: float, rank: int) -> Logprob:
+        tok = self.tokenizer
+        return Logprob(
+            logprob=value,
+            rank=rank,
+            decoded_token=tok.decode([token_id], skip_special_tokens=False),
+            bytes=tok.token_bytes(token_id),
+        )
+
+
+def _copy(c: CompletionOutput) -> CompletionOutput:
+    return CompletionOutput(
+        index=c.index,
+        text=c.text,
+        token_ids=list(c.token_ids),
+        cumulative_logprob=c.cumulative_logprob,
+        logprobs=list(c.logprobs) if c.logprobs is not None else None,
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+    )

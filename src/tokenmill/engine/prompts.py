@@ -1,0 +1,65 @@
+"""User prompt forms -> (text or None, token ids), at the boundary."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Union
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+PromptInput = Union[str, dict, list]
+
+
+def _is_token_list(x: object) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def normalize_prompts(prompts: PromptInput, tokenizer: Tokenizer) -> list[tuple[str | None, list[int]]]:
+    """Accept a string, a token-id list, a {"prompt" | "prompt_token_ids"} dict, or a list of them."""
+    if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
+        prompts = [prompts]
+    if not isinstance(prompts, list) or not prompts:
+        raise InvalidRequestError(
+            "prompts must be a string, a list of token ids, a dict, or a non-empty list of those"
+        )
+    return [_one(p, tokenizer) for p in prompts]
+
+
+def _one(p: object, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:
+    if isinstance(p, str):
+        return p, tokenizer.encode(p)
+    if _is_token_list(p):
+        return None, list(p)
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            ids = p["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise InvalidRequestError("prompt_token_ids must be a list of integers")
+            return p.get("prompt"), list(ids)
+        if isinstance(p.get("prompt"), str):
+            return p["prompt"], tokenizer.encode(p["prompt"])
+    if isinstance(p, list) and not p:
+        raise InvalidRequestError("the prompt is empty; give at least one token")
+    raise InvalidRequestError(
+        f"unsupported prompt {type(p).__name__}: use a string, a list of token ids, "
+        'or a dict with "prompt" or "prompt_token_ids"'
+    )
+
+
+def params_per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None,
+    n: int,
+    default: Callable[[], SamplingParams],
+) -> list[SamplingParams]:
+    if params is None:
+        return [default()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise InvalidRequestError(
+            f"got {len(params)} SamplingParams for {n} prompts; give one, or one per prompt"
+        )
+    return params

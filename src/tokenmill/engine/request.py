@@ -1,0 +1,88 @@
+"""One request's mutable state, owned by the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "cancelled"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass(eq=False)
+class Request:
+    """Progress is counted in tokens: ``num_computed_tokens`` catches up to ``num_tokens``.
+
+    One rule covers prefill, chunked prefill and decode: each step computes some
+    of the tokens not yet in the KV cache, and when it reaches the end a new
+    token is sampled. Preemption resets ``num_computed_tokens`` to 0 (recompute).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    """Resolved output budget: params.max_tokens, or what is left of max_model_len."""
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """Token-level stop conditions after appending a token (stop strings come later)."""
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.params.min_tokens:
+            if last in self.eos_token_ids and not self.params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if last in (self.params.stop_token_ids or ()):
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

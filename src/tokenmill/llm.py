@@ -1,0 +1,166 @@
+"""The offline API: ``LLM(model).generate(...)`` / ``.chat(...)`` / ``.generate_stream(...)``."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.prompts import PromptInput, normalize_prompts, params_per_prompt
+from tokenmill.errors import EngineDeadError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# vLLM options accepted for compatibility that have no effect here.
+_IGNORED_VLLM_OPTIONS = {"trust_remote_code", "enforce_eager", "gpu_memory_utilization",
+                         "tensor_parallel_size", "disable_log_stats", "swap_space"}
+
+
+class LLM:
+    """A model loaded for offline generation (vLLM-compatible names).
+
+    >>> llm = LLM()   # the embedded SmolLM2-135M-Instruct
+    >>> llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0))
+    """
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        for name in _IGNORED_VLLM_OPTIONS & options.keys():
+            logger.warning("LLM(%s=...) has no effect in tokenmill; ignored", name)
+            options.pop(name)
+        known = EngineConfig.__dataclass_fields__.keys()
+        unknown = sorted(options.keys() - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown options {unknown}; known: {sorted(known)}")
+        self.config = EngineConfig(model=model, **options)
+        self.engine: LLMEngine | None = LLMEngine(self.config)
+        self.tokenizer = self.engine.tokenizer
+        self._counter = 0
+
+    # -- lifecycle ----------------------------------------------------------------
+    def close(self) -> None:
+        """Abort what is running and release the model. Safe to call twice."""
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            for rid in list(engine._children):
+                engine.abort(rid)
+
+    shutdown = close
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _live_engine(self) -> LLMEngine:
+        if self.engine is None:
+            raise EngineDeadError("this LLM was closed; create a new one")
+        return self.engine
+
+    # -- info -------------------------------------------------------------------
+    def get_tokenizer(self):
+        return self.tokenizer.hf
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams seeded from the checkpoint's generation_config.json."""
+        gen = self._live_engine().loaded.checkpoint.generation_config
+        return SamplingParams.from_generation_config(gen) if gen else SamplingParams()
+
+    # -- generation -----------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptInput,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run prompts (strings, token-id lists, or {"prompt"/"prompt_token_ids"} dicts)
+        to completion; outputs come back in prompt order."""
+        engine = self._live_engine()
+        items = normalize_prompts(prompts, self.tokenizer)
+        params = params_per_prompt(sampling_params, len(items), self.get_default_sampling_params)
+        ids = []
+        try:
+            for (text, token_ids), p in zip(items, params):
+                p = p.clone()
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+                ids.append(engine.add_request(token_ids, p, self._next_id(), prompt=text))
+            return self._run_to_completion(ids)
+        except BaseException:
+            for rid in ids:
+                engine.abort(rid)
+            raise
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the chat template, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [
+            {"prompt_token_ids": self.tokenizer.apply_chat_template(
+                conv,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                **(chat_template_kwargs or {}),
+            )}
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def generate_stream(
+        self, prompt: PromptInput, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield outputs as tokens come (per ``sampling_params.output_kind``).
+
+        Closing the iterator (or breaking out of a for loop over it) cancels the
+        request and frees its KV blocks.
+        """
+        engine = self._live_engine()
+        [(text, token_ids)] = normalize_prompts(prompt, self.tokenizer)[:1]
+        params = sampling_params or self.get_default_sampling_params()
+        rid = engine.add_request(token_ids, params, self._next_id(), prompt=text)
+        return self._stream(engine, rid)
+
+    def _stream(self, engine: LLMEngine, rid: str) -> Iterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                for out in engine.step():
+                    if out.request_id == rid:
+                        finished = out.finished
+                        yield out
+                if not engine.has_unfinished() and not finished:
+                    break
+        finally:
+            if not finished:
+                engine.abort(rid)
+
+    def _run_to_completion(self, ids: list[str]) -> list[RequestOutput]:
+        engine = self._live_engine()
+        done: dict[str, RequestOutput] = {}
+        pending = set(ids)
+        while pending:
+            if not engine.has_unfinished():
+                raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
+            for out in engine.step():
+                if out.finished and out.request_id in pending:
+                    done[out.request_id] = out
+                    pending.discard(out.request_id)
+        return [done[rid] for rid in ids]
+
+    def _next_id(self) -> str:
+        self._counter += 1
+        return f"req-{self._counter}"
