@@ -16,15 +16,12 @@ class ScheduledSeq:
     """Position of the first new token (= num_computed_tokens before this step)."""
     num_new_tokens: int
     block_table: tuple[int, ...]
+    samples: bool
+    """True when this chunk reaches the request's last known token: sample the next."""
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the request's last known token: sample the next."""
-        return self.end == self.request.num_tokens
 
 
 @dataclass(frozen=True)

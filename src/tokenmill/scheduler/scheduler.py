@@ -74,7 +74,13 @@ class Scheduler:
         if not preempted:
             budget = self._admit_waiting(budget, chosen)
         seqs = tuple(
-            ScheduledSeq(req, req.num_computed_tokens, n, tuple(self.kv.block_table(req.request_id)))
+            ScheduledSeq(
+                request=req,
+                start=req.num_computed_tokens,
+                num_new_tokens=n,
+                block_table=tuple(self.kv.block_table(req.request_id)),
+                samples=req.num_computed_tokens + n == req.num_tokens,
+            )
             for req, n in chosen
         )
         return SchedulerOutput(seqs=seqs, preempted=tuple(preempted))

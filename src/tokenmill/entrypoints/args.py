@@ -1,0 +1,86 @@
+"""Command-line flags, declared once as tables: engine options and sampling options."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+from typing import Any, Callable
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
+          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+
+
+def memory_size(text: str) -> int:
+    """'4GiB', '512MB', '1073741824' -> bytes."""
+    m = _SIZE.match(text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (try 2GiB or 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    dest: str
+    type: Callable[[str], Any] | None
+    help: str
+    default: Any = None
+    action: str | None = None
+    choices: tuple[str, ...] | None = None
+
+
+ENGINE_FLAGS = (
+    Flag("--model", "model", str, "HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
+    Flag("--tokenizer", "tokenizer", str, "HF tokenizer folder to use instead of the checkpoint's own"),
+    Flag("--dtype", "dtype", str, "weights/compute dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16", "auto"),
+    Flag("--device", "device", str, "auto, cpu, cuda or cuda:N", "auto"),
+    Flag("--max-model-len", "max_model_len", int, "longest prompt + output in tokens; may only lower the model's own limit"),
+    Flag("--max-num-seqs", "max_num_seqs", int, "most requests batched in one engine step", 256),
+    Flag("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step; long prompts are prefilled in chunks of this size (default max(2048, max-num-seqs))"),
+    Flag("--block-size", "block_size", int, "tokens per KV cache block", 16),
+    Flag("--kv-cache-memory", "kv_cache_memory_bytes", memory_size, "memory for the KV cache, e.g. 2GiB (default 1GiB, or enough for one max-model-len sequence)"),
+    Flag("--num-kv-blocks", "num_kv_blocks", int, "exact number of KV cache blocks (overrides --kv-cache-memory)"),
+    Flag("--seed", "seed", int, "seed for requests that do not set their own", 0),
+    Flag("--served-model-name", "served_model_name", str, "model name reported to clients"),
+)
+
+SAMPLING_FLAGS = (
+    Flag("--max-tokens", "max_tokens", int, "most tokens to generate", 256),
+    Flag("--temperature", "temperature", float, "0 = greedy (default: the model's generation_config, else 1.0)"),
+    Flag("--top-p", "top_p", float, "nucleus sampling: keep the smallest set of tokens with this total probability"),
+    Flag("--top-k", "top_k", int, "keep only the k most likely tokens (0 = off)"),
+    Flag("--min-p", "min_p", float, "drop tokens less likely than min-p times the most likely one"),
+    Flag("--repetition-penalty", "repetition_penalty", float, "> 1 discourages repeating prompt and output tokens"),
+    Flag("--stop", "stop", str, "stop when this string is generated (repeatable)", action="append"),
+    Flag("--ignore-eos", "ignore_eos", None, "keep generating past the end-of-sequence token", action="store_true"),
+    Flag("--sampling-seed", "seed", int, "per-request seed for reproducible sampling"),
+)
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...], prefix: str = "") -> None:
+    for f in flags:
+        kwargs: dict[str, Any] = {"dest": prefix + f.dest, "help": f.help, "default": f.default}
+        if f.action:
+            kwargs["action"] = f.action
+        if f.type is not None and f.action != "store_true":
+            kwargs["type"] = f.type
+            kwargs["metavar"] = f.dest.upper()
+        if f.default is not None and f.action is None:
+            kwargs["help"] += f" (default: {f.default})"
+        parser.add_argument(f.name, **kwargs)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {f.dest: getattr(args, f.dest) for f in ENGINE_FLAGS if f.dest != "model"}
+
+
+def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the sampling flags the user actually set (the rest come from the model)."""
+    opts = {}
+    for f in SAMPLING_FLAGS:
+        value = getattr(args, "s_" + f.dest)
+        if value is not None and value is not False:
+            opts[f.dest] = value
+    return opts
