@@ -1,0 +1,179 @@
+"""Logits processors: the per-request edits applied before a token is picked.
+
+Two kinds live here:
+
+* row processors (``LogitsProcessor``) read each row's ``RowState`` and edit the
+  whole batch in place: logit bias, min-tokens suppression, penalties. The
+  sampler runs them in order for every row, greedy or random;
+* filters for the random rows only, driven by per-row parameter tensors:
+  temperature, min-p, top-k / top-p.
+
+Every edit is row-local (row i's result depends only on row i), which is what
+keeps a seeded request reproducible whatever else is in the batch. Parameter
+tensors are built from host-side lists (host-to-device only); nothing here reads
+a device value back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from tokenmill.sampling.sampler import RowState
+
+_NEG_INF = float("-inf")
+
+
+class LogitsProcessor(Protocol):
+    """Edits ``logits`` [N, V] float32 in place; ``rows[i]`` describes row i.
+
+    Must be row-local and must not synchronize with the device (no ``.item()``).
+    """
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[RowState]) -> None: ...
+
+
+# ---- row processors -------------------------------------------------------------
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+    """logits[i, t] += params.logit_bias[t] (ids were checked by ``verify_for_vocab``)."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        for token, bias in (row.params.logit_bias or {}).items():
+            row_idx.append(i)
+            tok_idx.append(token)
+            values.append(bias)
+    if not row_idx:
+        return
+    index = (_long(row_idx, logits), _long(tok_idx, logits))
+    logits.index_put_(index, _float(values, logits), accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+    """Forbid EOS and stop_token_ids while fewer than min_tokens tokens were generated."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, row in enumerate(rows):
+        if len(row.output_token_ids) >= row.params.min_tokens:
+            continue
+        banned = row.eos_token_ids.union(row.params.stop_token_ids or ())
+        row_idx.extend([i] * len(banned))
+        tok_idx.extend(banned)
+    if row_idx:
+        logits[_long(row_idx, logits), _long(tok_idx, logits)] = _NEG_INF
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+    """Repetition (HF), then frequency and presence (OpenAI) penalties.
+
+    repetition: for tokens seen in prompt or output, l > 0 -> l / r, l <= 0 -> l * r.
+    frequency/presence: l -= frequency * count_in_output + presence * (count > 0).
+    Only the rows that use a penalty are touched.
+    """
+    selected = [i for i, row in enumerate(rows) if row.params.uses_penalties]
+    if not selected:
+        return
+    sel_rows = [rows[i] for i in selected]
+    index = _long(selected, logits)
+    sub = logits[index]  # [S, V]
+    vocab = logits.shape[1]
+    out_counts = _token_counts([r.output_token_ids for r in sel_rows], vocab, sub)  # [S, V]
+    rep = [r.params.repetition_penalty for r in sel_rows]
+    if any(p != 1.0 for p in rep):
+        seen = _token_mask([r.prompt_token_ids for r in sel_rows], vocab, sub) | (out_counts > 0)
+        penalty = torch.where(seen, _float(rep, sub)[:, None], 1.0)  # [S, V]
+        sub = torch.where(sub > 0, sub / penalty, sub * penalty)
+    freq = _float([r.params.frequency_penalty for r in sel_rows], sub)
+    pres = _float([r.params.presence_penalty for r in sel_rows], sub)
+    sub -= freq[:, None] * out_counts + pres[:, None] * (out_counts > 0)
+    logits[index] = sub
+
+
+DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (
+    apply_logit_bias,
+    apply_min_tokens,
+    apply_penalties,
+)
+"""The built-in row processors, in vLLM's order of application."""
+
+
+# ---- filters for random rows -----------------------------------------------------
+
+
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor) -> None:
+    """logits [S, V] /= temperature [S] (all > 0: greedy rows never get here)."""
+    logits.div_(temperature[:, None])
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
+    """Mask tokens whose probability is below min_p [S] times the row's top probability."""
+    probs = logits.softmax(dim=-1)  # [S, V]
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)  # [S, 1]
+    logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Sort-based top-k and top-p masking (as vLLM); returns the masked logits [S, V].
+
+    top_k [S] int64 in [1, V] (V = disabled); tokens tied with the k-th are kept.
+    top_p [S] float in (0, 1]; the most likely token always survives.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=False)  # ascending, [S, V]
+    vocab = logits.shape[1]
+    if top_k is not None:
+        kth = sorted_logits.gather(1, (vocab - top_k)[:, None])  # [S, 1] k-th largest
+        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
+    if top_p is not None:
+        cum = sorted_logits.softmax(dim=-1).cumsum_(dim=-1)  # [S, V]
+        drop = cum <= 1 - top_p[:, None]
+        drop[:, -1] = False
+        sorted_logits.masked_fill_(drop, _NEG_INF)
+    return sorted_logits.scatter(dim=-1, index=order, src=sorted_logits)
+
+
+# ---- helpers ---------------------------------------------------------------------
+
+
+def _long(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=like.device)
+
+
+def _float(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+
+def _padded_ids(
+    token_lists: Sequence[Sequence[int]], vocab: int, like: torch.Tensor
+) -> torch.Tensor:
+    """[S, W] int64 ids, padded with ``vocab`` (a spare column dropped afterwards)."""
+    width = max(1, max(len(t) for t in token_lists))
+    padded = [list(t) + [vocab] * (width - len(t)) for t in token_lists]
+    return _long(padded, like)
+
+
+def _token_counts(
+    token_lists: Sequence[Sequence[int]], vocab: int, like: torch.Tensor
+) -> torch.Tensor:
+    """[S, V] occurrences of each token id in each row's list, in ``like``'s dtype."""
+    ids = _padded_ids(token_lists, vocab, like)
+    counts = torch.zeros(len(token_lists), vocab + 1, dtype=like.dtype, device=like.device)
+    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=like.dtype))
+    return counts[:, :vocab]
+
+
+def _token_mask(
+    token_lists: Sequence[Sequence[int]], vocab: int, like: torch.Tensor
+) -> torch.Tensor:
+    """[S, V] bool: token id occurs in the row's list."""
+    ids = _padded_ids(token_lists, vocab, like)
+    mask = torch.zeros(len(token_lists), vocab + 1, dtype=torch.bool, device=like.device)
+    mask.scatter_(1, ids, True)
+    return mask[:, :vocab]

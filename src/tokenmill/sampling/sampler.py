@@ -1,0 +1,194 @@
+"""The sampler: logits of one step -> next token ids (and logprobs) for every row.
+
+Order of operations (vLLM v1's):
+
+1. logprobs are taken from the **raw** logits (``log_softmax`` before any
+   processing), so they describe the model's distribution, not the filtered one;
+2. row processors, in order: logit_bias, min_tokens suppression of EOS and
+   stop_token_ids, repetition penalty, frequency/presence penalties;
+3. greedy rows (temperature < 1e-5) take ``argmax`` (ties -> first index);
+4. random rows: temperature, min-p, top-k, top-p, softmax, then the
+   exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, which samples exactly
+   from ``probs``. A seeded row draws its ``q`` ([V], once per step) from its
+   own generator, so its tokens do not depend on the rest of the batch.
+
+The sampler never reads a device value back: the engine does that once per step
+on ``SamplerOutput`` (the only device-to-host point of the sampling path).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.sampling.logits_processors import (
+    DEFAULT_PROCESSORS,
+    LogitsProcessor,
+    apply_min_p,
+    apply_temperature,
+    apply_top_k_top_p,
+)
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class RowState:
+    """One row of the logits batch: what one request needs to pick its next token."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    """Tokens generated so far (before this step)."""
+    generator: torch.Generator | None = None
+    """The request's own generator (on the logits' device) when ``params.seed`` is set.
+
+    Owned by the request and advanced only by its own draws: one [V] draw per
+    random step. Create it with ``make_generator``.
+    """
+    eos_token_ids: frozenset[int] = frozenset()
+    """Suppressed, with ``params.stop_token_ids``, while len(output) < min_tokens."""
+
+
+@dataclass(frozen=True)
+class LogprobsTensors:
+    """Log-probabilities of a batch of rows (log_softmax of the raw logits)."""
+
+    sampled_logprob: torch.Tensor
+    """[N] float32: logprob of the chosen token."""
+    sampled_rank: torch.Tensor
+    """[N] int64: rank of the chosen token, 1 = most likely (ties share the worst rank)."""
+    top_ids: torch.Tensor
+    """[N, K] int64: the K most likely tokens, most likely first."""
+    top_logprobs: torch.Tensor
+    """[N, K] float32: their logprobs."""
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    token_ids: torch.Tensor
+    """[N] int64 sampled ids."""
+    logprobs: LogprobsTensors | None
+    """None when no row asked for logprobs. Otherwise computed for every row with
+    K = the largest ``params.logprobs`` in the batch (at most V): a row that asked for k < K
+    takes ``top_ids[i, :k]``; rows that did not ask ignore theirs."""
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The per-request generator for ``SamplingParams.seed``."""
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def compute_logprobs(logits: torch.Tensor, k: int, token_ids: torch.Tensor) -> LogprobsTensors:
+    """logits [N, V] (raw), k >= 0, token_ids [N] -> logprobs of token_ids and the top k.
+
+    Also used for prompt logprobs: logits of positions 0..T-2, token_ids = prompt[1:].
+    """
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [N, V]
+    return _gather_logprobs(logprobs, k, token_ids)
+
+
+def _gather_logprobs(logprobs: torch.Tensor, k: int, token_ids: torch.Tensor) -> LogprobsTensors:
+    k = min(k, logprobs.shape[1])
+    sampled = logprobs.gather(1, token_ids[:, None].to(torch.int64))  # [N, 1]
+    rank = (logprobs >= sampled).sum(dim=-1)  # [N]
+    top_logprobs, top_ids = logprobs.topk(k, dim=-1)  # [N, k]
+    return LogprobsTensors(
+        sampled_logprob=sampled.squeeze(1),
+        sampled_rank=rank.to(torch.int64),
+        top_ids=top_ids,
+        top_logprobs=top_logprobs,
+    )
+
+
+class Sampler:
+    """Picks the next token of every row; see the module docstring for the order.
+
+    ``default_generator`` serves the unseeded random rows (None = torch's default
+    generator of the logits' device). ``processors`` replaces the built-in row
+    processors; ``extra_processors`` run after them (e.g. grammar masks).
+    """
+
+    def __init__(
+        self,
+        default_generator: torch.Generator | None = None,
+        processors: Sequence[LogitsProcessor] = DEFAULT_PROCESSORS,
+        extra_processors: Sequence[LogitsProcessor] = (),
+    ) -> None:
+        self.default_generator = default_generator
+        self.processors = tuple(processors) + tuple(extra_processors)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[RowState]) -> SamplerOutput:
+        """logits [N, V] (float32, left untouched), rows: N row states -> SamplerOutput."""
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one RowState per logits row"
+        k = _max_logprobs(rows)
+        raw_logprobs = None if k is None else torch.log_softmax(logits.float(), dim=-1)
+        logits = logits.to(torch.float32, copy=True)  # [N, V] working copy
+        for process in self.processors:
+            process(logits, rows)
+        token_ids = self._pick(logits, rows)  # [N]
+        logprobs = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, k, token_ids)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+    def _pick(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+        random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
+        if not random_idx:
+            return logits.argmax(dim=-1)
+        if len(random_idx) == len(rows):
+            return self._sample(logits, rows)
+        token_ids = logits.argmax(dim=-1)  # [N]; random rows overwritten below
+        index = torch.tensor(random_idx, dtype=torch.int64, device=logits.device)
+        token_ids[index] = self._sample(logits[index], [rows[i] for i in random_idx])
+        return token_ids
+
+    def _sample(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+        """logits [S, V] of random rows (modified in place) -> [S] int64 sampled ids."""
+        params = [row.params for row in rows]
+        if any(p.temperature != 1.0 for p in params):
+            apply_temperature(logits, _param_tensor([p.temperature for p in params], logits))
+        if any(p.min_p > 0 for p in params):
+            apply_min_p(logits, _param_tensor([p.min_p for p in params], logits))
+        top_k = _top_k_tensor(params, logits)
+        top_p = None
+        if any(p.top_p < 1.0 for p in params):
+            top_p = _param_tensor([p.top_p for p in params], logits)
+        if top_k is not None or top_p is not None:
+            logits = apply_top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)  # [S, V]
+        return probs.div_(self._exponential(probs, rows)).argmax(dim=-1)
+
+    def _exponential(self, probs: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+        """q [S, V] ~ Exp(1): seeded rows from their own generator, others from the default."""
+        q = torch.empty_like(probs)
+        unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+        if len(unseeded) == len(rows):
+            q.exponential_(generator=self.default_generator)
+        elif unseeded:
+            index = torch.tensor(unseeded, dtype=torch.int64, device=probs.device)
+            draw = probs.new_empty(len(unseeded), probs.shape[1])
+            q[index] = draw.exponential_(generator=self.default_generator)
+        for i, row in enumerate(rows):
+            assert row.generator is not None or row.params.seed is None, "seeded row, no generator"
+            if row.generator is not None:
+                q[i].exponential_(generator=row.generator)
+        # q == 0 would turn a masked token (prob 0) into 0/0 = nan, which argmax picks.
+        return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def _max_logprobs(rows: Sequence[RowState]) -> int | None:
+    asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
+    return max(asked) if asked else None
+
+
+def _param_tensor(values: list[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+
+def _top_k_tensor(params: Sequence[SamplingParams], logits: torch.Tensor) -> torch.Tensor | None:
+    """[S] int64 k per row, V where disabled or larger than V; None when no row uses it."""
+    vocab = logits.shape[1]
+    if not any(0 < p.top_k < vocab for p in params):
+        return None
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    return torch.tensor(ks, dtype=torch.int64, device=logits.device)

@@ -1,0 +1,258 @@
+"""Per-request sampling parameters, vLLM-compatible in names, defaults and ranges.
+
+``SamplingParams`` is checked once, in ``__post_init__`` (the API boundary): bad
+values raise ``InvalidRequestError`` with a message naming the field, the allowed
+range and the value received. Checks that need the model (``verify_for_vocab``)
+or the engine config (``max_logprobs``, context length) are done by the engine.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.errors import InvalidRequestError
+
+SAMPLING_EPS = 1e-5
+"""Temperatures below this are greedy decoding (argmax), as in vLLM."""
+MAX_LOGPROBS = 20
+"""Upper bound for ``logprobs`` / ``prompt_logprobs`` (OpenAI's limit)."""
+MAX_LOGIT_BIAS_ENTRIES = 1024
+LOGIT_BIAS_RANGE = 100.0
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+
+# HF generation_config.json keys that become default sampling parameters (vLLM's set,
+# minus max_new_tokens: only the sampling knobs are taken from the checkpoint).
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+class RequestOutputKind(enum.Enum):
+    """What each streamed ``RequestOutput`` carries."""
+
+    CUMULATIVE = 0  # all tokens/text generated so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
+class SamplingType(enum.IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the next tokens of one request and when to stop."""
+
+    n: int = 1
+    """Number of output sequences to return for the prompt."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already in the output. [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence of a token in the output. [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """HF-style: logits of prompt/output tokens are divided (>0) or multiplied (<=0) by it."""
+    temperature: float = 1.0
+    """Softmax temperature; below 1e-5 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 or -1 disables it (normalized to 0)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's probability."""
+    seed: int | None = None
+    """Seed of the request's own random generator; None draws from the engine's. -1 = None."""
+    stop: str | list[str] | None = None
+    """Strings that end generation when produced (normalized to a list)."""
+    stop_token_ids: list[int] | None = None
+    """Token ids that end generation (normalized to a list)."""
+    include_stop_str_in_output: bool = False
+    """Keep the matched stop string in the output text."""
+    ignore_eos: bool = False
+    """Keep generating past the EOS token (EOS no longer stops the request)."""
+    max_tokens: int | None = 16
+    """Maximum number of tokens to generate; None = up to the context limit."""
+    min_tokens: int = 0
+    """EOS and stop_token_ids are suppressed until this many tokens were generated."""
+    logprobs: int | None = None
+    """Return this many top alternatives per output token (0 = only the sampled one's)."""
+    prompt_logprobs: int | None = None
+    """As ``logprobs``, for each prompt token."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the detokenized text."""
+    spaces_between_special_tokens: bool = True
+    """Put spaces between special tokens when detokenizing."""
+    logit_bias: Mapping[int, float] | None = None
+    """token id -> bias added to its logit, in [-100, 100]; str keys (JSON) are converted."""
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    """What each streamed output carries; see ``RequestOutputKind``."""
+    detokenize: bool = True
+    """Produce text (stop strings need it)."""
+
+    def __post_init__(self) -> None:
+        self._normalize()
+        self._verify_sampling()
+        self._verify_lengths()
+        self._verify_logprobs()
+        self._verify_stops()
+        if self.is_greedy:  # filters are meaningless for argmax; keep the sampler's fast path
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    # ---- validation -------------------------------------------------------------
+
+    def _normalize(self) -> None:
+        self.n = _int("n", self.n)
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
+                     "presence_penalty", "frequency_penalty"):
+            setattr(self, name, _finite(name, getattr(self, name)))
+        self.top_k = _int("top_k", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed)
+            _check(_SEED_MIN <= self.seed <= _SEED_MAX,
+                   f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}")
+            if self.seed == -1:
+                self.seed = None
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        _check(self.stop is None or isinstance(self.stop, (list, tuple)),
+               f"stop must be a string or a list of strings, got {self.stop!r}")
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = [_int("stop_token_ids entry", t) for t in self.stop_token_ids or []]
+        self.logit_bias = _normalize_logit_bias(self.logit_bias)
+
+    def _verify_sampling(self) -> None:
+        _check(self.n >= 1, f"n must be >= 1, got {self.n}")
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0,
+               f"top_k must be >= -1 (0 or -1 disables it), got {self.top_k}")
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
+        _check(self.repetition_penalty > 0,
+               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    def _verify_lengths(self) -> None:
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens)
+            _check(self.max_tokens >= 1, f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+        self.min_tokens = _int("min_tokens", self.min_tokens)
+        _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens,
+                   f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+
+    def _verify_logprobs(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            value = _int(name, value)
+            _check(0 <= value <= MAX_LOGPROBS,
+                   f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+            setattr(self, name, value)
+
+    def _verify_stops(self) -> None:
+        for s in self.stop:
+            _check(isinstance(s, str) and s != "",
+                   f"stop must contain only non-empty strings, got {s!r}")
+        for t in self.stop_token_ids:
+            _check(t >= 0, f"stop_token_ids must be >= 0, got {t}")
+        _check(isinstance(self.output_kind, RequestOutputKind),
+               f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+
+    def verify_for_vocab(self, vocab_size: int) -> None:
+        """Raise if a token id given in the request is outside [0, vocab_size)."""
+        for name, ids in (("logit_bias", self.logit_bias or {}),
+                          ("stop_token_ids", self.stop_token_ids or [])):
+            for t in ids:
+                _check(0 <= t < vocab_size,
+                       f"{name} token id {t} is out of range: must be in [0, {vocab_size})")
+
+    # ---- derived ----------------------------------------------------------------
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.is_greedy:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (parameters are mutable; each request should own its copy)."""
+        return copy.deepcopy(self)
+
+    @classmethod
+    def from_generation_config(
+        cls, gen_cfg: Mapping[str, Any], **overrides: Any
+    ) -> SamplingParams:
+        """Defaults from a HF ``generation_config.json`` dict, then ``overrides`` on top.
+
+        Only the sampling knobs in ``GENERATION_CONFIG_KEYS`` are read (``do_sample``
+        and ``max_new_tokens`` are ignored); null values are skipped.
+        """
+        kwargs = {k: gen_cfg[k] for k in GENERATION_CONFIG_KEYS if gen_cfg.get(k) is not None}
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise InvalidRequestError(message)
+
+
+def _int(name: str, value: Any) -> int:
+    _check(isinstance(value, numbers.Integral) and not isinstance(value, bool),
+           f"{name} must be an int, got {value!r}")
+    return int(value)
+
+
+def _finite(name: str, value: Any) -> float:
+    _check(isinstance(value, numbers.Real) and not isinstance(value, bool),
+           f"{name} must be a number, got {value!r}")
+    _check(math.isfinite(value), f"{name} must be a finite number, got {value}")
+    return float(value)
+
+
+def _normalize_logit_bias(bias: Mapping[Any, Any] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    _check(isinstance(bias, Mapping), f"logit_bias must be a dict, got {type(bias).__name__}")
+    _check(len(bias) <= MAX_LOGIT_BIAS_ENTRIES,
+           f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = _token_key(key)
+        value = _finite(f"logit_bias[{token}]", value)
+        _check(-LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE,
+               f"logit_bias[{token}] must be in [-100, 100], got {value}")
+        out[token] = value
+    return out
+
+
+def _token_key(key: Any) -> int:
+    """JSON object keys are strings: accept "123" as well as 123."""
+    if isinstance(key, str):
+        try:
+            return int(key.strip())
+        except ValueError:
+            raise InvalidRequestError(
+                f"logit_bias keys must be token ids (integers), got {key!r}"
+            ) from None
+    return _int("logit_bias key", key)
