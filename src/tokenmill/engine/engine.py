@@ -15,7 +15,7 @@ from tokenmill.engine.validation import check_params, check_prompt, resolve_max_
 from tokenmill.errors import InvalidRequestError
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling import Sampler
+from tokenmill.sampling import Sampler, make_generator
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.worker.model_runner import ModelRunner, allocate_kv_caches
@@ -89,7 +89,10 @@ class LLMEngine:
             params = params.clone()
             params.seed = None if params.seed is None else params.seed + index
             params.n = 1
-        return Request(child_id, list(prompt_ids), params, max_tokens, self.tokenizer.eos_token_ids)
+        req = Request(child_id, list(prompt_ids), params, max_tokens, self.tokenizer.eos_token_ids)
+        if params.seed is not None:
+            req.generator = make_generator(params.seed, self.loaded.device)
+        return req
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request (and its n children); its KV blocks are free on return."""

@@ -34,6 +34,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
 
     # -- queue management -------------------------------------------------
     def add(self, request: Request) -> None:
@@ -100,6 +101,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
 

