@@ -1,0 +1,237 @@
+"""The one pre-norm decoder every supported family is built from, switched by flags.
+
+Module and parameter names follow Hugging Face (``model.layers.N.self_attn...``)
+except where projections are packed (``qkv_proj``, ``gate_up_proj``; see
+``weights.PACKED_MODULES``), so loading is a rename plus a shard copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention import ForwardContext
+from tokenmill.layers.attention import Attention, AttentionSpec
+from tokenmill.layers.linear import Linear, VocabEmbedding
+from tokenmill.layers.mlp import GatedMLP
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RopeConfig, RotaryEmbedding
+from tokenmill.models.base import CausalLM
+from tokenmill.models.config import ArchConfig
+from tokenmill.models.weights import load_weights
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """Per-family switches of the shared decoder (what the config.json does not say)."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    """RMSNorm over head_dim on q and k before rotary (Qwen3, Gemma3)."""
+    sandwich_norms: bool = False
+    """Gemma: also normalize attention and MLP outputs (``SandwichDecoderLayer``)."""
+    norm_unit_offset: bool = False
+    """Gemma: every RMSNorm scales by (1 + w)."""
+    embed_scale: bool = False
+    """Gemma: embeddings are multiplied by sqrt(hidden_size), rounded to the model dtype."""
+    attn_scale: float | None = None
+    """q.k multiplier; None means head_dim ** -0.5."""
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm layer: (hidden, residual) [T, hidden] -> (hidden, residual).
+
+    ``residual`` is None on the first layer. Each norm adds its input to the
+    residual stream first (``RMSNorm.forward_residual``), so the stream is
+    summed exactly as HF sums it.
+    """
+
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        spec: DecoderSpec,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        attn_spec = AttentionSpec(
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.num_heads,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            scale=spec.attn_scale if spec.attn_scale is not None else cfg.head_dim**-0.5,
+            qkv_bias=spec.qkv_bias,
+            o_bias=spec.o_bias,
+            qk_norm_eps=cfg.rms_norm_eps if spec.qk_norm else None,
+            qk_norm_unit_offset=spec.norm_unit_offset,
+            sliding_window=cfg.window_of(layer_idx),
+            softcap=spec.attn_softcap,
+        )
+        self.self_attn = Attention(attn_spec, layer_idx, rotary, dtype)
+        self.mlp = GatedMLP(
+            cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, spec.mlp_bias, dtype
+        )
+        self.input_layernorm = _norm(cfg, spec, dtype)
+        self.post_attention_layernorm = _norm(cfg, spec, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self._attention(positions, hidden, residual, ctx)
+        hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
+        return self.mlp(hidden), residual
+
+    def _attention(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Input norm (joining the residual stream) and self-attention."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
+        return self.self_attn(positions, hidden, ctx), residual
+
+
+class SandwichDecoderLayer(DecoderLayer):
+    """Gemma: the attention and MLP outputs are normalized too before joining the residual.
+
+    Here ``post_attention_layernorm`` normalizes the attention output and
+    ``pre_feedforward_layernorm`` is the norm in front of the MLP (HF names).
+    """
+
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        spec: DecoderSpec,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__(cfg, spec, layer_idx, rotary, dtype)
+        self.pre_feedforward_layernorm = _norm(cfg, spec, dtype)
+        self.post_feedforward_layernorm = _norm(cfg, spec, dtype)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self._attention(positions, hidden, residual, ctx)
+        hidden = self.post_attention_layernorm(hidden)
+        hidden, residual = self.pre_feedforward_layernorm.forward_residual(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+def _norm(cfg: ArchConfig, spec: DecoderSpec, dtype: torch.dtype) -> RMSNorm:
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_unit_offset, dtype)
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers, final norm: input_ids [T] -> hidden [T, hidden]."""
+
+    def __init__(
+        self, cfg: ArchConfig, spec: DecoderSpec, dtype: torch.dtype, max_positions: int
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        # Like HF, the scale is rounded to the model dtype (sqrt(3072) -> 55.5 in bfloat16).
+        self.embed_scale = (
+            float(torch.tensor(cfg.hidden_size**0.5).to(dtype)) if spec.embed_scale else None
+        )
+        ropes: dict[RopeConfig, RotaryEmbedding] = {}  # one cos/sin cache per distinct rope
+        for i in range(cfg.num_layers):
+            rope = cfg.rope_of(i)
+            if rope not in ropes:
+                ropes[rope] = RotaryEmbedding(cfg.head_dim, max_positions, rope, dtype)
+        layer_cls = SandwichDecoderLayer if spec.sandwich_norms else DecoderLayer
+        self.layers = nn.ModuleList(
+            layer_cls(cfg, spec, i, ropes[cfg.rope_of(i)], dtype) for i in range(cfg.num_layers)
+        )
+        self.norm = _norm(cfg, spec, dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:
+            hidden = hidden * self.embed_scale
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, ctx)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.forward_residual(hidden, residual)[0]
+
+
+class DecoderForCausalLM(CausalLM):
+    """A CausalLM over the shared decoder; a family subclass only overrides ``decoder_spec``.
+
+    Parameters are allocated uninitialized (on the current default device) and
+    must be filled by ``load_weights``. ``max_positions`` caps the rotary cache
+    (default: the config's max_position_embeddings); positions must stay below it.
+    """
+
+    def __init__(
+        self, hf_config: dict[str, Any], dtype: torch.dtype, max_positions: int | None = None
+    ) -> None:
+        super().__init__()
+        cfg = ArchConfig.from_hf(hf_config)
+        self.config = cfg
+        self.spec = self.decoder_spec(cfg)
+        self.num_layers = cfg.num_layers
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.vocab_size = cfg.vocab_size
+        self.model = DecoderModel(
+            cfg, self.spec, dtype, max_positions or cfg.max_position_embeddings
+        )
+        self.lm_head: Linear | None = (
+            None
+            if cfg.tie_word_embeddings
+            else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        )
+
+    @classmethod
+    def decoder_spec(cls, cfg: ArchConfig) -> DecoderSpec:
+        """Llama-style defaults: HF ``attention_bias`` on q/k/v/o, ``mlp_bias`` on the MLP."""
+        return DecoderSpec(
+            qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias, mlp_bias=cfg.mlp_bias
+        )
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab] (soft-capped in float32 if set)."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        logits = F.linear(hidden, head.weight).float()
+        cap = self.spec.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        skip = ("lm_head.weight",) if self.lm_head is None else ()
+        return load_weights(self, weights, skip=skip)
