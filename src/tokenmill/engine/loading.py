@@ -55,9 +55,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype, device = config.torch_dtype(), config.torch_device()
     tokenizer = load_tokenizer(ckpt, config.tokenizer)
     logger.info("building %s (%s, %s) from %s", model_cls.__name__, dtype, device, ckpt.path)
-    model = model_cls(ckpt.hf_config, dtype)
+    with torch.device(device):  # parameters are created in place: no second copy
+        model = model_cls(ckpt.hf_config, dtype, max_positions=max_model_len)
     model.load_weights(ckpt.weights(dtype))
-    model = model.to(device).eval()
+    model.eval()
     logger.info("model ready in %.1f s", time.perf_counter() - start)
     return LoadedModel(ckpt, model, tokenizer, max_model_len, dtype, device)
 
