@@ -1,0 +1,62 @@
+"""Every ``TOKENMILL_*`` environment variable, typed, with its default and meaning.
+
+This is the only module that reads ``os.environ``. Variables are read when asked
+for (not at import), so tests can set them with ``monkeypatch.setenv``.
+Add a variable by declaring one more ``EnvVar`` below; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    """One environment variable: its raw default and how to parse a raw value."""
+
+    name: str
+    default: str
+    """Raw value used when the variable is unset or empty."""
+    parse: Callable[[str], T]
+    doc: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name) or self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"environment variable {self.name}={raw!r} is invalid: {e}") from e
+
+
+def _path(raw: str) -> Path:
+    return Path(raw).expanduser()
+
+
+ENV_VARS: dict[str, EnvVar] = {}
+
+
+def _declare(var: EnvVar[T]) -> EnvVar[T]:
+    ENV_VARS[var.name] = var
+    return var
+
+
+TOKENMILL_CACHE_DIR: EnvVar[Path] = _declare(
+    EnvVar(
+        "TOKENMILL_CACHE_DIR",
+        default="~/.cache/tokenmill",
+        parse=_path,
+        doc="Root of tokenmill's on-disk caches (converted GGUF tokenizers live in "
+        "<root>/tokenizers/<key>). Safe to delete at any time.",
+    )
+)
+
+
+def cache_dir() -> Path:
+    """Root folder of tokenmill's caches (``$TOKENMILL_CACHE_DIR``, default ~/.cache/tokenmill)."""
+    return TOKENMILL_CACHE_DIR.get()
