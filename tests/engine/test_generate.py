@@ -15,8 +15,8 @@ def hf_greedy(model_dir, prompt_ids: list[int], n: int) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
-                         min_new_tokens=n, pad_token_id=0)
+    model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never suppress EOS
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
 
