@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
@@ -51,7 +50,6 @@ def test_smollm2_default_model_matches_transformers(smollm2_gguf):
     assert "Paris" in answer.outputs[0].text
 
 
-@pytest.mark.slow
 def test_gemma3_gguf_matches_transformers(gemma3_gguf):
     llm = LLM(str(gemma3_gguf), dtype="float32", max_model_len=1024)
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS]
