@@ -25,3 +25,15 @@ class ModelLoadError(TokenmillError, ValueError):
 
 class EngineDeadError(TokenmillError, RuntimeError):
     """The engine was closed or failed and can not take requests."""
+
+
+class QueueFullError(TokenmillError, RuntimeError):
+    """The waiting queue is at max_queued_requests; retry later (HTTP 429)."""
+
+
+class QueueTimeoutError(TokenmillError, RuntimeError):
+    """The request waited longer than queue_timeout to start (HTTP 503)."""
+
+
+class DrainingError(TokenmillError, RuntimeError):
+    """The server is shutting down and accepts no new requests (HTTP 503)."""

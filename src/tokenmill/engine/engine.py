@@ -14,6 +14,7 @@ from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.validation import check_params, check_prompt, resolve_max_tokens
 from tokenmill.errors import InvalidRequestError
 from tokenmill.kv_cache import KVCacheManager
+from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import Sampler, make_generator
 from tokenmill.sampling_params import SamplingParams
@@ -45,6 +46,7 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}
         self._parent_of: dict[str, str] = {}
+        self.stats = EngineStats()
         logger.info("KV cache: %d blocks x %d tokens", num_blocks, config.block_size)
 
     @property
@@ -79,6 +81,7 @@ class LLMEngine:
         self._parent_of.update((c.request_id, request_id) for c in children)
         for child in children:
             self.scheduler.add(child)
+        self.stats.on_added(request_id, children)
         return request_id
 
     def _child(self, prompt_ids, params, max_tokens, parent_id, index) -> Request:
@@ -112,6 +115,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        self.stats.on_scheduled(sched)
         try:
             result = self.runner.execute(sched)
         except Exception as exc:  # a broken step fails its requests, not the engine
@@ -120,7 +124,9 @@ class LLMEngine:
         for rid, (start, entries) in result.prompt_logprobs.items():
             self.processor.record_prompt_logprobs(rid, start, entries)
         outputs: list[RequestOutput] = []
-        for req in self.scheduler.update(sched, result.sampled):
+        progressed = self.scheduler.update(sched, result.sampled)
+        self.stats.on_tokens(progressed)
+        for req in progressed:
             stop = self.processor.process_token(req, result.logprobs.get(req.request_id))
             if stop is not None and not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
@@ -143,6 +149,7 @@ class LLMEngine:
 
     def _forget(self, child_id: str) -> None:
         """Drop the parent entry once none of its children is live."""
+        self.stats.on_finished(child_id)
         parent_id = self._parent_of.pop(child_id)
         kids = self._children[parent_id]
         if all(k not in self._parent_of for k in kids):

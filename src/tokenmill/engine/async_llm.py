@@ -1,0 +1,426 @@
+"""``AsyncLLM``: the engine in its own thread, an async stream of outputs per request.
+
+The engine is single-owner. One thread (the *engine thread*) owns the
+``LLMEngine`` and is the only one that touches it; the event loop (and any
+other thread) sends it commands through a queue, like an actor:
+
+- ``add``: queue a request (the engine validates it; a ``ValueError`` comes back
+  to the caller of ``add_request``),
+- ``abort``: cancel a request; its KV blocks are free before the next step,
+- ``stop``: abort what is left and end the thread.
+
+Between commands the thread runs ``engine.step()`` while there is work, so all
+live requests batch together, and hands each request's outputs to the event
+loop of the coroutine that added it (one ``call_soon_threadsafe`` per loop per
+step). The engine always runs with ``output_kind=DELTA``; each ``RequestStream``
+turns the deltas back into the kind the caller asked for.
+
+Admission control happens on the caller's side, at once: more than
+``max_queued_requests`` requests waiting to start raises ``QueueFullError``; a
+request that waited longer than ``queue_timeout`` seconds to be scheduled is
+dropped with ``QueueTimeoutError``; after ``stop_accepting()`` (draining) new
+requests get ``DrainingError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.prompts import PromptInput, normalize_prompts
+from tokenmill.errors import DrainingError, EngineDeadError, QueueFullError, QueueTimeoutError
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_ACCEPTED = object()
+"""First item of a stream: the engine queued the request."""
+
+
+@dataclass
+class _Add:
+    stream: RequestStream
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping of one accepted request."""
+
+    stream: RequestStream
+    arrival: float
+    started: bool = False
+
+
+class AsyncLLM:
+    """Async front end of one ``LLMEngine`` (which it owns until ``shutdown``)."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        max_queued_requests: int | None = None,
+        queue_timeout: float | None = None,
+    ) -> None:
+        if max_queued_requests is not None and max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {max_queued_requests}")
+        if queue_timeout is not None and queue_timeout <= 0:
+            raise ValueError(f"queue_timeout must be > 0 seconds, got {queue_timeout}")
+        self.engine = engine
+        self.stats = engine.stats
+        self.tokenizer = engine.tokenizer
+        self.max_queued_requests = max_queued_requests
+        self.queue_timeout = queue_timeout
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._num_queued = 0  # admitted, not yet scheduled (guarded by _lock)
+        self._num_live = 0  # admitted, not yet finished (guarded by _lock)
+        self._accepting = True
+        self._dead: BaseException | None = None
+        # Owned by the engine thread:
+        self._live: dict[str, _Live] = {}
+        self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
+        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    # -- state ------------------------------------------------------------------------
+    @property
+    def is_ready(self) -> bool:
+        """Running, accepting and not failed."""
+        return self._accepting and self._dead is None and self._thread.is_alive()
+
+    @property
+    def is_accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def num_queued(self) -> int:
+        """Accepted requests not yet scheduled (what max_queued_requests bounds)."""
+        return self._num_queued
+
+    @property
+    def num_live(self) -> int:
+        """Accepted requests not yet finished."""
+        return self._num_live
+
+    # -- requests (any thread with a running event loop) ------------------------------
+    async def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """Queue a request; return its stream once the engine accepted it.
+
+        Raises ``QueueFullError``, ``DrainingError`` or ``EngineDeadError`` at once,
+        and the engine's ``ValueError`` (bad prompt or parameters) after it looked.
+        """
+        self._admit()
+        engine_params = params.clone()
+        engine_params.output_kind = RequestOutputKind.DELTA
+        rid = request_id or uuid.uuid4().hex
+        stream = RequestStream(rid, self, asyncio.get_running_loop(), params.output_kind)
+        self._commands.put(_Add(stream, list(prompt_token_ids), engine_params, prompt))
+        try:
+            await stream._wait_accepted()
+        except asyncio.CancelledError:
+            self.abort(rid)
+            raise
+        return stream
+
+    async def generate(
+        self,
+        prompt: PromptInput,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs of one prompt as they come (per ``sampling_params.output_kind``).
+
+        Leaving the ``async for`` early (or cancelling the task) aborts the request.
+        """
+        [(text, token_ids)] = normalize_prompts(prompt, self.tokenizer)[:1]
+        params = sampling_params or SamplingParams()
+        stream = await self.add_request(token_ids, params, request_id, prompt=text)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (thread-safe); its blocks are free before the next step."""
+        self._commands.put(_Abort(request_id))
+
+    def _admit(self) -> None:
+        if self._dead is not None or not self._thread.is_alive():
+            raise EngineDeadError(f"the engine stopped: {self._dead or 'shut down'}")
+        with self._lock:
+            if not self._accepting:
+                self.stats.refused_draining += 1
+                raise DrainingError("the server is shutting down; send the request elsewhere")
+            limit = self.max_queued_requests
+            if limit is not None and self._num_queued >= limit:
+                self.stats.refused_queue_full += 1
+                raise QueueFullError(
+                    f"{self._num_queued} requests are waiting (max_queued_requests={limit}); "
+                    "retry later"
+                )
+            self._num_queued += 1
+            self._num_live += 1
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def stop_accepting(self) -> None:
+        """Start draining: new requests get ``DrainingError``; accepted ones go on."""
+        with self._lock:
+            self._accepting = False
+
+    async def drain(self, timeout: float | None = None, poll: float = 0.05) -> bool:
+        """Stop accepting, then wait until every accepted request finished.
+
+        Returns False if ``timeout`` seconds passed first.
+        """
+        self.stop_accepting()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._num_live > 0 and self._thread.is_alive():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(poll)
+        return True
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Abort what is left, stop the engine thread and give the engine back."""
+        self.stop_accepting()
+        if self._thread.is_alive():
+            self._commands.put(_Stop())
+            self._thread.join(timeout)
+
+    # -- the engine thread -------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                if self._handle_commands(block=not self.engine.has_unfinished()):
+                    break
+                self._expire_queued()
+                if self.engine.has_unfinished():
+                    self._route(self.engine.step())
+                self._mark_started()
+                self._flush()
+        except BaseException as exc:  # a bug, not a bad request: fail everyone, stay dead
+            logger.exception("the engine thread failed")
+            self._dead = exc
+            for rid in list(self._live):
+                self._release(rid, EngineDeadError(f"the engine failed: {exc!r}"))
+        finally:
+            for rid in list(self._live):
+                self.engine.abort(rid)
+                self._release(rid, EngineDeadError("the engine was shut down"))
+            self._flush()
+
+    def _handle_commands(self, block: bool) -> bool:
+        """Apply queued commands (waiting for one when idle); True on stop."""
+        try:
+            cmd = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            if isinstance(cmd, _Stop):
+                return True
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            elif isinstance(cmd, _Abort):
+                self._abort(cmd.request_id)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return False
+
+    def _add(self, cmd: _Add) -> None:
+        stream = cmd.stream
+        try:
+            self.engine.add_request(cmd.prompt_token_ids, cmd.params, stream.request_id, cmd.prompt)
+        except Exception as exc:  # bad input: the caller gets the ValueError
+            self._done(started=False)
+            self._send(stream, exc)
+            return
+        self._live[stream.request_id] = _Live(stream, stream.arrival)
+        self._send(stream, _ACCEPTED)
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is None:
+            return
+        out = self.engine.abort(request_id)
+        self._release(request_id, out)
+
+    def _expire_queued(self) -> None:
+        if self.queue_timeout is None:
+            return
+        now = time.monotonic()
+        for rid, live in list(self._live.items()):
+            if live.started or now - live.arrival <= self.queue_timeout:
+                continue
+            self.engine.stats.mark_timed_out(rid)
+            self.engine.abort(rid)
+            self._release(rid, QueueTimeoutError(
+                f"the request waited {now - live.arrival:.1f}s to start "
+                f"(queue_timeout={self.queue_timeout}s); the server is overloaded, retry later"
+            ))
+
+    def _mark_started(self) -> None:
+        for rid, live in self._live.items():
+            if not live.started and self.engine.stats.is_started(rid):
+                live.started = True
+                with self._lock:
+                    self._num_queued -= 1
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            live = self._live.get(out.request_id)
+            if live is None:
+                continue
+            if out.finished:
+                self._release(out.request_id, out)
+            else:
+                self._send(live.stream, out)
+
+    def _release(self, request_id: str, last: object) -> None:
+        """The request is over: send its last item and drop it from the counts."""
+        live = self._live.pop(request_id)
+        self._done(started=live.started)
+        if last is not None:
+            self._send(live.stream, last)
+
+    def _done(self, started: bool) -> None:
+        with self._lock:
+            self._num_live -= 1
+            if not started:
+                self._num_queued -= 1
+
+    def _send(self, stream: RequestStream, item: object) -> None:
+        self._outbox.setdefault(stream.loop, []).append((stream, item))
+
+    def _flush(self) -> None:
+        for loop, items in self._outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # that event loop is closed: nobody is listening
+                for stream, _ in items:
+                    self._commands.put(_Abort(stream.request_id))
+        self._outbox.clear()
+
+
+def _deliver(items: list[tuple[RequestStream, object]]) -> None:
+    for stream, item in items:
+        stream._queue.put_nowait(item)
+
+
+class RequestStream:
+    """One request's outputs, in the ``output_kind`` the caller asked for.
+
+    An async iterator that ends after the finished output. Engine errors that end
+    the request (``QueueTimeoutError``, ``EngineDeadError``) are raised from it.
+    ``close()`` before the end aborts the request.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        owner: AsyncLLM,
+        loop: asyncio.AbstractEventLoop,
+        kind: RequestOutputKind,
+    ) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.kind = kind
+        self.arrival = time.monotonic()
+        self.finished = False
+        self._owner = owner
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._acc = _Accumulator()
+
+    async def _wait_accepted(self) -> None:
+        item = await self._queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        assert item is _ACCEPTED
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            assert isinstance(item, RequestOutput)
+            self.finished = item.finished
+            out = self._convert(item)
+            if out is not None:
+                return out
+        raise StopAsyncIteration
+
+    def _convert(self, delta: RequestOutput) -> RequestOutput | None:
+        if self.kind is RequestOutputKind.DELTA:
+            return delta
+        merged = self._acc.add(delta)
+        if self.kind is RequestOutputKind.CUMULATIVE:
+            return _copy_output(merged)
+        return merged if merged.finished else None
+
+    def close(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+    async def aclose(self) -> None:
+        self.close()
+
+
+@dataclass
+class _Accumulator:
+    """Folds DELTA outputs into one cumulative ``RequestOutput``."""
+
+    out: RequestOutput | None = None
+    comps: dict[int, CompletionOutput] = field(default_factory=dict)
+
+    def add(self, delta: RequestOutput) -> RequestOutput:
+        for d in delta.outputs:
+            comp = self.comps.setdefault(d.index, CompletionOutput(d.index, "", []))
+            comp.text += d.text
+            comp.token_ids = [*comp.token_ids, *d.token_ids]
+            if d.logprobs is not None:
+                comp.logprobs = [*(comp.logprobs or []), *d.logprobs]
+            comp.cumulative_logprob = d.cumulative_logprob
+            comp.finish_reason = d.finish_reason
+            comp.stop_reason = d.stop_reason
+        outputs = [self.comps[i] for i in sorted(self.comps)]
+        self.out = replace(delta, outputs=outputs,
+                           prompt_logprobs=delta.prompt_logprobs or (self.out and self.out.prompt_logprobs))
+        return self.out
+
+
+def _copy_output(out: RequestOutput) -> RequestOutput:
+    return replace(out, outputs=[replace(c, token_ids=list(c.token_ids)) for c in out.outputs])

@@ -1,0 +1,207 @@
+"""``OpenAIServer``: the app on uvicorn, in the foreground (``tokenmill serve``,
+``LLM.serve``) or in a background thread (tests, benchmarks).
+
+Shutdown drains: the first SIGTERM/SIGINT (or ``close()``) stops accepting (new
+requests get 503, ``/health`` says 503), lets every accepted request finish, then
+stops uvicorn; a second signal exits at once, aborting what is left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Generator
+from types import FrameType
+from typing import Union
+
+import uvicorn
+
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.entrypoints.openai.server import build_app
+from tokenmill.entrypoints.openai.state import ServerConfig, ServerState, model_name_of
+
+logger = logging.getLogger(__name__)
+
+EngineSource = Union[LLMEngine, Callable[[], LLMEngine]]
+"""A loaded engine, or a function that loads one (the server answers 503 meanwhile)."""
+
+
+class OpenAIServer:
+    def __init__(
+        self,
+        engine: EngineSource,
+        config: ServerConfig | None = None,
+        model_name: str | None = None,
+    ) -> None:
+        self.config = config or ServerConfig()
+        if model_name is None:
+            if not isinstance(engine, LLMEngine):
+                raise ValueError("pass model_name when the engine is loaded by the server")
+            model_name = model_name_of(engine.config.model, engine.config.served_model_name)
+        self.state = ServerState(self.config, model_name)
+        self._source = engine
+        self._error: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.app = build_app(self.state, on_startup=self._on_startup, on_shutdown=self._stop_engine)
+        self._socket = _bind(self.config.host, self.config.port)
+        self.port: int = self._socket.getsockname()[1]
+        uv_config = uvicorn.Config(self.app, log_level=self.config.log_level, lifespan="on",
+                                   timeout_keep_alive=30)
+        self._uv = _Uvicorn(uv_config, self)
+
+    @property
+    def url(self) -> str:
+        host = self.config.host
+        host = "127.0.0.1" if host in ("0.0.0.0", "") else f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.port}"
+
+    # -- foreground -------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until a signal or ``close()``; returns after the drain. Blocking."""
+        try:
+            self._uv.run(sockets=[self._socket])
+        finally:
+            self._stop_engine()
+            self._socket.close()
+        if self._error is not None:
+            raise self._error
+
+    # -- background ---------------------------------------------------------------------
+    def start(self, timeout: float = 60.0) -> OpenAIServer:
+        """Serve from a background thread; returns once the socket accepts connections."""
+        self._thread = threading.Thread(target=self._run_quietly, name="tokenmill-http",
+                                        daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._uv.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the server did not start: {self._error or 'timeout'}")
+            time.sleep(0.01)
+        return self
+
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Block until the model is loaded (raises its load error, or on timeout)."""
+        deadline = time.monotonic() + timeout
+        while not self.state.ready:
+            if self._error is not None:
+                raise self._error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the model did not load within {timeout}s")
+            time.sleep(0.05)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Drain (finish accepted requests, refuse new ones), then stop. Idempotent."""
+        loop = self._loop
+        if loop is not None and loop.is_running():
+            drained = asyncio.run_coroutine_threadsafe(self.drain_and_exit(), loop)
+            with contextlib.suppress(Exception):
+                drained.result(timeout)
+        self._uv.should_exit = True
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run_quietly(self) -> None:
+        with contextlib.suppress(BaseException):
+            self.run()
+
+    # -- lifecycle hooks ------------------------------------------------------------------
+    def _on_startup(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        if isinstance(self._source, LLMEngine):
+            self._attach(self._source)
+        else:
+            threading.Thread(target=self._load, args=(self._source,), name="tokenmill-load",
+                             daemon=True).start()
+
+    def _load(self, factory: Callable[[], LLMEngine]) -> None:
+        try:
+            self._attach(factory())
+        except BaseException as exc:  # noqa: BLE001 - reported by run() / wait_ready()
+            logger.error("loading the model failed: %s", exc)
+            self._error = exc
+            self.state.load_error = exc
+            self._uv.should_exit = True
+
+    def _attach(self, engine: LLMEngine) -> None:
+        cfg = self.config
+        self.state.llm = AsyncLLM(engine, cfg.max_queued_requests, cfg.queue_timeout)
+        logger.info("serving %r on %s (OpenAI API at %s/v1)", self.state.model_name, self.url,
+                    self.url)
+
+    async def drain_and_exit(self) -> None:
+        """Stop accepting, wait for the accepted requests, then stop uvicorn."""
+        self.state.draining = True
+        llm = self.state.llm
+        if llm is not None:
+            logger.info("draining: %d requests to finish (a second signal exits now)",
+                        llm.num_live)
+            await llm.drain()
+        self._uv.should_exit = True
+
+    def force_exit(self) -> None:
+        """Stop now: abort whatever runs."""
+        logger.warning("exiting now; aborting %d requests",
+                       self.state.llm.num_live if self.state.llm else 0)
+        self.state.draining = True
+        if self.state.llm is not None:
+            self.state.llm.stop_accepting()
+        self._uv.force_exit = True
+        self._uv.should_exit = True
+
+    def _stop_engine(self) -> None:
+        if self.state.llm is not None:
+            self.state.llm.shutdown()
+
+
+class _Uvicorn(uvicorn.Server):
+    """uvicorn with tokenmill's shutdown: first signal drains, the second one exits."""
+
+    def __init__(self, config: uvicorn.Config, owner: OpenAIServer) -> None:
+        super().__init__(config)
+        self.owner = owner
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        sigs = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        owner = self.owner
+        if owner.state.draining or self.should_exit or owner._loop is None:
+            owner.force_exit()
+            return
+        logger.info("got %s: draining", signal.Signals(sig).name)
+        owner.state.draining = True  # /health and new requests see it at once
+        if owner.state.llm is not None:
+            owner.state.llm.stop_accepting()
+        owner._loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(owner.drain_and_exit())
+        )
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"can not listen on {host}:{port}: {exc.strerror}; pick another --port") from exc
+    sock.set_inheritable(True)
+    return sock

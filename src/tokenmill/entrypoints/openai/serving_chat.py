@@ -1,0 +1,200 @@
+"""POST /v1/chat/completions: render the conversation, run it, answer (or stream) it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.engine.async_llm import RequestStream
+from tokenmill.entrypoints.openai.errors import bad_request, from_exception
+from tokenmill.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    DeltaMessage,
+    UsageInfo,
+    random_id,
+)
+from tokenmill.entrypoints.openai.serving_common import (
+    SSE_DONE,
+    chat_logprobs,
+    check_common,
+    prompt_logprobs_json,
+    raise_if_failed,
+    sse,
+    to_sampling_params,
+    unless_disconnected,
+)
+from tokenmill.entrypoints.openai.state import ServerState
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind
+
+_TOOL_CHOICES = (None, "none", "auto")
+
+
+class ChatHandler:
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        llm = self.state.require_llm()
+        self.state.check_model(req.model)
+        check_common(req)
+        _check_supported(req)
+        conversation = [_flatten(i, m) for i, m in enumerate(req.messages)]
+        prompt_ids = self.state.tokenizer.apply_chat_template(
+            conversation,
+            chat_template=req.chat_template,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            tools=req.tools,
+            **(req.chat_template_kwargs or {}),
+        )
+        top_n = _top_logprobs(req)
+        params = to_sampling_params(
+            req,
+            self.state.default_sampling_params(),
+            max_tokens=req.max_completion_tokens or req.max_tokens,
+            logprobs=top_n,
+            prompt_logprobs=req.prompt_logprobs,
+            kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+        )
+        echo = _echo_text(req, conversation)
+        rid = random_id("chatcmpl")
+        stream = await unless_disconnected(raw, llm.add_request(prompt_ids, params, rid))
+        try:
+            first = await unless_disconnected(raw, anext(stream))
+            raise_if_failed(first)
+        except BaseException:
+            stream.close()
+            raise
+        reply = _Reply(rid, self.state.model_name, req, top_n, echo)
+        if req.stream:
+            return StreamingResponse(reply.stream(first, stream), media_type="text/event-stream")
+        return JSONResponse(reply.full(first).model_dump())
+
+
+def _check_supported(req: ChatCompletionRequest) -> None:
+    if req.tool_choice not in _TOOL_CHOICES:
+        raise bad_request("tool_choice 'required' or a named tool needs tool-call parsing, "
+                          "which this server does not do yet; use 'auto' or 'none'",
+                          "tool_choice")
+    kind = (req.response_format or {}).get("type", "text")
+    if kind != "text":
+        raise bad_request(f"response_format type {kind!r} (structured output) is not "
+                          "supported yet; use 'text'", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+
+
+def _top_logprobs(req: ChatCompletionRequest) -> int | None:
+    """Engine ``logprobs``: None (off) or how many alternatives per token (0..20)."""
+    if not req.logprobs:
+        return None
+    return req.top_logprobs or 0
+
+
+def _flatten(i: int, message: Any) -> Any:
+    """Content given as a list of text parts becomes one string (templates expect text)."""
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    texts = []
+    for j, part in enumerate(message["content"]):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"messages[{i}].content[{j}] is of type {kind!r}; only 'text' "
+                              "parts are supported", "messages")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"messages[{i}].content[{j}] has no 'text' string", "messages")
+        texts.append(part["text"])
+    return {**message, "content": "\n".join(texts)}
+
+
+def _echo_text(req: ChatCompletionRequest, conversation: list[Any]) -> str:
+    """vLLM's echo: prepend the last message when it is the assistant's (being continued)."""
+    last = conversation[-1] if conversation else None
+    if req.echo and isinstance(last, dict) and last.get("role") == "assistant":
+        return last.get("content") or ""
+    return ""
+
+
+class _Reply:
+    """Builds the response or the SSE chunks of one chat request."""
+
+    def __init__(self, rid: str, model: str, req: ChatCompletionRequest, top_n: int | None,
+                 echo: str) -> None:
+        self.rid = rid
+        self.model = model
+        self.req = req
+        self.top_n = top_n
+        self.echo = echo
+        self.created = int(time.time())
+
+    def _logprobs(self, comp: CompletionOutput):
+        if self.top_n is None or comp.logprobs is None:
+            return None
+        return chat_logprobs(comp.token_ids, comp.logprobs, self.top_n)
+
+    def full(self, out: RequestOutput) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(index=c.index, message=ChatMessage(content=self.echo + c.text),
+                       logprobs=self._logprobs(c), finish_reason=c.finish_reason,
+                       stop_reason=c.stop_reason)
+            for c in out.outputs
+        ]
+        completion = sum(len(c.token_ids) for c in out.outputs)
+        return ChatCompletionResponse(
+            id=self.rid, created=self.created, model=self.model, choices=choices,
+            usage=UsageInfo.of(len(out.prompt_token_ids), completion, out.num_cached_tokens),
+            prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
+        )
+
+    def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
+        opts = self.req.stream_options
+        chunk = ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
+                                    choices=choices, usage=usage)
+        wants_usage = opts is not None and (opts.include_usage or opts.continuous_usage_stats)
+        return sse(chunk, exclude=None if wants_usage else {"usage"})
+
+    async def stream(self, first: RequestOutput, stream: RequestStream) -> AsyncIterator[str]:
+        opts = self.req.stream_options
+        continuous = opts is not None and opts.continuous_usage_stats
+        prompt_len, cached = len(first.prompt_token_ids), first.num_cached_tokens
+        generated = 0
+
+        def usage() -> UsageInfo | None:
+            return UsageInfo.of(prompt_len, generated, cached) if continuous else None
+
+        try:
+            for i in range(self.req.n):
+                role = DeltaMessage(role="assistant", content=self.echo)
+                yield self._chunk([ChatChunkChoice(index=i, delta=role)], usage())
+            out = first
+            while True:
+                raise_if_failed(out)
+                for c in out.outputs:
+                    generated += len(c.token_ids)
+                    if not (c.text or c.finish_reason or c.logprobs):
+                        continue  # text held back (a stop string may follow)
+                    choice = ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                             logprobs=self._logprobs(c),
+                                             finish_reason=c.finish_reason,
+                                             stop_reason=c.stop_reason)
+                    yield self._chunk([choice], usage())
+                if out.finished:
+                    break
+                out = await anext(stream)
+            if opts is not None and opts.include_usage:
+                yield self._chunk([], UsageInfo.of(prompt_len, generated, cached))
+        except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-stream
+            yield sse(from_exception(exc).body())
+        finally:
+            stream.close()
+        yield SSE_DONE

@@ -1,0 +1,90 @@
+"""What the routes share: the server options, the model's name, and the engine once loaded."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.entrypoints.openai.errors import APIError, unavailable
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Options of the HTTP server (the engine's own options live in ``EngineConfig``)."""
+
+    host: str = "127.0.0.1"
+    """Address to listen on; 0.0.0.0 exposes the server to the network."""
+    port: int = 8000
+    """TCP port; 0 picks a free one."""
+    api_key: str | None = None
+    """When set, every route except /health needs ``Authorization: Bearer <key>``."""
+    max_queued_requests: int | None = 1024
+    """Requests waiting to start beyond this are refused with 429; None = no bound."""
+    queue_timeout: float | None = None
+    """Seconds a request may wait to start before it is refused with 503; None = forever."""
+    log_level: str = "info"
+    """uvicorn and tokenmill log level: critical, error, warning, info, debug."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.queue_timeout is not None and self.queue_timeout <= 0:
+            raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
+
+
+def model_name_of(path: str | None, served_model_name: str | None) -> str:
+    """The name clients use: --served-model-name, else the checkpoint's file/folder name."""
+    if served_model_name:
+        return served_model_name
+    if path is None:
+        from tokenmill.loader.resolve import default_model_path
+
+        path = default_model_path()
+    name = Path(path).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+@dataclass
+class ServerState:
+    config: ServerConfig
+    model_name: str
+    llm: AsyncLLM | None = None
+    """None while the model loads."""
+    load_error: BaseException | None = None
+    draining: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def ready(self) -> bool:
+        return self.llm is not None and self.llm.is_ready and not self.draining
+
+    def require_llm(self) -> AsyncLLM:
+        if self.llm is None:
+            raise unavailable("the model is still loading; retry when GET /health says ok",
+                              "loading")
+        return self.llm
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.require_llm().tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.require_llm().engine.max_model_len
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams from the checkpoint's generation_config.json."""
+        gen = self.require_llm().engine.loaded.checkpoint.generation_config
+        return SamplingParams.from_generation_config(gen) if gen else SamplingParams()
+
+    def check_model(self, name: str | None) -> None:
+        if name and name != self.model_name:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.model_name!r} (see GET /v1/models)", type="not_found_error",
+                           param="model", code="model_not_found")

@@ -1,0 +1,103 @@
+"""Prometheus export of ``EngineStats`` (vLLM's metric names under a ``tokenmill:`` prefix).
+
+A ``StatsCollector`` reads the stats when scraped; nothing is counted twice.
+Each server gets its own ``CollectorRegistry`` (``make_registry``), so several
+servers in one process (tests) never clash in prometheus-client's global one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from tokenmill.metrics.stats import EngineStats, Histogram
+
+PREFIX = "tokenmill:"
+
+
+class StatsCollector(Collector):
+    """Yields the current values of an engine's stats (none while it is loading)."""
+
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats | None],
+        kv_usage: Callable[[], float],
+        model_name: str,
+    ) -> None:
+        self._stats = stats
+        self._kv_usage = kv_usage
+        self._model = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        if s is None:
+            return
+        yield self._gauge("num_requests_running", "Sequences holding KV cache blocks.", s.num_running)
+        yield self._gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
+        yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
+                          self._kv_usage())
+        yield self._counter("prompt_tokens", "Prompt tokens prefilled.", s.prompt_tokens)
+        yield self._counter("generation_tokens", "Output tokens generated.", s.generation_tokens)
+        yield self._counter("num_preemptions", "Sequences preempted for lack of KV blocks.",
+                            s.num_preemptions)
+        yield self._counter("request_submitted", "Requests accepted by the engine.", s.submitted)
+        success = CounterMetricFamily(
+            PREFIX + "request_success", "Completed requests by finish reason.",
+            labels=["model_name", "finished_reason"],
+        )
+        for reason in ("stop", "length", *sorted(set(s.finished_reasons) - {"stop", "length"})):
+            success.add_metric([self._model, reason], s.finished_reasons.get(reason, 0))
+        yield success
+        refused = CounterMetricFamily(
+            PREFIX + "request_refused", "Requests refused: queue full (429), queue timeout "
+            "or draining (503).", labels=["model_name", "reason"],
+        )
+        for reason, value in (("queue_full", s.refused_queue_full),
+                              ("queue_timeout", s.refused_queue_timeout),
+                              ("draining", s.refused_draining)):
+            refused.add_metric([self._model, reason], value)
+        yield refused
+        yield self._counter("request_aborted", "Requests cancelled before finishing "
+                            "(client disconnected or aborted).", s.cancelled)
+        yield self._counter("request_failed", "Requests failed by an engine error.", s.failed)
+        yield self._histogram("time_to_first_token_seconds", "Arrival to first output token.",
+                              s.time_to_first_token)
+        yield self._histogram("inter_token_latency_seconds", "Time between two output tokens.",
+                              s.inter_token_latency)
+        yield self._histogram("e2e_request_latency_seconds", "Arrival to finish, completed "
+                              "requests.", s.e2e_latency)
+        yield self._histogram("request_queue_time_seconds", "Arrival to first scheduled.",
+                              s.queue_time)
+
+    def _gauge(self, name: str, doc: str, value: float) -> Metric:
+        g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        g.add_metric([self._model], value)
+        return g
+
+    def _counter(self, name: str, doc: str, value: float) -> Metric:
+        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        c.add_metric([self._model], value)
+        return c
+
+    def _histogram(self, name: str, doc: str, h: Histogram) -> Metric:
+        m = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        buckets = [("+Inf" if b == float("inf") else repr(b), n) for b, n in h.cumulative()]
+        m.add_metric([self._model], buckets, h.sum)
+        return m
+
+
+def make_registry(
+    stats: Callable[[], EngineStats | None], kv_usage: Callable[[], float], model_name: str
+) -> CollectorRegistry:
+    """A fresh registry holding only this engine's collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(StatsCollector(stats, kv_usage, model_name))
+    return registry
