@@ -10,7 +10,7 @@ tokens). KV caches are one tensor per layer of shape
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,20 @@ class AttentionMetadata:
     block_size: int
     seq_lens_tensor: torch.Tensor
     """[B] int64, the same as seq_lens, on the device (for the batched decode path)."""
+    _masks: dict = field(default_factory=dict, compare=False, repr=False)
+    """Decode masks built once per step and shared by all layers (keyed by window)."""
+
+    def decode_mask(self, window: int | None, length: int) -> torch.Tensor:
+        """Bool [B, 1, 1, length]: key slot j of sequence b is visible to its new token."""
+        key = (window, length)
+        if key not in self._masks:
+            k_pos = torch.arange(length, device=self.seq_lens_tensor.device)[None, :]
+            lens = self.seq_lens_tensor[:, None]
+            allowed = k_pos < lens
+            if window is not None:
+                allowed &= k_pos > lens - 1 - window
+            self._masks[key] = allowed[:, None, None, :]
+        return self._masks[key]
 
     @property
     def num_seqs(self) -> int:

@@ -110,16 +110,13 @@ def _decode_batched(
     group = heads // kvh
     max_len = max(meta.seq_lens)
     nb = (max_len + bs - 1) // bs
-    table = meta.block_tables[:, :nb]  # [B, nb]
-    keys = kv_cache[0, table].reshape(batch, nb * bs, kvh, d).transpose(1, 2)  # [B, KVH, L, D]
-    values = kv_cache[1, table].reshape(batch, nb * bs, kvh, d).transpose(1, 2)
-    k_pos = torch.arange(nb * bs, device=q.device)[None, :]  # [1, L]
-    lens = meta.seq_lens_tensor[:, None]  # [B, 1]
-    allowed = k_pos < lens
-    if window is not None:
-        allowed &= k_pos > lens - 1 - window
+    kv = kv_cache[:, meta.block_tables[:, :nb]]  # one gather: [2, B, nb, BS, KVH, D]
+    kv = kv.view(2, batch, nb * bs, kvh, d).transpose(2, 3).to(q.dtype)  # [2, B, KVH, L, D]
     qg = q.view(batch, kvh, group, d)
-    out = F.scaled_dot_product_attention(
-        qg, keys.to(q.dtype), values.to(q.dtype), attn_mask=allowed[:, None, None, :], scale=scale
-    )
+    if batch == 1 and (window is None or max_len <= window):
+        keys, values = kv[0, :, :, :max_len], kv[1, :, :, :max_len]  # every key visible: no mask
+        out = F.scaled_dot_product_attention(qg, keys, values, scale=scale)
+    else:
+        mask = meta.decode_mask(window, nb * bs)
+        out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)
     return out.reshape(batch, heads, d)

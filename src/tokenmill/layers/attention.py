@@ -69,13 +69,16 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         spec, tokens = self.spec, hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, spec.num_heads, spec.head_dim)
-        k = k.view(tokens, spec.num_kv_heads, spec.head_dim)
-        v = v.view(tokens, spec.num_kv_heads, spec.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(tokens, spec.num_kv_heads, spec.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = self.q_norm(q.view(tokens, spec.num_heads, spec.head_dim))
+            k = self.k_norm(k.view(tokens, spec.num_kv_heads, spec.head_dim))
+            q, k = self.rotary_emb(positions, q, k)
+        else:  # rotate q and k heads together: one pass instead of two
+            heads = spec.num_heads + spec.num_kv_heads
+            qk = self.rotary_emb.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(tokens, heads, spec.head_dim))
+            q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
         out = paged_attention(
             q,
             k,

@@ -92,6 +92,11 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)  # cos, sin [T, 1, D/2]
 
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] (any mix of q and k heads) -> rotated [T, heads, D]."""
+        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
+        return _rotate(x, cos, sin)
+
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_positions={self.max_positions}"
 
