@@ -39,10 +39,17 @@ class LLM:
         self.engine: LLMEngine | None = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self._counter = 0
+        self._server = None  # the OpenAIServer while serve() runs
 
     # -- lifecycle ----------------------------------------------------------------
     def close(self) -> None:
-        """Abort what is running and release the model. Safe to call twice."""
+        """Abort what is running and release the model. Safe to call twice.
+
+        While ``serve()`` runs (in another thread), this drains the server first.
+        """
+        server = self._server
+        if server is not None:
+            server.close()
         engine, self.engine = self.engine, None
         if engine is not None:
             for rid in list(engine._children):
@@ -69,6 +76,31 @@ class LLM:
         """SamplingParams seeded from the checkpoint's generation_config.json."""
         gen = self._live_engine().loaded.checkpoint.generation_config
         return SamplingParams.from_generation_config(gen) if gen else SamplingParams()
+
+    def get_scheduling_metrics(self) -> dict[str, float | int]:
+        """Counters of this engine: submitted, refused, completed, cancelled, failed
+        requests, queue latency avg/max (seconds), and queued / running sequences now."""
+        return self._live_engine().stats.scheduling_metrics()
+
+    # -- serving ------------------------------------------------------------------------
+    def serve(self, host: str = "127.0.0.1", port: int = 8000, **server_options: Any) -> None:
+        """Serve this model over the OpenAI-compatible HTTP API (what ``tokenmill serve``
+        runs), reusing the loaded engine. Blocks until SIGINT/SIGTERM (or ``close()`` from
+        another thread): then it drains (finishes accepted requests) and returns.
+
+        ``server_options``: ``api_key``, ``max_queued_requests``, ``queue_timeout``,
+        ``log_level`` (see ``tokenmill serve --help``).
+        """
+        from tokenmill.entrypoints.openai.launcher import OpenAIServer
+        from tokenmill.entrypoints.openai.state import ServerConfig
+
+        server = OpenAIServer(self._live_engine(), ServerConfig(host=host, port=port,
+                                                                **server_options))
+        self._server = server
+        try:
+            server.run()
+        finally:
+            self._server = None
 
     # -- generation -----------------------------------------------------------------
     def generate(

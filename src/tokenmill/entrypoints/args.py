@@ -46,6 +46,17 @@ ENGINE_FLAGS = (
     Flag("--served-model-name", "served_model_name", str, "model name reported to clients"),
 )
 
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+SERVER_FLAGS = (
+    Flag("--host", "host", str, "address to listen on; 0.0.0.0 exposes the server to the network", "127.0.0.1"),
+    Flag("--port", "port", int, "TCP port to listen on (0 = any free port)", 8000),
+    Flag("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' on every route except /health"),
+    Flag("--max-queued-requests", "max_queued_requests", int, "requests waiting to start beyond this are refused at once with HTTP 429 and Retry-After", 1024),
+    Flag("--queue-timeout", "queue_timeout", float, "seconds a request may wait to start before it is refused with HTTP 503 (default: no limit)"),
+    Flag("--log-level", "log_level", str, "log level of the server and the engine", "info", choices=LOG_LEVELS),
+)
+
 SAMPLING_FLAGS = (
     Flag("--max-tokens", "max_tokens", int, "most tokens to generate", 256),
     Flag("--temperature", "temperature", float, "0 = greedy (default: the model's generation_config, else 1.0)"),
@@ -67,6 +78,9 @@ def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...], prefix: 
         if f.type is not None and f.action != "store_true":
             kwargs["type"] = f.type
             kwargs["metavar"] = f.dest.upper()
+        if f.choices:
+            kwargs["choices"] = f.choices
+            kwargs["metavar"] = "{" + ",".join(f.choices) + "}"
         if f.default is not None and f.action is None:
             kwargs["help"] += f" (default: {f.default})"
         parser.add_argument(f.name, **kwargs)
@@ -84,3 +98,7 @@ def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None and value is not False:
             opts[f.dest] = value
     return opts
+
+
+def server_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {f.dest: getattr(args, f.dest) for f in SERVER_FLAGS}

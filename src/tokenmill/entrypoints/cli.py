@@ -1,4 +1,4 @@
-"""`tokenmill generate | chat`: the command line."""
+"""`tokenmill generate | chat | serve`: the command line."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import sys
 from tokenmill.entrypoints.args import (
     ENGINE_FLAGS,
     SAMPLING_FLAGS,
+    SERVER_FLAGS,
     add_flags,
     engine_options,
     sampling_options,
+    server_options,
 )
 
 
@@ -34,7 +36,23 @@ def build_parser() -> argparse.ArgumentParser:
         add_flags(p.add_argument_group("engine"), ENGINE_FLAGS)
         add_flags(p.add_argument_group("sampling"), SAMPLING_FLAGS, prefix="s_")
         p.add_argument("--quiet", action="store_true", help="no loading progress on stderr")
+    _add_serve(sub)
     return parser
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve MODEL (default: the embedded SmolLM2-135M-Instruct) over an "
+        "OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, "
+        "/tokenize, /detokenize, /health, /metrics, /version. The first SIGTERM or Ctrl-C "
+        "drains (finishes accepted requests, refuses new ones with 503); a second one exits "
+        "at once.",
+    )
+    serve.add_argument("model_arg", nargs="?", metavar="MODEL",
+                       help="HF checkpoint folder or .gguf file (same as --model)")
+    add_flags(serve.add_argument_group("server"), SERVER_FLAGS)
+    add_flags(serve.add_argument_group("engine"), ENGINE_FLAGS)
 
 
 def _version() -> str:
@@ -114,13 +132,36 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat}
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.entrypoints.openai.launcher import OpenAIServer
+    from tokenmill.entrypoints.openai.state import ServerConfig, model_name_of
+
+    if args.model_arg and args.model and args.model_arg != args.model:
+        raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}")
+    model = args.model_arg or args.model
+    options = engine_options(args)
+    config = ServerConfig(**server_options(args))
+    name = model_name_of(model, options.get("served_model_name"))
+
+    def load():
+        from tokenmill import LLM
+
+        return LLM(model, **options).engine
+
+    OpenAIServer(load, config, model_name=name).run()
+    return 0
+
+
+COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    level = logging.WARNING if getattr(args, "quiet", False) else logging.INFO
+    if args.command == "serve":
+        level = getattr(logging, args.log_level.upper())
     logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
+        level=level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )

@@ -17,6 +17,7 @@ from tokenmill.errors import (
     EngineDeadError,
     QueueFullError,
     QueueTimeoutError,
+    TokenmillError,
 )
 
 logger = logging.getLogger(__name__)
@@ -119,6 +120,10 @@ def install_handlers(app: FastAPI) -> None:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type=kind).response()
 
+    # ValueError/TokenmillError are answered here; only other exceptions reach the
+    # Exception handler (which Starlette also logs and re-raises as a 500).
+    @app.exception_handler(ValueError)
+    @app.exception_handler(TokenmillError)
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _engine_error(_: Request, exc: Exception) -> JSONResponse:
         return from_exception(exc).response()

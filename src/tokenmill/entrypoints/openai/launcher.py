@@ -104,6 +104,7 @@ class OpenAIServer:
             with contextlib.suppress(Exception):
                 drained.result(timeout)
         self._uv.should_exit = True
+        self._stop_engine()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -132,8 +133,10 @@ class OpenAIServer:
     def _attach(self, engine: LLMEngine) -> None:
         cfg = self.config
         self.state.llm = AsyncLLM(engine, cfg.max_queued_requests, cfg.queue_timeout)
-        logger.info("serving %r on %s (OpenAI API at %s/v1)", self.state.model_name, self.url,
-                    self.url)
+        # uvicorn's logger: shown with uvicorn's log config even when nobody set up logging
+        logging.getLogger("uvicorn.error").info(
+            "tokenmill is serving %r: OpenAI API at %s/v1", self.state.model_name, self.url
+        )
 
     async def drain_and_exit(self) -> None:
         """Stop accepting, wait for the accepted requests, then stop uvicorn."""

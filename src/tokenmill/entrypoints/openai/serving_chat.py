@@ -34,7 +34,7 @@ from tokenmill.entrypoints.openai.serving_common import (
 )
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import RequestOutputKind
+from tokenmill.sampling_params import MAX_LOGPROBS, RequestOutputKind
 
 _TOOL_CHOICES = (None, "none", "auto")
 
@@ -92,6 +92,9 @@ def _check_supported(req: ChatCompletionRequest) -> None:
                           "supported yet; use 'text'", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                          f"{req.top_logprobs}", "top_logprobs")
 
 
 def _top_logprobs(req: ChatCompletionRequest) -> int | None:

@@ -171,8 +171,11 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(prompt index, output) from several streams as they come; closing aborts them all."""
     if len(streams) == 1:
-        async for out in streams[0]:
-            yield 0, out
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
         return
     queue: asyncio.Queue = asyncio.Queue()
     done = object()
