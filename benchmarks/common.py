@@ -20,12 +20,13 @@ def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
 
 
 def copy_bandwidth(mib: int = 512, repeat: int = 5) -> float:
-    """Bytes copied per second by a large tensor copy (what reading weights once per step is bounded by)."""
+    """Memory traffic of a large tensor copy, bytes read + written per second (STREAM's
+    convention for copy); reading the weights once per decode step is bounded by it."""
     src = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
     dst.copy_(src)
     seconds = best_of(lambda: dst.copy_(src), repeat)
-    return src.numel() * 4 / seconds
+    return 2 * src.numel() * 4 / seconds
 
 
 def weight_bytes_per_decode_step(model: torch.nn.Module, vocab_size: int, hidden: int) -> int:

@@ -68,6 +68,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--dtypes", default="float32,bfloat16", help="tokenmill dtypes to run (comma list)")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -78,36 +79,43 @@ def main() -> None:
     from tokenmill.loader import default_model_path
 
     path = args.model or default_model_path()
-    llm = LLM(path, dtype="float32")
-    hf = load_hf(path)
-    bw = copy_bandwidth()
-    arch = llm.engine.loaded.checkpoint.hf_config
-    wbytes = weight_bytes_per_decode_step(llm.engine.loaded.model, arch["vocab_size"], arch["hidden_size"])
-    limit = bw / wbytes
-
-    tm = measure(lambda m, p, n: tm_run(m, p, n), llm, args)
-    hf_res = measure(lambda m, p, n: hf_run(m, p, n), hf, args)
-
-    c = args.concurrency
+    c, n_out = args.concurrency, 128
     varied = [prompt_ids(16 + (i * 37) % 96, 100 + i) for i in range(c)]
     same = [prompt_ids(64, 100 + i) for i in range(c)]
-    n_out = 128
-    tm_agg = c * n_out / best_of(lambda: tm_run(llm, varied, n_out), 1)
-    hf_agg = c * n_out / best_of(lambda: hf_run(hf, same, n_out), 1)
 
-    print(f"model: {path}")
-    print(f"copy bandwidth {bw / 1e9:.1f} GB/s; weights read per decode step {wbytes / 1e6:.0f} MB "
-          f"(float32) -> bandwidth limit {limit:.1f} decode steps/s; torch threads {torch.get_num_threads()}")
-    rows = [["metric", "tokenmill", "transformers", "ratio", "tokenmill / bw limit"]]
-    rows.append(["single-stream decode tok/s", f"{tm['decode']:.1f}", f"{hf_res['decode']:.1f}",
-                 f"{tm['decode'] / hf_res['decode']:.2f}x", f"{tm['decode'] / limit:.0%}"])
-    rows.append([f"prefill tok/s ({args.prefill_len}-token prompt)", f"{tm['prefill']:.0f}",
-                 f"{hf_res['prefill']:.0f}", f"{tm['prefill'] / hf_res['prefill']:.2f}x", "-"])
-    rows.append([f"{c} concurrent x {n_out} out, tok/s", f"{tm_agg:.0f}", f"{hf_agg:.0f}",
-                 f"{tm_agg / hf_agg:.2f}x", "-"])
+    hf = load_hf(path)
+    ref = measure(hf_run, hf, args)
+    ref["agg"] = c * n_out / best_of(lambda: hf_run(hf, same, n_out), 1)
+    del hf
+
+    bw = copy_bandwidth()
+    results = {}
+    for dtype in args.dtypes.split(","):
+        llm = LLM(path, dtype=dtype)
+        arch = llm.engine.loaded.checkpoint.hf_config
+        wbytes = weight_bytes_per_decode_step(llm.engine.loaded.model, arch["vocab_size"], arch["hidden_size"])
+        res = measure(tm_run, llm, args)
+        res["agg"] = c * n_out / best_of(lambda: tm_run(llm, varied, n_out), 1)
+        res["limit"] = bw / wbytes
+        res["wbytes"] = wbytes
+        results[dtype] = res
+        llm.close()
+        del llm
+
+    print(f"model: {path}; torch threads {torch.get_num_threads()}")
+    print(f"copy bandwidth (read + write) {bw / 1e9:.1f} GB/s")
+    rows = [["metric", "transformers fp32"] + [f"tokenmill {d}" for d in results]]
+    rows.append(["single-stream decode tok/s", f"{ref['decode']:.1f}"] + [
+        f"{r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x; {r['decode'] / r['limit']:.0%} of bw limit {r['limit']:.0f})"
+        for r in results.values()])
+    rows.append([f"prefill tok/s ({args.prefill_len}-token prompt)", f"{ref['prefill']:.0f}"] + [
+        f"{r['prefill']:.0f} ({r['prefill'] / ref['prefill']:.2f}x)" for r in results.values()])
+    rows.append([f"{c} concurrent x {n_out} out, tok/s", f"{ref['agg']:.0f}"] + [
+        f"{r['agg']:.0f} ({r['agg'] / ref['agg']:.2f}x)" for r in results.values()])
     print(table(rows))
-    print("(transformers' concurrent run is one batched generate over equal-length prompts; "
-          "tokenmill's prompts have different lengths, 16-111 tokens)")
+    print("weights read per decode step: " + ", ".join(f"{d} {r['wbytes'] / 1e6:.0f} MB" for d, r in results.items()))
+    print("(transformers' concurrent run is one batched generate over equal-length 64-token prompts; "
+          "tokenmill's prompts have different lengths, 16-111 tokens, scheduled continuously)")
 
 
 if __name__ == "__main__":
