@@ -64,6 +64,24 @@ def measure(run, model, args) -> dict[str, float]:
     }
 
 
+def run_transformers(path: str, args, prompts: list[list[int]], n_out: int) -> dict[str, float]:
+    hf = load_hf(path)
+    res = measure(hf_run, hf, args)
+    res["agg"] = len(prompts) * n_out / best_of(lambda: hf_run(hf, prompts, n_out), 1)
+    return res
+
+
+def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: int, bw: float) -> dict[str, float]:
+    with LLM(path, dtype=dtype) as llm:
+        arch = llm.engine.loaded.checkpoint.hf_config
+        wbytes = weight_bytes_per_decode_step(llm.engine.loaded.model, arch["vocab_size"], arch["hidden_size"])
+        res = measure(tm_run, llm, args)
+        res["agg"] = len(prompts) * n_out / best_of(lambda: tm_run(llm, prompts, n_out), 1)
+    res["limit"] = bw / wbytes
+    res["wbytes"] = wbytes
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
@@ -83,24 +101,9 @@ def main() -> None:
     varied = [prompt_ids(16 + (i * 37) % 96, 100 + i) for i in range(c)]
     same = [prompt_ids(64, 100 + i) for i in range(c)]
 
-    hf = load_hf(path)
-    ref = measure(hf_run, hf, args)
-    ref["agg"] = c * n_out / best_of(lambda: hf_run(hf, same, n_out), 1)
-    del hf
-
+    ref = run_transformers(path, args, same, n_out)
     bw = copy_bandwidth()
-    results = {}
-    for dtype in args.dtypes.split(","):
-        llm = LLM(path, dtype=dtype)
-        arch = llm.engine.loaded.checkpoint.hf_config
-        wbytes = weight_bytes_per_decode_step(llm.engine.loaded.model, arch["vocab_size"], arch["hidden_size"])
-        res = measure(tm_run, llm, args)
-        res["agg"] = c * n_out / best_of(lambda: tm_run(llm, varied, n_out), 1)
-        res["limit"] = bw / wbytes
-        res["wbytes"] = wbytes
-        results[dtype] = res
-        llm.close()
-        del llm
+    results = {d: run_tokenmill(path, d, args, varied, n_out, bw) for d in args.dtypes.split(",")}
 
     print(f"model: {path}; torch threads {torch.get_num_threads()}")
     print(f"copy bandwidth (read + write) {bw / 1e9:.1f} GB/s")

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 import torch
-
 
 
 def package_file(dist: str, relative: str) -> Path:

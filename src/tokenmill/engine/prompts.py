@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Union
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
-PromptInput = Union[str, dict, list]
+PromptInput = str | dict | list
 
 
 def _is_token_list(x: object) -> bool:
