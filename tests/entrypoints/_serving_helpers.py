@@ -12,7 +12,7 @@ MODEL = "tiny"
 
 
 def tiny_engine_llm(path, **overrides) -> LLM:
-    options = dict(dtype="float32", max_model_len=256, num_kv_blocks=512, block_size=4,
+    options = dict(dtype="float32", max_model_len=256, num_kv_blocks=1024, block_size=4,
                    served_model_name=MODEL)
     options.update(overrides)
     return LLM(str(path), **options)
