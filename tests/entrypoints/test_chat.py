@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import pytest
-
 from _serving_helpers import MODEL, chat_body
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea"}]

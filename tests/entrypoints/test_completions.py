@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from _serving_helpers import MODEL
 
 GREEDY = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})

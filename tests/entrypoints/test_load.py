@@ -9,13 +9,12 @@ import time
 
 import httpx
 import pytest
+from _serving_helpers import all_blocks_free, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenmill import LLM
 from tokenmill.entrypoints.openai.launcher import OpenAIServer
 from tokenmill.entrypoints.openai.state import ServerConfig
-
-from _serving_helpers import all_blocks_free, wait_for
 
 NUM_CLIENTS = 64
 NUM_PROMPTS = 8

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from _serving_helpers import MODEL, chat_body
 
 

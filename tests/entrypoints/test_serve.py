@@ -15,7 +15,6 @@ import time
 
 import httpx
 import pytest
-
 from _serving_helpers import MODEL, tiny_engine_llm, wait_for
 
 

@@ -17,7 +17,6 @@ import threading
 import time
 from collections.abc import Callable, Generator
 from types import FrameType
-from typing import Union
 
 import uvicorn
 
@@ -28,7 +27,7 @@ from tokenmill.entrypoints.openai.state import ServerConfig, ServerState, model_
 
 logger = logging.getLogger(__name__)
 
-EngineSource = Union[LLMEngine, Callable[[], LLMEngine]]
+EngineSource = LLMEngine | Callable[[], LLMEngine]
 """A loaded engine, or a function that loads one (the server answers 503 meanwhile)."""
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
@@ -70,7 +70,7 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
 
 
-PromptField = Union[str, list[str], list[int], list[list[int]]]
+PromptField = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingRequest):
@@ -158,7 +158,7 @@ class PromptLogprob(OpenAIModel):
     decoded_token: str | None = None
 
 
-PromptLogprobs = list[Union[dict[str, PromptLogprob], None]]
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 """vLLM's prompt_logprobs: per prompt position, token id -> logprob (None for the first)."""
 
 
