@@ -1,0 +1,96 @@
+"""AsyncLLM: the engine in its own thread; streams per request; admission; abort; drain."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tokenmill import RequestOutputKind, SamplingParams
+from tokenmill.engine.async_llm import AsyncLLM
+from tokenmill.errors import DrainingError, InvalidRequestError, QueueFullError
+
+
+@pytest.fixture
+def async_llm(tiny_llm):
+    """The shared tiny engine, lent to an AsyncLLM for one test (given back after)."""
+    front = AsyncLLM(tiny_llm.engine)
+    yield front
+    front.shutdown()
+
+
+def _params(kind: RequestOutputKind, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, output_kind=kind, **kw)
+
+
+def test_kinds_match_offline_and_batch_together(tiny_llm):
+    prompts = [f"prompt number {i}" for i in range(4)]
+    offline = [o.outputs[0].text for o in tiny_llm.generate(
+        prompts, _params(RequestOutputKind.FINAL_ONLY))]
+    front = AsyncLLM(tiny_llm.engine)
+
+    async def run(prompt: str, kind: RequestOutputKind) -> list:
+        return [out async for out in front.generate(prompt, _params(kind))]
+
+    async def main():
+        return await asyncio.gather(
+            *(run(p, k) for p in prompts for k in RequestOutputKind))
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        front.shutdown()
+    for i, text in enumerate(offline):
+        cumulative, delta, final = results[3 * i: 3 * i + 3]
+        assert len(final) == 1 and final[0].outputs[0].text == text
+        assert "".join(o.outputs[0].text for o in delta) == text and len(delta) == 8
+        assert cumulative[-1].outputs[0].text == text
+        assert [len(o.outputs[0].token_ids) for o in cumulative] == list(range(1, 9))
+    assert tiny_llm.engine.stats.inter_token_latency.count > 0
+
+
+def test_bad_request_raises_value_error(async_llm):
+    async def main():
+        with pytest.raises(InvalidRequestError, match="vocabulary|token ids"):
+            await async_llm.add_request([10**8], _params(RequestOutputKind.DELTA))
+
+    asyncio.run(main())
+    assert async_llm.num_live == 0 and async_llm.num_queued == 0
+
+
+def test_queue_full_and_draining_refuse_at_once(tiny_llm):
+    front = AsyncLLM(tiny_llm.engine, max_queued_requests=0)
+
+    async def main():
+        with pytest.raises(QueueFullError):
+            await front.add_request([5, 6], _params(RequestOutputKind.DELTA))
+        front.max_queued_requests = None
+        assert await front.drain(timeout=1)
+        with pytest.raises(DrainingError):
+            await front.add_request([5, 6], _params(RequestOutputKind.DELTA))
+
+    try:
+        asyncio.run(main())
+    finally:
+        front.shutdown()
+    stats = tiny_llm.engine.stats
+    assert stats.refused_queue_full >= 1 and stats.refused_draining >= 1
+
+
+def test_leaving_the_stream_aborts_and_frees_blocks(async_llm, tiny_llm):
+    kv = tiny_llm.engine.kv
+
+    async def main():
+        params = SamplingParams(max_tokens=200, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        stream = await async_llm.add_request([5, 6, 7], params)
+        await anext(stream)
+        assert kv.num_free_blocks < kv.num_blocks
+        stream.close()
+        for _ in range(200):  # bounded: the abort lands before the next step
+            if kv.num_free_blocks == kv.num_blocks and async_llm.num_live == 0:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("blocks not freed")
+
+    asyncio.run(main())
