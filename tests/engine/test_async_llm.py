@@ -77,20 +77,32 @@ def test_queue_full_and_draining_refuse_at_once(tiny_llm):
     assert stats.refused_queue_full >= 1 and stats.refused_draining >= 1
 
 
-def test_leaving_the_stream_aborts_and_frees_blocks(async_llm, tiny_llm):
-    kv = tiny_llm.engine.kv
+def test_leaving_the_stream_frees_blocks_within_one_step(async_llm, tiny_llm):
+    engine, kv = tiny_llm.engine, tiny_llm.engine.kv
+    steps = []
 
-    async def main():
-        params = SamplingParams(max_tokens=200, ignore_eos=True,
-                                output_kind=RequestOutputKind.DELTA)
-        stream = await async_llm.add_request([5, 6, 7], params)
-        await anext(stream)
-        assert kv.num_free_blocks < kv.num_blocks
-        stream.close()
-        for _ in range(200):  # bounded: the abort lands before the next step
-            if kv.num_free_blocks == kv.num_blocks and async_llm.num_live == 0:
-                return
-            await asyncio.sleep(0.01)
-        raise AssertionError("blocks not freed")
+    def counting_step():
+        steps.append(kv.num_free_blocks)
+        return type(engine).step(engine)
 
-    asyncio.run(main())
+    engine.step = counting_step
+    try:
+        async def main():
+            params = SamplingParams(max_tokens=200, ignore_eos=True,
+                                    output_kind=RequestOutputKind.DELTA)
+            stream = await async_llm.add_request([5, 6, 7], params)
+            await anext(stream)
+            assert kv.num_free_blocks < kv.num_blocks
+            stream.close()
+            closed_at = len(steps)
+            for _ in range(500):  # bounded: the abort lands before the next step
+                if kv.num_free_blocks == kv.num_blocks and async_llm.num_live == 0:
+                    return closed_at
+                await asyncio.sleep(0.002)
+            raise AssertionError("blocks not freed")
+
+        closed_at = asyncio.run(main())
+    finally:
+        del engine.step
+    # at most the step already running when close() was called; none after it
+    assert len(steps) - closed_at <= 1
