@@ -103,3 +103,34 @@ def test_cli_serve_api_key_and_sigterm_drain(cli_server):
     last = json.loads(data[-2])
     assert last["choices"][0]["finish_reason"] == "length"
     assert proc.wait(timeout=30) == 0
+
+
+def test_health_is_503_while_loading(tiny_llama_dir):
+    from tokenmill.entrypoints.openai.launcher import OpenAIServer
+    from tokenmill.entrypoints.openai.state import ServerConfig
+
+    release = threading.Event()
+    llms = []
+
+    def load():
+        assert release.wait(30)
+        llms.append(tiny_engine_llm(tiny_llama_dir))
+        return llms[0].engine
+
+    srv = OpenAIServer(load, ServerConfig(port=0, log_level="warning"), model_name=MODEL).start()
+    try:
+        with httpx.Client(base_url=srv.url, timeout=30) as http:
+            health = http.get("/health")
+            assert health.status_code == 503 and health.json()["error"]["code"] == "loading"
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "loading"
+            release.set()
+            srv.wait_ready(timeout=60)
+            assert http.get("/health").status_code == 200
+            r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+            assert r.status_code == 200
+    finally:
+        release.set()
+        srv.close(timeout=30)
+        for llm in llms:
+            llm.close()
