@@ -48,11 +48,19 @@ class EngineConfig:
     """Most logprobs / prompt_logprobs alternatives a request may ask for."""
     served_model_name: str | None = None
     """Model name reported in outputs and by the server; default: the path's name."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV of full blocks shared with earlier requests (same tokens from the start)."""
+    long_prefill_token_threshold: int | None = None
+    """Largest prefill chunk of one request per step, so long prompts never stall decodes
+    for a whole budget's worth of compute (None: up to max_num_batched_tokens)."""
+    check_kv_integrity: bool = False
+    """Debug: verify the KV block bookkeeping after every step (slow)."""
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes", "num_kv_blocks"):
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
+                     "num_kv_blocks", "long_prefill_token_threshold"):
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)

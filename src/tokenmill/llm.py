@@ -8,7 +8,12 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
-from tokenmill.engine.prompts import PromptInput, normalize_prompts, params_per_prompt
+from tokenmill.engine.prompts import (
+    PromptInput,
+    normalize_prompts,
+    params_per_prompt,
+    request_options,
+)
 from tokenmill.errors import EngineDeadError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -77,6 +82,15 @@ class LLM:
         gen = self._live_engine().loaded.checkpoint.generation_config
         return SamplingParams.from_generation_config(gen) if gen else SamplingParams()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block (running requests keep theirs); returns how many."""
+        return self._live_engine().reset_prefix_cache()
+
+    def get_prefix_cache_metrics(self) -> dict[str, int | float]:
+        """Cumulative prefix-cache counters: queries, hits, hit rate, matched and reused
+        tokens, cached blocks now, evictions."""
+        return self._live_engine().prefix_cache_metrics()
+
     def get_scheduling_metrics(self) -> dict[str, float | int]:
         """Counters of this engine: submitted, refused, completed, cancelled, failed
         requests, queue latency avg/max (seconds), and queued / running sequences now."""
@@ -108,18 +122,25 @@ class LLM:
         prompts: PromptInput,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts (strings, token-id lists, or {"prompt"/"prompt_token_ids"} dicts)
-        to completion; outputs come back in prompt order."""
+        """Run prompts to completion; outputs come back in prompt order.
+
+        A prompt is a string, a list of token ids, or a dict with "prompt" or
+        "prompt_token_ids" and optionally "cache_salt", "reuse_context",
+        "cache_generated_tokens" (prefix-cache controls). ``priority``: one int or
+        one per prompt, lower runs first.
+        """
         engine = self._live_engine()
         items = normalize_prompts(prompts, self.tokenizer)
+        options = request_options(prompts, priority)
         params = params_per_prompt(sampling_params, len(items), self.get_default_sampling_params)
         ids = []
         try:
-            for (text, token_ids), p in zip(items, params):
+            for (text, token_ids), p, opts in zip(items, params, options):
                 p = p.clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY
-                ids.append(engine.add_request(token_ids, p, self._next_id(), prompt=text))
+                ids.append(engine.add_request(token_ids, p, self._next_id(), prompt=text, options=opts))
             return self._run_to_completion(ids)
         except BaseException:
             for rid in ids:
@@ -162,8 +183,9 @@ class LLM:
         """
         engine = self._live_engine()
         [(text, token_ids)] = normalize_prompts(prompt, self.tokenizer)[:1]
+        [opts] = request_options(prompt)[:1]
         params = sampling_params or self.get_default_sampling_params()
-        rid = engine.add_request(token_ids, params, self._next_id(), prompt=text)
+        rid = engine.add_request(token_ids, params, self._next_id(), prompt=text, options=opts)
         return self._stream(engine, rid)
 
     def _stream(self, engine: LLMEngine, rid: str) -> Iterator[RequestOutput]:

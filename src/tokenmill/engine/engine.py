@@ -10,7 +10,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.loading import LoadedModel, kv_cache_blocks, load_model
 from tokenmill.engine.output_processor import OutputProcessor, ParentState
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request import Request, RequestOptions, RequestStatus
 from tokenmill.engine.validation import check_params, check_prompt, resolve_max_tokens
 from tokenmill.errors import InvalidRequestError
 from tokenmill.kv_cache import KVCacheManager
@@ -31,10 +31,13 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
         num_blocks = kv_cache_blocks(config, self.loaded)
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, budget, self.max_model_len), self.kv
+            SchedulerConfig(
+                config.max_num_seqs, budget, self.max_model_len, config.long_prefill_token_threshold
+            ),
+            self.kv,
         )
         caches = allocate_kv_caches(
             self.loaded.model, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device
@@ -60,6 +63,7 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         prompt: str | None = None,
+        options: RequestOptions | None = None,
     ) -> str:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
         request_id = request_id or uuid.uuid4().hex
@@ -68,7 +72,11 @@ class LLMEngine:
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         check_params(params, self.vocab_size, self.config.max_logprobs)
         max_tokens = resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len)
-        children = [self._child(prompt_token_ids, params, max_tokens, request_id, i) for i in range(params.n)]
+        options = options or RequestOptions()
+        children = [
+            self._child(prompt_token_ids, params, max_tokens, request_id, i, options)
+            for i in range(params.n)
+        ]
         parent = ParentState(
             request_id=request_id,
             prompt=prompt,
@@ -84,7 +92,7 @@ class LLMEngine:
         self.stats.on_added(request_id, children)
         return request_id
 
-    def _child(self, prompt_ids, params, max_tokens, parent_id, index) -> Request:
+    def _child(self, prompt_ids, params, max_tokens, parent_id, index, options) -> Request:
         """n > 1 fans out into n requests; child i gets seed + i so they differ."""
         child_id = parent_id
         if params.n > 1:
@@ -93,6 +101,7 @@ class LLMEngine:
             params.seed = None if params.seed is None else params.seed + index
             params.n = 1
         req = Request(child_id, list(prompt_ids), params, max_tokens, self.tokenizer.eos_token_ids)
+        options.apply(req)
         if params.seed is not None:
             req.generator = make_generator(params.seed, self.loaded.device)
         return req
@@ -109,6 +118,22 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (running requests keep theirs). Returns how many."""
+        return self.scheduler.reset_prefix_cache()
+
+    def prefix_cache_metrics(self) -> dict[str, int | float]:
+        stats, pool = self.kv.stats, self.kv.pool
+        return {
+            "prefix_cache_queries": stats.queries,
+            "prefix_cache_hits": stats.hits,
+            "prefix_cache_hit_rate": stats.hits / stats.queries if stats.queries else 0.0,
+            "prefix_cache_matched_tokens": stats.matched_tokens,
+            "prefix_cache_reused_tokens": stats.reused_tokens,
+            "prefix_cache_cached_blocks": pool.num_cached,
+            "prefix_cache_evictions": pool.num_evictions,
+        }
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -130,12 +155,23 @@ class LLMEngine:
             stop = self.processor.process_token(req, result.logprobs.get(req.request_id))
             if stop is not None and not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            if req.is_finished:
+                self._log_reuse(req)
             out = self.processor.finish(req) if req.is_finished else self.processor.progress(req)
             if req.is_finished:
                 self._forget(req.request_id)
             if out is not None:
                 outputs.append(out)
+        if self.config.check_kv_integrity:
+            self.kv.check_integrity()
         return outputs
+
+    def _log_reuse(self, req: Request) -> None:
+        if self.kv.enable_prefix_caching and logger.isEnabledFor(logging.INFO):
+            logger.info(
+                "request %s: %d of %d prompt tokens from the prefix cache",
+                req.request_id, req.num_cached_tokens, req.num_prompt_tokens,
+            )
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         outputs = []

@@ -24,6 +24,8 @@ class ParentState:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_unfinished: int = 0
     error: str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens the first child found in the prefix cache."""
 
     @property
     def finished(self) -> bool:
@@ -71,6 +73,8 @@ class OutputProcessor:
     def process_token(self, req: Request, logprobs: TokenLogprobs | None) -> str | None:
         """Detokenize the request's newest token; return a stop string it completed."""
         child = self.children[req.request_id]
+        if child.index == 0:
+            child.parent.num_cached_tokens = req.num_cached_tokens
         token = req.output_token_ids[-1]
         if logprobs is not None:
             self._add_logprobs(child.completion, logprobs)
@@ -121,6 +125,7 @@ class OutputProcessor:
             outputs=comps,
             finished=parent.finished,
             prompt_logprobs=parent.prompt_logprobs,
+            num_cached_tokens=parent.num_cached_tokens,
             error=parent.error,
         )
 

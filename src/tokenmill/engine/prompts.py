@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from tokenmill.engine.request import RequestOptions
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
@@ -24,6 +25,27 @@ def normalize_prompts(prompts: PromptInput, tokenizer: Tokenizer) -> list[tuple[
             "prompts must be a string, a list of token ids, a dict, or a non-empty list of those"
         )
     return [_one(p, tokenizer) for p in prompts]
+
+
+_OPTION_KEYS = ("cache_salt", "reuse_context", "cache_generated_tokens")
+
+
+def request_options(
+    prompts: PromptInput, priority: int | Sequence[int] | None = None
+) -> list[RequestOptions]:
+    """Per-prompt engine options: dict prompts may carry cache_salt, reuse_context and
+    cache_generated_tokens; ``priority`` is one int or one per prompt (vLLM's argument)."""
+    items = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
+    if priority is None or isinstance(priority, int):
+        priorities = [priority or 0] * len(items)
+    else:
+        priorities = list(priority)
+        if len(priorities) != len(items):
+            raise InvalidRequestError(f"got {len(priorities)} priorities for {len(items)} prompts")
+    return [
+        RequestOptions(priority=prio, **({k: p[k] for k in _OPTION_KEYS if k in p} if isinstance(p, dict) else {}))
+        for p, prio in zip(items, priorities)
+    ]
 
 
 def _one(p: object, tokenizer: Tokenizer) -> tuple[str | None, list[int]]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -49,6 +50,18 @@ class Request:
     """The request's own RNG when params.seed is set (on the logits' device)."""
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    priority: int = 0
+    """Lower runs first; FCFS within a priority."""
+    cache_key: bytes = b""
+    """Extra prefix-cache key (tenant salt): blocks are shared only between equal keys."""
+    reuse_context: bool = True
+    """Read cached KV of earlier requests (False: compute the whole prompt)."""
+    cache_generated_tokens: bool = True
+    """Commit generated tokens' KV to the prefix cache too (False: the prompt only)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
+    arrival_index: int = 0
+    """Admission order tiebreak, set by the scheduler."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -60,6 +73,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: priority, then arrival."""
+        return (self.priority, self.arrival_index)
+
+    @property
+    def cacheable_tokens(self) -> list[int]:
+        """Tokens whose KV may go to the prefix cache."""
+        return self.all_token_ids if self.cache_generated_tokens else self.prompt_token_ids
 
     @property
     def num_output_tokens(self) -> int:
@@ -85,3 +108,29 @@ class Request:
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """Per-request engine options besides sampling (vLLM / Edge-LLM names)."""
+
+    priority: int = 0
+    """Lower runs first; FCFS within a priority."""
+    cache_salt: str | None = None
+    """Isolates prefix-cache sharing: only requests with the same salt share blocks."""
+    reuse_context: bool = True
+    """Read KV cached by earlier requests."""
+    cache_generated_tokens: bool = True
+    """Also cache the KV of the generated tokens (multi-turn reuse), not only the prompt."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise InvalidRequestError(f"priority must be an integer, got {self.priority!r}")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidRequestError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
+
+    def apply(self, req: Request) -> None:
+        req.priority = self.priority
+        req.cache_key = self.cache_salt.encode() if self.cache_salt else b""
+        req.reuse_context = self.reuse_context
+        req.cache_generated_tokens = self.cache_generated_tokens

@@ -2,24 +2,53 @@
 
 from __future__ import annotations
 
-from tokenmill.kv_cache.block_pool import BlockPool
+from dataclasses import dataclass, field
+
+from tokenmill.kv_cache.block_pool import BlockPool, CachedBlock
+from tokenmill.kv_cache.prefix import extend_hashes
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
+@dataclass
+class PrefixCacheStats:
+    """Cumulative prefix-cache counters (tokens are prompt tokens at admission)."""
+
+    queries: int = 0
+    """Admissions that looked the cache up."""
+    hits: int = 0
+    """Admissions that reused at least one block."""
+    matched_tokens: int = 0
+    """Tokens whose blocks were found in the cache."""
+    reused_tokens: int = 0
+    """Tokens not recomputed thanks to the cache (matched minus a last full block
+    that must be recomputed to produce logits)."""
+
+
+@dataclass
+class _Seq:
+    table: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)
+    committed: int = 0
+    """Leading blocks of ``table`` already committed to the prefix cache."""
+
+
 class KVCacheManager:
-    """Small API for the scheduler: ``get_computed_blocks``, ``allocate_slots``, ``free``.
+    """Small API for the scheduler: ``get_computed_blocks``, ``allocate_slots``,
+    ``commit``, ``free``.
 
     Invariant: a request holding b blocks can store b * block_size tokens; slot
     of token position p is ``table[p // block_size] * block_size + p % block_size``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self._tables: dict[str, list[int]] = {}
+        self.stats = PrefixCacheStats()
+        self._seqs: dict[str, _Seq] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -34,46 +63,109 @@ class KVCacheManager:
         """Fraction of blocks held by live requests."""
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
-    def get_computed_blocks(self, request_id: str, token_ids: list[int]) -> int:
-        """Tokens of ``token_ids`` already in the cache (prefix reuse hooks in here).
+    def get_computed_blocks(
+        self, request_id: str, token_ids: list[int], extra_key: bytes = b"", reuse: bool = True
+    ) -> int:
+        """Take the longest cached prefix of ``token_ids`` for a request that holds no blocks.
 
-        Without prefix caching nothing is reused: always 0.
+        Returns the number of tokens whose KV is already there. At least one
+        token is always left to compute (its logits give the next token).
         """
-        return 0
+        seq = self._seqs.setdefault(request_id, _Seq())
+        assert not seq.table, "prefix lookup for a request that already holds blocks"
+        if not self.enable_prefix_caching:
+            return 0
+        bs = self.block_size
+        extend_hashes(seq.hashes, token_ids, len(token_ids), bs, extra_key)
+        if not reuse:
+            return 0
+        self.stats.queries += 1
+        parent: int | None = None
+        for i, h in enumerate(seq.hashes):
+            b = self.pool.lookup(h, tuple(token_ids[i * bs : (i + 1) * bs]), parent)
+            if b is None:
+                break
+            seq.table.append(b)
+            parent = b
+        matched = len(seq.table) * bs
+        while len(seq.table) * bs >= len(token_ids):  # keep one token to compute
+            seq.table.pop()
+        for b in seq.table:
+            self.pool.touch(b)
+        seq.committed = len(seq.table)
+        reused = len(seq.table) * bs
+        self.stats.matched_tokens += matched
+        self.stats.reused_tokens += reused
+        self.stats.hits += bool(reused)
+        return reused
 
     def allocate_slots(self, request_id: str, num_tokens: int) -> bool:
         """Make room for the first ``num_tokens`` tokens of a request.
 
         All or nothing: returns False, changing nothing, when too few blocks are free.
         """
-        table = self._tables.setdefault(request_id, [])
-        need = blocks_needed(num_tokens, self.block_size) - len(table)
+        seq = self._seqs.setdefault(request_id, _Seq())
+        need = blocks_needed(num_tokens, self.block_size) - len(seq.table)
         if need <= 0:
             return True
         if need > self.pool.num_free:
-            if not table:
-                del self._tables[request_id]
             return False
-        table.extend(self.pool.allocate(need))
+        seq.table.extend(self.pool.allocate(need))
         return True
 
+    def commit(self, request_id: str, token_ids: list[int], num_computed: int, extra_key: bytes = b"") -> None:
+        """Make the request's full, computed blocks findable for later requests.
+
+        ``token_ids`` are the tokens whose KV may be shared (the caller passes
+        only the prompt when generated tokens must not be cached).
+        """
+        if not self.enable_prefix_caching:
+            return
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return
+        bs = self.block_size
+        full = min(num_computed, len(token_ids)) // bs
+        if full <= seq.committed:
+            return
+        extend_hashes(seq.hashes, token_ids, full * bs, bs, extra_key)
+        for i in range(seq.committed, full):
+            parent = seq.table[i - 1] if i else None
+            tokens = tuple(token_ids[i * bs : (i + 1) * bs])
+            self.pool.commit(seq.table[i], CachedBlock(seq.hashes[i], tokens, parent))
+        seq.committed = full
+
     def block_table(self, request_id: str) -> list[int]:
-        return self._tables.get(request_id, [])
+        seq = self._seqs.get(request_id)
+        return seq.table if seq else []
 
     def free(self, request_id: str) -> None:
-        """Return every block of the request to the pool (no-op if it holds none)."""
-        table = self._tables.pop(request_id, None)
-        if table:
-            self.pool.release(table)
+        """Return every block of the request to the pool (no-op if it holds none).
+
+        Committed blocks stay findable until the pool reuses them.
+        """
+        seq = self._seqs.pop(request_id, None)
+        if seq and seq.table:
+            self.pool.release(seq.table)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached blocks; returns how many were dropped."""
+        return self.pool.reset_cache()
 
     def check_integrity(self) -> None:
-        """Every block is free xor held, and its ref count equals its holders."""
-        holders = [0] * self.pool.num_blocks
-        for table in self._tables.values():
-            for b in table:
+        """Every block is free xor held, its ref count equals its holders, and the
+        hash index and the committed entries agree."""
+        pool = self.pool
+        holders = [0] * pool.num_blocks
+        for seq in self._seqs.values():
+            for b in seq.table:
                 holders[b] += 1
-        free = set(self.pool.free_block_ids())
-        assert len(free) == self.pool.num_free, "a block is in the free queue twice"
-        for b, (count, ref) in enumerate(zip(holders, self.pool.ref_counts)):
+        free = set(pool.free_block_ids())
+        assert len(free) == pool.num_free, "a block is in the free queue twice"
+        for b, (count, ref) in enumerate(zip(holders, pool.ref_counts)):
             assert count == ref, f"block {b}: ref count {ref}, held by {count} requests"
             assert (ref == 0) == (b in free), f"block {b}: ref count {ref}, free={b in free}"
+        for h, b in pool.by_hash.items():
+            entry = pool.committed[b]
+            assert entry is not None and entry.block_hash == h, f"hash index points at block {b} wrongly"
+        assert sum(e is not None for e in pool.committed) == len(pool.by_hash), "unindexed committed block"

@@ -1,15 +1,19 @@
 """Schedules tokens, not phases.
 
-Every step: running requests first (in admission order), then waiting ones
-FCFS, under a token budget and a sequence cap. A request that cannot get KV
-blocks makes the most recently admitted running request give its blocks back
-(preemption by recompute); a preempted request goes back to the front of the
-waiting queue and later recomputes its prompt and the tokens it had generated.
+Every step: running requests first (best priority, then earliest), then
+waiting ones in the same order, under a token budget and a sequence cap. A
+request that cannot get KV blocks makes the worst running request (lowest
+priority, latest) give its blocks back: preemption by recompute. A preempted
+request returns to the waiting queue in its original place and later
+recomputes its prompt and the tokens it had generated (much of which the
+prefix cache usually still holds).
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
+import itertools
+import time
 from dataclasses import dataclass
 
 from tokenmill.engine.request import Request, RequestStatus
@@ -25,21 +29,25 @@ class SchedulerConfig:
     """Token budget of one step (prefill chunks + decode tokens)."""
     max_model_len: int = 8192
     """Longest sequence (prompt + output) a request may reach."""
+    long_prefill_token_threshold: int | None = None
+    """Largest prefill chunk of one request in one step (None: the whole budget)."""
 
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []  # sorted by sort_key
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._arrivals = itertools.count()
 
     # -- queue management -------------------------------------------------
     def add(self, request: Request) -> None:
+        request.arrival_index = next(self._arrivals)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -67,13 +75,13 @@ class Scheduler:
                 break
             if req not in self.running:  # preempted earlier in this loop
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req, budget)
             if not self._allocate_or_preempt(req, n, preempted):
                 continue
             chosen.append((req, n))
             budget -= n
         if not preempted:
-            budget = self._admit_waiting(budget, chosen)
+            self._admit_waiting(budget, chosen, preempted)
         seqs = tuple(
             ScheduledSeq(
                 request=req,
@@ -85,6 +93,11 @@ class Scheduler:
             for req, n in chosen
         )
         return SchedulerOutput(seqs=seqs, preempted=tuple(preempted))
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        cap = self.config.long_prefill_token_threshold
+        return min(n, cap) if cap else n
 
     def _allocate_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
         """Get blocks for n more tokens of a running request, preempting from the back."""
@@ -103,33 +116,59 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        self.waiting.appendleft(req)
+        bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
-    def _admit_waiting(self, budget: int, chosen: list[tuple[Request, int]]) -> int:
+    def _admit_waiting(
+        self, budget: int, chosen: list[tuple[Request, int]], preempted: list[str]
+    ) -> None:
+        scheduled = {r.request_id for r, _ in chosen}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            if not self._admit(req, budget, scheduled, preempted):
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
+                req.num_cached_tokens = req.num_computed_tokens
+            bisect.insort(self.running, req, key=lambda r: r.sort_key)
+            n = self._chunk(req, budget)
             chosen.append((req, n))
+            scheduled.add(req.request_id)
             budget -= n
-        return budget
+
+    def _admit(self, req: Request, budget: int, scheduled: set[str], preempted: list[str]) -> bool:
+        """Give a waiting request its cached prefix and blocks for its first chunk.
+
+        A better-priority request may preempt worse running ones that were not
+        scheduled in this step. All or nothing: on failure it holds no blocks.
+        """
+        reuse = req.reuse_context and req.params.prompt_logprobs is None
+        req.num_computed_tokens = self.kv.get_computed_blocks(
+            req.request_id, req.all_token_ids, req.cache_key, reuse
+        )
+        n = self._chunk(req, budget)
+        while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
+            victim = self.running[-1] if self.running else None
+            if victim is None or victim.sort_key <= req.sort_key or victim.request_id in scheduled:
+                self.kv.free(req.request_id)
+                req.num_computed_tokens = 0
+                return False
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        return True
 
     # -- after the model ran ---------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, append sampled tokens, finish on token-level stops.
-
-        Returns the requests that got a new token this step.
-        """
+        """Advance computed counts, cache full blocks, append sampled tokens, and
+        finish on token-level stops. Returns the requests that got a new token."""
         progressed: list[Request] = []
         for seq in out.seqs:
             req = seq.request
             if req.is_finished:  # aborted between schedule and update
                 continue
             req.num_computed_tokens = seq.end
+            self.kv.commit(req.request_id, req.cacheable_tokens, seq.end, req.cache_key)
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -139,3 +178,6 @@ class Scheduler:
             if status is not None:
                 self.finish(req.request_id, status)
         return progressed
+
+    def reset_prefix_cache(self) -> int:
+        return self.kv.reset_prefix_cache()
