@@ -163,3 +163,19 @@ def test_async_client_concurrent(aclient, client):
             model=MODEL, messages=[{"role": "user", "content": f"Question {i}"}],
             max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
         assert r.choices[0].message.content == alone.choices[0].message.content
+
+
+def test_cached_tokens_reported_on_a_repeated_prompt(client):
+    """Prefix caching: the second identical prompt reuses full KV blocks (4 tokens each)."""
+    import uuid
+
+    messages = [{"role": "user", "content": f"A unique question {uuid.uuid4().hex} about the sea"}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    first = client.chat.completions.create(**kwargs)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = client.chat.completions.create(**kwargs)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 4 == 0
+    chunks = list(client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached

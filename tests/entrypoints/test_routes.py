@@ -36,7 +36,9 @@ def test_metrics_are_prometheus_text(http):
                  "tokenmill:time_to_first_token_seconds_bucket",
                  "tokenmill:inter_token_latency_seconds_bucket",
                  "tokenmill:e2e_request_latency_seconds_count",
-                 "tokenmill:request_queue_time_seconds_sum"):
+                 "tokenmill:request_queue_time_seconds_sum",
+                 "tokenmill:prefix_cache_queries_total", "tokenmill:prefix_cache_hits_total",
+                 "tokenmill:prefix_cache_cached_blocks"):
         assert name in text, name
     from prometheus_client.parser import text_string_to_metric_families
 

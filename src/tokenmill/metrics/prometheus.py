@@ -31,10 +31,12 @@ class StatsCollector(Collector):
         stats: Callable[[], EngineStats | None],
         kv_usage: Callable[[], float],
         model_name: str,
+        prefix_cache: Callable[[], dict[str, float]] | None = None,
     ) -> None:
         self._stats = stats
         self._kv_usage = kv_usage
         self._model = model_name
+        self._prefix_cache = prefix_cache
 
     def collect(self) -> Iterator[Metric]:
         s = self._stats()
@@ -68,6 +70,7 @@ class StatsCollector(Collector):
         yield self._counter("request_aborted", "Requests cancelled before finishing "
                             "(client disconnected or aborted).", s.cancelled)
         yield self._counter("request_failed", "Requests failed by an engine error.", s.failed)
+        yield from self._prefix_cache_metrics()
         yield self._histogram("time_to_first_token_seconds", "Arrival to first output token.",
                               s.time_to_first_token)
         yield self._histogram("inter_token_latency_seconds", "Time between two output tokens.",
@@ -76,6 +79,16 @@ class StatsCollector(Collector):
                               "requests.", s.e2e_latency)
         yield self._histogram("request_queue_time_seconds", "Arrival to first scheduled.",
                               s.queue_time)
+
+    def _prefix_cache_metrics(self) -> Iterator[Metric]:
+        """``LLMEngine.prefix_cache_metrics()``: counters, and the cached blocks gauge."""
+        values = self._prefix_cache() if self._prefix_cache is not None else {}
+        for key, doc in _PREFIX_CACHE_COUNTERS.items():
+            if key in values:
+                yield self._counter(key, doc, values[key])
+        if "prefix_cache_cached_blocks" in values:
+            yield self._gauge("prefix_cache_cached_blocks", "KV blocks holding a reusable "
+                              "prefix (in use or free).", values["prefix_cache_cached_blocks"])
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
         g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
@@ -94,10 +107,22 @@ class StatsCollector(Collector):
         return m
 
 
+_PREFIX_CACHE_COUNTERS = {
+    "prefix_cache_queries": "Admissions that looked the prefix cache up.",
+    "prefix_cache_hits": "Admissions that reused at least one cached block.",
+    "prefix_cache_matched_tokens": "Prompt tokens whose KV blocks were found in the cache.",
+    "prefix_cache_reused_tokens": "Prompt tokens not recomputed thanks to the cache.",
+    "prefix_cache_evictions": "Cached blocks evicted to make room.",
+}
+
+
 def make_registry(
-    stats: Callable[[], EngineStats | None], kv_usage: Callable[[], float], model_name: str
+    stats: Callable[[], EngineStats | None],
+    kv_usage: Callable[[], float],
+    model_name: str,
+    prefix_cache: Callable[[], dict[str, float]] | None = None,
 ) -> CollectorRegistry:
     """A fresh registry holding only this engine's collector."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(StatsCollector(stats, kv_usage, model_name))
+    registry.register(StatsCollector(stats, kv_usage, model_name, prefix_cache))
     return registry

@@ -95,6 +95,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         lambda: state.llm.stats if state.llm is not None else None,
         lambda: state.llm.engine.kv.usage if state.llm is not None else 0.0,
         state.model_name,
+        lambda: state.llm.engine.prefix_cache_metrics() if state.llm is not None else {},
     )
 
     @app.post("/v1/chat/completions")
