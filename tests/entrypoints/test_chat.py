@@ -169,8 +169,9 @@ def test_cached_tokens_reported_on_a_repeated_prompt(client):
     """Prefix caching: the second identical prompt reuses full KV blocks (4 tokens each)."""
     import uuid
 
-    messages = [{"role": "user", "content": f"A unique question {uuid.uuid4().hex} about the sea"}]
-    kwargs = dict(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    messages = [{"role": "user", "content": "A question about the sea"}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=2, temperature=0,
+                  extra_body={"cache_salt": uuid.uuid4().hex})  # nothing cached before
     first = client.chat.completions.create(**kwargs)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     again = client.chat.completions.create(**kwargs)
@@ -179,3 +180,15 @@ def test_cached_tokens_reported_on_a_repeated_prompt(client):
     chunks = list(client.chat.completions.create(
         stream=True, stream_options={"include_usage": True}, **kwargs))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+
+
+def test_cache_salt_isolates_and_priority_is_accepted(client):
+    import uuid
+
+    messages = [{"role": "user", "content": f"Salted question {uuid.uuid4().hex} about rivers"}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=2, temperature=0)
+    client.chat.completions.create(extra_body={"cache_salt": "a"}, **kwargs)
+    other = client.chat.completions.create(extra_body={"cache_salt": "b", "priority": 5}, **kwargs)
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    same = client.chat.completions.create(extra_body={"cache_salt": "a", "priority": -1}, **kwargs)
+    assert same.usage.prompt_tokens_details.cached_tokens > 0

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.prompts import PromptInput, normalize_prompts
+from tokenmill.engine.request import RequestOptions
 from tokenmill.errors import DrainingError, EngineDeadError, QueueFullError, QueueTimeoutError
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
@@ -51,6 +52,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None
+    options: RequestOptions | None
 
 
 @dataclass
@@ -129,8 +131,11 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         prompt: str | None = None,
+        options: RequestOptions | None = None,
     ) -> RequestStream:
         """Queue a request; return its stream once the engine accepted it.
+
+        ``options``: priority and prefix-cache controls (``RequestOptions``).
 
         Raises ``QueueFullError``, ``DrainingError`` or ``EngineDeadError`` at once,
         and the engine's ``ValueError`` (bad prompt or parameters) after it looked.
@@ -140,7 +145,7 @@ class AsyncLLM:
         engine_params.output_kind = RequestOutputKind.DELTA
         rid = request_id or uuid.uuid4().hex
         stream = RequestStream(rid, self, asyncio.get_running_loop(), params.output_kind)
-        self._commands.put(_Add(stream, list(prompt_token_ids), engine_params, prompt))
+        self._commands.put(_Add(stream, list(prompt_token_ids), engine_params, prompt, options))
         try:
             await stream._wait_accepted()
         except asyncio.CancelledError:
@@ -257,7 +262,8 @@ class AsyncLLM:
     def _add(self, cmd: _Add) -> None:
         stream = cmd.stream
         try:
-            self.engine.add_request(cmd.prompt_token_ids, cmd.params, stream.request_id, cmd.prompt)
+            self.engine.add_request(cmd.prompt_token_ids, cmd.params, stream.request_id,
+                                    cmd.prompt, cmd.options)
         except Exception as exc:  # bad input: the caller gets the ValueError
             self._done(started=False)
             self._send(stream, exc)

@@ -54,6 +54,10 @@ class SamplingRequest(OpenAIModel):
     spaces_between_special_tokens: bool = True
     prompt_logprobs: int | None = None
     echo: bool = False
+    priority: int = 0
+    """vLLM: lower is scheduled first (FCFS within a priority)."""
+    cache_salt: str | None = None
+    """vLLM: only requests with the same salt share prefix-cache blocks."""
 
 
 class ChatCompletionRequest(SamplingRequest):

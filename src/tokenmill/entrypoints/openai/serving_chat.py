@@ -29,6 +29,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     prompt_logprobs_json,
     raise_if_failed,
     sse,
+    to_request_options,
     to_sampling_params,
     unless_disconnected,
 )
@@ -68,7 +69,8 @@ class ChatHandler:
         )
         echo = _echo_text(req, conversation)
         rid = random_id("chatcmpl")
-        stream = await unless_disconnected(raw, llm.add_request(prompt_ids, params, rid))
+        add = llm.add_request(prompt_ids, params, rid, options=to_request_options(req))
+        stream = await unless_disconnected(raw, add)
         try:
             first = await unless_disconnected(raw, anext(stream))
             raise_if_failed(first)

@@ -12,6 +12,7 @@ from fastapi import Request
 from pydantic import BaseModel
 
 from tokenmill.engine.async_llm import RequestStream
+from tokenmill.engine.request import RequestOptions
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.protocol import (
     ChatLogprobs,
@@ -76,6 +77,10 @@ def to_sampling_params(
         logit_bias=req.logit_bias,
         output_kind=kind,
     )
+
+
+def to_request_options(req: SamplingRequest) -> RequestOptions:
+    return RequestOptions(priority=req.priority, cache_salt=req.cache_salt)
 
 
 def _pick(value: T | None, default: T) -> T:

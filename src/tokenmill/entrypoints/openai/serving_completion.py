@@ -25,6 +25,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     prompt_logprobs_json,
     raise_if_failed,
     sse,
+    to_request_options,
     to_sampling_params,
     unless_disconnected,
 )
@@ -65,8 +66,9 @@ class CompletionHandler:
         streams: list[RequestStream] = []
         merged = None
         try:
+            options = to_request_options(req)
             for i, (text, ids) in enumerate(prompts):
-                add = llm.add_request(ids, params, f"{rid}-{i}", prompt=text)
+                add = llm.add_request(ids, params, f"{rid}-{i}", prompt=text, options=options)
                 streams.append(await unless_disconnected(raw, add))
             reply = _Reply(rid, self.state.model_name, req, prompts, self.state.tokenizer)
             if req.stream:
