@@ -19,7 +19,7 @@ def ids(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def long_llama_dir(tmp_path_factory, smollm2_hf_tokenizer):
-    from conftest import make_tiny_llama
+    from tiny_models import make_tiny_llama
 
     return make_tiny_llama(tmp_path_factory.mktemp("long-llama"), smollm2_hf_tokenizer,
                            max_position_embeddings=2048)
