@@ -72,7 +72,7 @@ def run_transformers(path: str, args, prompts: list[list[int]], n_out: int) -> d
 
 
 def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: int, bw: float) -> dict[str, float]:
-    with LLM(path, dtype=dtype) as llm:
+    with LLM(path, dtype=dtype, enable_prefix_caching=False) as llm:  # measure compute, not cache hits
         arch = llm.engine.loaded.checkpoint.hf_config
         wbytes = weight_bytes_per_decode_step(llm.engine.loaded.model, arch["vocab_size"], arch["hidden_size"])
         res = measure(tm_run, llm, args)
