@@ -76,7 +76,7 @@ ROUTES = [("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/vers
                                             "max_tokens": 1}),
           ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
           ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
-          ("GET", "/no-such-route", None)]
+          ("POST", "/reset_prefix_cache", None), ("GET", "/no-such-route", None)]
 
 
 def test_cli_serve_api_key_and_sigterm_drain(cli_server):

@@ -25,13 +25,15 @@ requests get ``DrainingError``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.prompts import PromptInput, normalize_prompts
@@ -63,6 +65,14 @@ class _Abort:
 @dataclass
 class _Stop:
     pass
+
+
+@dataclass
+class _Call:
+    """Run ``fn(engine)`` on the engine thread; the result goes to ``future``."""
+
+    fn: Callable[[LLMEngine], Any]
+    future: concurrent.futures.Future
 
 
 @dataclass
@@ -172,6 +182,16 @@ class AsyncLLM:
         finally:
             stream.close()
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps; await its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
+
+    async def reset_prefix_cache(self) -> int:
+        """Forget every cached KV block; returns how many were dropped."""
+        return await self.call(lambda engine: engine.reset_prefix_cache())
+
     def abort(self, request_id: str) -> None:
         """Cancel a request (thread-safe); its blocks are free before the next step."""
         self._commands.put(_Abort(request_id))
@@ -254,6 +274,8 @@ class AsyncLLM:
                 self._add(cmd)
             elif isinstance(cmd, _Abort):
                 self._abort(cmd.request_id)
+            elif isinstance(cmd, _Call):
+                _run_call(cmd, self.engine)
             try:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
@@ -333,6 +355,13 @@ class AsyncLLM:
                 for stream, _ in items:
                     self._commands.put(_Abort(stream.request_id))
         self._outbox.clear()
+
+
+def _run_call(cmd: _Call, engine: LLMEngine) -> None:
+    try:
+        cmd.future.set_result(cmd.fn(engine))
+    except Exception as exc:  # the caller gets it
+        cmd.future.set_exception(exc)
 
 
 def _deliver(items: list[tuple[RequestStream, object]]) -> None:

@@ -158,6 +158,14 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        """Admin: forget every cached KV block (API-key protected like /v1)."""
+        if state.llm is None:
+            raise APIError(503, "the model is loading", type="service_unavailable_error",
+                           code="loading")
+        return {"reset_blocks": await state.llm.reset_prefix_cache()}
+
     @app.get("/version")
     async def version() -> dict[str, Any]:
         return {"version": __version__}
