@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured_output.backend import BACKEND_CHOICES
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -55,6 +56,11 @@ class EngineConfig:
     for a whole budget's worth of compute (None: up to max_num_batched_tokens)."""
     check_kv_integrity: bool = False
     """Debug: verify the KV block bookkeeping after every step (slow)."""
+    structured_outputs_backend: str = "auto"
+    """Grammar backend of structured output: auto (the first installed) or guidance (llguidance)."""
+    reasoning_parser: str = "auto"
+    """How reasoning is delimited (e.g. think: <think>...</think>); structured output then
+    constrains only the answer after it. auto: chosen from the chat template; none: off."""
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -64,6 +70,15 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)
+        if self.structured_outputs_backend not in BACKEND_CHOICES:
+            raise InvalidRequestError(
+                f"structured_outputs_backend={self.structured_outputs_backend!r} is unknown; "
+                f"use one of {', '.join(BACKEND_CHOICES)}"
+            )
+        if self.reasoning_parser not in ("auto", "none"):
+            from tokenmill.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+
+            get_reasoning_parser(self.reasoning_parser)  # raises naming the known ones
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise InvalidRequestError(
                 f"dtype={self.dtype!r} is not supported; use auto or one of {', '.join(DTYPES)}"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured_output.params import StructuredOutputsParams
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy decoding (argmax), as in vLLM."""
@@ -93,6 +94,8 @@ class SamplingParams:
     """What each streamed output carries; see ``RequestOutputKind``."""
     detokenize: bool = True
     """Produce text (stop strings need it)."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output (JSON schema, regex, choice, grammar...); an empty guide = None."""
 
     def __post_init__(self) -> None:
         self._normalize()
@@ -126,6 +129,7 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = [_int("stop_token_ids entry", t) for t in self.stop_token_ids or []]
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        self.structured_outputs = _normalize_guide(self.structured_outputs)
 
     def _verify_sampling(self) -> None:
         _check(self.n >= 1, f"n must be >= 1, got {self.n}")
@@ -244,6 +248,19 @@ def _normalize_logit_bias(bias: Mapping[Any, Any] | None) -> dict[int, float] | 
                f"logit_bias[{token}] must be in [-100, 100], got {value}")
         out[token] = value
     return out
+
+
+def _normalize_guide(guide: Any) -> StructuredOutputsParams | None:
+    if guide is None:
+        return None
+    if isinstance(guide, Mapping):
+        guide = StructuredOutputsParams.from_dict(dict(guide))
+    _check(isinstance(guide, StructuredOutputsParams),
+           f"structured_outputs must be a StructuredOutputsParams, got {type(guide).__name__}")
+    if guide.is_empty:
+        return None
+    guide.spec()  # raises on a malformed JSON schema or structural tag
+    return guide
 
 
 def _token_key(key: Any) -> int:

@@ -19,6 +19,8 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import Sampler, make_generator
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.structured_output.state import StepResult
 from tokenmill.worker.model_runner import ModelRunner, allocate_kv_caches
 
 logger = logging.getLogger(__name__)
@@ -43,8 +45,10 @@ class LLMEngine:
             self.loaded.model, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device
         )
         generator = torch.Generator(device=self.loaded.device).manual_seed(config.seed)
+        self.structured = StructuredOutputManager.from_config(config, self.tokenizer, self.vocab_size)
+        sampler = Sampler(generator, extra_processors=(self.structured.mask_logits,))
         self.runner = ModelRunner(
-            self.loaded.model, caches, config.block_size, self.loaded.device, Sampler(generator)
+            self.loaded.model, caches, config.block_size, self.loaded.device, sampler
         )
         self.processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}
@@ -72,6 +76,8 @@ class LLMEngine:
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         check_params(params, self.vocab_size, self.config.max_logprobs)
         max_tokens = resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len)
+        guide = params.structured_outputs
+        spec = self.structured.validate(guide) if guide is not None else None
         options = options or RequestOptions()
         children = [
             self._child(prompt_token_ids, params, max_tokens, request_id, i, options)
@@ -87,8 +93,9 @@ class LLMEngine:
         self.processor.add(parent, [c.request_id for c in children], children)
         self._children[request_id] = [c.request_id for c in children]
         self._parent_of.update((c.request_id, request_id) for c in children)
-        for child in children:
-            self.scheduler.add(child)
+        for child in children:  # a child whose grammar still compiles waits in self.structured
+            if spec is None or self.structured.submit(child, spec):
+                self.scheduler.add(child)
         self.stats.on_added(request_id, children)
         return request_id
 
@@ -111,13 +118,15 @@ class LLMEngine:
         out = None
         for cid in list(self._children.get(request_id, [])):
             req = self.scheduler.finish(cid, RequestStatus.FINISHED_ABORTED)
+            if req is None and (req := self.structured.discard(cid)) is not None:
+                req.status = RequestStatus.FINISHED_ABORTED
             if req is not None:
                 out = self.processor.finish(req) or out
                 self._forget(cid)
         return out
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self.structured.has_waiting
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (running requests keep theirs). Returns how many."""
@@ -137,9 +146,11 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled()
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            self.structured.wait(timeout=0.05)  # idle but for compiles: wait for one
+            return failed
         self.stats.on_scheduled(sched)
         try:
             result = self.runner.execute(sched)
@@ -148,16 +159,18 @@ class LLMEngine:
             return self._fail([s.request for s in sched.seqs], f"{type(exc).__name__}: {exc}")
         for rid, (start, entries) in result.prompt_logprobs.items():
             self.processor.record_prompt_logprobs(rid, start, entries)
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput] = failed
         progressed = self.scheduler.update(sched, result.sampled)
         self.stats.on_tokens(progressed)
         for req in progressed:
             stop = self.processor.process_token(req, result.logprobs.get(req.request_id))
             if stop is not None and not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            error = self._advance_grammar(req) if req.structured is not None else None
             if req.is_finished:
                 self._log_reuse(req)
-            out = self.processor.finish(req) if req.is_finished else self.processor.progress(req)
+            out = (self.processor.finish(req, error) if req.is_finished
+                   else self.processor.progress(req))
             if req.is_finished:
                 self._forget(req.request_id)
             if out is not None:
@@ -165,6 +178,37 @@ class LLMEngine:
         if self.config.check_kv_integrity:
             self.kv.check_integrity()
         return outputs
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the requests whose grammar compiled; fail those whose compile failed."""
+        ready, failed = self.structured.collect()
+        for req in ready:
+            self.scheduler.add(req)
+        outputs = []
+        for req, message in failed:
+            req.status = RequestStatus.FINISHED_ERROR
+            out = self.processor.finish(req, error=message)
+            self._forget(req.request_id)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _advance_grammar(self, req: Request) -> str | None:
+        """Feed the new token to the request's grammar: a complete grammar stops the request
+        (also one that reached max_tokens with it: it is complete, not truncated)."""
+        if req.status is RequestStatus.FINISHED_STOPPED:  # EOS or a stop string
+            return None
+        result = self.structured.advance(req)
+        if result is StepResult.COMPLETE:
+            if not req.is_finished:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            elif req.status is RequestStatus.FINISHED_LENGTH:
+                req.status = RequestStatus.FINISHED_STOPPED
+        elif result is StepResult.REJECTED:
+            if not req.is_finished:
+                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
+            return f"the grammar rejected token {req.output_token_ids[-1]}"
+        return None
 
     def _log_reuse(self, req: Request) -> None:
         if self.kv.enable_prefix_caching and logger.isEnabledFor(logging.INFO):

@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.structured_output.state import StructuredRequest
 
 
 class RequestStatus(enum.Enum):
@@ -62,6 +66,8 @@ class Request:
     """Prompt tokens served from the prefix cache at first admission."""
     arrival_index: int = 0
     """Admission order tiebreak, set by the scheduler."""
+    structured: StructuredRequest | None = None
+    """Grammar state when params.structured_outputs is set (``structured_output/``)."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -45,6 +45,8 @@ ENGINE_FLAGS = (
     Flag("--num-kv-blocks", "num_kv_blocks", int, "exact number of KV cache blocks (overrides --kv-cache-memory)"),
     Flag("--seed", "seed", int, "seed for requests that do not set their own", 0),
     Flag("--served-model-name", "served_model_name", str, "model name reported to clients"),
+    Flag("--structured-outputs-backend", "structured_outputs_backend", str, "grammar backend of structured output: auto or guidance (llguidance)", "auto"),
+    Flag("--reasoning-parser", "reasoning_parser", str, "how reasoning is delimited in the output (think, deepseek_r1, qwen3, mistral); auto: from the chat template; none: off", "auto"),
 )
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -56,6 +58,7 @@ SERVER_FLAGS = (
     Flag("--max-queued-requests", "max_queued_requests", int, "requests waiting to start beyond this are refused at once with HTTP 429 and Retry-After", 1024),
     Flag("--queue-timeout", "queue_timeout", float, "seconds a request may wait to start before it is refused with HTTP 503 (default: no limit)"),
     Flag("--log-level", "log_level", str, "log level of the server and the engine", "info", choices=LOG_LEVELS),
+    Flag("--tool-call-parser", "tool_call_parser", str, "how tool calls are read from the output (hermes, llama3_json, mistral, pythonic, json); auto: from the chat template", "auto"),
 )
 
 SAMPLING_FLAGS = (

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from tokenmill.sampling.logits_processors import (
     apply_top_k_top_p,
 )
 from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.structured_output.state import StructuredRequest
 
 
 @dataclass
@@ -49,6 +53,8 @@ class RowState:
     """
     eos_token_ids: frozenset[int] = frozenset()
     """Suppressed, with ``params.stop_token_ids``, while len(output) < min_tokens."""
+    structured: StructuredRequest | None = None
+    """The request's grammar state (read by the structured-output mask processor)."""
 
 
 @dataclass(frozen=True)

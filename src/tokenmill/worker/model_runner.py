@@ -123,6 +123,7 @@ def _row_state(s: ScheduledSeq) -> RowState:
         output_token_ids=req.output_token_ids,
         generator=req.generator,
         eos_token_ids=req.eos_token_ids,
+        structured=req.structured,
     )
 
 

@@ -58,6 +58,18 @@ class SamplingRequest(OpenAIModel):
     """vLLM: lower is scheduled first (FCFS within a priority)."""
     cache_salt: str | None = None
     """vLLM: only requests with the same salt share prefix-cache blocks."""
+    # structured output: at most one of these (see entrypoints/openai/structured.py)
+    response_format: dict[str, Any] | None = None
+    """OpenAI: {"type": "text" | "json_object" | "json_schema", "json_schema": {"schema"}}."""
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM: {"json" | "regex" | "choice" | "grammar" | "json_object" | "structural_tag": ...}."""
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    """Accepted for compatibility; the engine's backend is used."""
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -65,9 +77,11 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    reasoning_effort: str | None = None
+    """Passed to the chat template (as chat_template_kwargs["reasoning_effort"])."""
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
@@ -140,6 +154,9 @@ class ChatLogprobs(OpenAIModel):
 class ChatMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    """[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]."""
 
 
 class ChatChoice(OpenAIModel):
@@ -176,6 +193,8 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     @model_serializer(mode="wrap")
     def _only_set(self, handler: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.engine.async_llm import RequestStream
+from tokenmill.entrypoints.openai.chat_output import ChatOutputParser, ChatStreamer
 from tokenmill.entrypoints.openai.errors import bad_request, from_exception
 from tokenmill.entrypoints.openai.protocol import (
     ChatChoice,
@@ -34,10 +35,14 @@ from tokenmill.entrypoints.openai.serving_common import (
     unless_disconnected,
 )
 from tokenmill.entrypoints.openai.state import ServerState
+from tokenmill.entrypoints.openai.structured import (
+    keeps_special_tokens,
+    template_kwargs,
+    tool_setup,
+    with_tool_arguments,
+)
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import MAX_LOGPROBS, RequestOutputKind
-
-_TOOL_CHOICES = (None, "none", "auto")
 
 
 class ChatHandler:
@@ -49,15 +54,21 @@ class ChatHandler:
         self.state.check_model(req.model)
         check_common(req)
         _check_supported(req)
-        conversation = [_flatten(i, m) for i, m in enumerate(req.messages)]
-        prompt_ids = self.state.tokenizer.apply_chat_template(
+        tokenizer = self.state.tokenizer
+        tools = tool_setup(req, self.state.config.tool_call_parser,
+                           req.chat_template or tokenizer.chat_template)
+        conversation = [with_tool_arguments(_flatten(i, m)) for i, m in enumerate(req.messages)]
+        prompt_ids = tokenizer.apply_chat_template(
             conversation,
             chat_template=req.chat_template,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             tools=req.tools,
-            **(req.chat_template_kwargs or {}),
+            **template_kwargs(req),
         )
+        reasoning_cls = llm.engine.structured.reasoning_parser
+        reasoning = reasoning_cls.for_prompt(tokenizer, prompt_ids) if reasoning_cls else None
+        parser = ChatOutputParser(reasoning, tools.parser)
         top_n = _top_logprobs(req)
         params = to_sampling_params(
             req,
@@ -66,6 +77,8 @@ class ChatHandler:
             logprobs=top_n,
             prompt_logprobs=req.prompt_logprobs,
             kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=tools.guide,
+            keep_special_tokens=keeps_special_tokens(tokenizer, reasoning, tools.parser),
         )
         echo = _echo_text(req, conversation)
         rid = random_id("chatcmpl")
@@ -77,21 +90,13 @@ class ChatHandler:
         except BaseException:
             stream.close()
             raise
-        reply = _Reply(rid, self.state.model_name, req, top_n, echo)
+        reply = _Reply(rid, self.state.model_name, req, top_n, echo, parser)
         if req.stream:
             return StreamingResponse(reply.stream(first, stream), media_type="text/event-stream")
         return JSONResponse(reply.full(first).model_dump())
 
 
 def _check_supported(req: ChatCompletionRequest) -> None:
-    if req.tool_choice not in _TOOL_CHOICES:
-        raise bad_request("tool_choice 'required' or a named tool needs tool-call parsing, "
-                          "which this server does not do yet; use 'auto' or 'none'",
-                          "tool_choice")
-    kind = (req.response_format or {}).get("type", "text")
-    if kind != "text":
-        raise bad_request(f"response_format type {kind!r} (structured output) is not "
-                          "supported yet; use 'text'", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
@@ -134,7 +139,8 @@ class _Reply:
     """Builds the response or the SSE chunks of one chat request."""
 
     def __init__(self, rid: str, model: str, req: ChatCompletionRequest, top_n: int | None,
-                 echo: str) -> None:
+                 echo: str, parser: ChatOutputParser) -> None:
+        self.parser = parser
         self.rid = rid
         self.model = model
         self.req = req
@@ -148,18 +154,29 @@ class _Reply:
         return chat_logprobs(comp.token_ids, comp.logprobs, self.top_n)
 
     def full(self, out: RequestOutput) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(index=c.index, message=ChatMessage(content=self.echo + c.text),
-                       logprobs=self._logprobs(c), finish_reason=c.finish_reason,
-                       stop_reason=c.stop_reason)
-            for c in out.outputs
-        ]
+        choices = []
+        for c in out.outputs:
+            message = self._message(c)
+            choices.append(ChatChoice(
+                index=c.index, message=message, logprobs=self._logprobs(c),
+                finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)),
+                stop_reason=c.stop_reason))
         completion = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(
             id=self.rid, created=self.created, model=self.model, choices=choices,
             usage=UsageInfo.of(len(out.prompt_token_ids), completion, out.num_cached_tokens),
             prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
         )
+
+    def _message(self, comp: CompletionOutput) -> ChatMessage:
+        if self.parser.is_plain:
+            return ChatMessage(content=self.echo + comp.text)
+        parts = self.parser.parse(comp.text, final=True)
+        calls = [{"id": self.parser.tools.new_call_id(), "type": "function",  # type: ignore[union-attr]
+                  "function": {"name": c.name, "arguments": c.arguments}} for c in parts.calls]
+        content = self.echo + parts.content
+        return ChatMessage(content=content or (None if calls else ""),
+                           reasoning_content=parts.reasoning, tool_calls=calls or None)
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
         opts = self.req.stream_options
@@ -177,6 +194,7 @@ class _Reply:
         def usage() -> UsageInfo | None:
             return UsageInfo.of(prompt_len, generated, cached) if continuous else None
 
+        streamers = [ChatStreamer(self.parser) for _ in range(self.req.n)]
         try:
             for i in range(self.req.n):
                 role = DeltaMessage(role="assistant", content=self.echo)
@@ -186,11 +204,17 @@ class _Reply:
                 raise_if_failed(out)
                 for c in out.outputs:
                     generated += len(c.token_ids)
-                    if not (c.text or c.finish_reason or c.logprobs):
-                        continue  # text held back (a stop string may follow)
-                    choice = ChatChunkChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                             logprobs=self._logprobs(c),
-                                             finish_reason=c.finish_reason,
+                    streamer = streamers[c.index]
+                    parts = streamer.feed(c.text, final=c.finish_reason is not None)
+                    if not (parts or c.finish_reason or c.logprobs):
+                        continue  # text held back (a stop string or a marker may follow)
+                    delta = DeltaMessage(content=parts.content if parts.content or not (
+                        parts.reasoning or parts.calls) else None,
+                        reasoning_content=parts.reasoning or None,
+                        tool_calls=parts.calls or None)
+                    finish = _finish_reason(c.finish_reason, bool(streamer.call_ids))
+                    choice = ChatChunkChoice(index=c.index, delta=delta,
+                                             logprobs=self._logprobs(c), finish_reason=finish,
                                              stop_reason=c.stop_reason)
                     yield self._chunk([choice], usage())
                 if out.finished:
@@ -203,3 +227,8 @@ class _Reply:
         finally:
             stream.close()
         yield SSE_DONE
+
+
+def _finish_reason(reason: str | None, has_calls: bool) -> str | None:
+    """A response that ends in tool calls says so (unless it was cut short)."""
+    return "tool_calls" if has_calls and reason == "stop" else reason

@@ -24,6 +24,7 @@ from tokenmill.entrypoints.openai.protocol import (
 )
 from tokenmill.outputs import Logprob, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.structured_output import StructuredOutputsParams
 
 T = TypeVar("T")
 
@@ -52,8 +53,13 @@ def to_sampling_params(
     logprobs: int | None,
     prompt_logprobs: int | None,
     kind: RequestOutputKind,
+    structured_outputs: StructuredOutputsParams | None = None,
+    keep_special_tokens: bool = False,
 ) -> SamplingParams:
-    """The request's sampling fields; unset ones come from the model's generation_config."""
+    """The request's sampling fields; unset ones come from the model's generation_config.
+
+    ``keep_special_tokens``: the text must keep special tokens (a parser's markers).
+    """
     return SamplingParams(
         n=req.n,
         temperature=_pick(req.temperature, default.temperature),
@@ -72,10 +78,11 @@ def to_sampling_params(
         min_tokens=req.min_tokens,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        skip_special_tokens=req.skip_special_tokens,
+        skip_special_tokens=req.skip_special_tokens and not keep_special_tokens,
         spaces_between_special_tokens=req.spaces_between_special_tokens,
         logit_bias=req.logit_bias,
         output_kind=kind,
+        structured_outputs=structured_outputs,
     )
 
 

@@ -30,6 +30,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     unless_disconnected,
 )
 from tokenmill.entrypoints.openai.state import ServerState
+from tokenmill.entrypoints.openai.structured import guide_of
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
 
@@ -61,6 +62,7 @@ class CompletionHandler:
             logprobs=req.logprobs,
             prompt_logprobs=prompt_lp,
             kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
+            structured_outputs=guide_of(req),
         )
         rid = random_id("cmpl")
         streams: list[RequestStream] = []

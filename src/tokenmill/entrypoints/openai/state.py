@@ -28,6 +28,9 @@ class ServerConfig:
     """Seconds a request may wait to start before it is refused with 503; None = forever."""
     log_level: str = "info"
     """uvicorn and tokenmill log level: critical, error, warning, info, debug."""
+    tool_call_parser: str = "auto"
+    """How tool calls are read from the model's text (hermes, llama3_json, mistral,
+    pythonic, json); auto: chosen from the chat template."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -36,6 +39,10 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
+        if self.tool_call_parser != "auto":
+            from tokenmill.entrypoints.openai.tool_parsers import get_tool_parser
+
+            get_tool_parser(self.tool_call_parser)
 
 
 def model_name_of(path: str | None, served_model_name: str | None) -> str:

@@ -1,0 +1,199 @@
+"""``StructuredOutputManager``: the engine's side of guided decoding.
+
+1. ``validate`` (when a request is added): the guide is well formed, and the
+   backend can build it (no tokenizer work, so it is fast). Bad input raises
+   ``InvalidRequestError`` before anything is queued.
+2. ``submit``: the request's grammar compiles in a thread pool (cached by spec;
+   requests with the same spec share one compile). Until it is ready the request
+   waits here, not in the scheduler, so compiling never stalls the engine loop.
+3. ``collect``: requests whose grammar is ready go on to the scheduler.
+4. Per step, ``mask_logits`` (a sampler row processor) fills one bitmask row per
+   constrained row, in parallel, and sets the disallowed logits to -inf.
+5. ``advance`` feeds the sampled token to the matcher; a complete grammar ends
+   the request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.structured_output.backend import (
+    CompiledGrammar,
+    StructuredOutputBackend,
+    create_backend,
+)
+from tokenmill.structured_output.bitmask import allocate_bitmask, apply_bitmask
+from tokenmill.structured_output.params import GrammarSpec, StructuredOutputsParams
+from tokenmill.structured_output.state import StepResult, StructuredRequest
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.request import Request
+    from tokenmill.entrypoints.openai.reasoning_parsers import ReasoningParser
+    from tokenmill.sampling.sampler import RowState
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 256
+"""Compiled grammars kept (least recently used ones are dropped)."""
+
+
+class StructuredOutputManager:
+    def __init__(
+        self,
+        backend_name: str,
+        tokenizer,
+        vocab_size: int,
+        reasoning_parser: type[ReasoningParser] | None = None,
+        compile_threads: int = 2,
+    ) -> None:
+        self.backend_name = backend_name
+        self.reasoning_parser = reasoning_parser
+        """Splits reasoning from the answer; the grammar constrains only the answer."""
+        self.markers = reasoning_parser.markers(tokenizer) if reasoning_parser else None
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._backend: StructuredOutputBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._threads = compile_threads
+        self._cache: OrderedDict[GrammarSpec, Future[CompiledGrammar]] = OrderedDict()
+        self._validated: OrderedDict[GrammarSpec, None] = OrderedDict()
+        self._waiting: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, tokenizer, vocab_size: int
+                    ) -> StructuredOutputManager:
+        from tokenmill.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
+
+        parser = resolve_reasoning_parser(config.reasoning_parser, tokenizer.chat_template)
+        return cls(config.structured_outputs_backend, tokenizer, vocab_size, parser)
+
+    @property
+    def backend(self) -> StructuredOutputBackend:
+        """Created on first use (building the tokenizer's token trie takes about a second)."""
+        with self._backend_lock:
+            if self._backend is None:
+                tok = self._tokenizer
+                self._backend = create_backend(
+                    self.backend_name, tok.hf, self._vocab_size, sorted(tok.eos_token_ids)
+                )
+            return self._backend
+
+    # -- adding requests -------------------------------------------------------------
+    def validate(self, guide: StructuredOutputsParams) -> GrammarSpec:
+        """The guide's spec; raises InvalidRequestError naming what is wrong with it."""
+        spec = guide.spec()
+        if spec not in self._validated and spec not in self._cache:
+            self.backend.validate(spec)
+            self._remember(self._validated, spec, None)
+        return spec
+
+    def submit(self, req: Request, spec: GrammarSpec) -> bool:
+        """Attach the request's state and start its compile; True if it is ready now."""
+        req.structured = StructuredRequest.start(spec, self.markers, req.prompt_token_ids)
+        future = self._compiled(spec)
+        if future.done() and future.exception() is None:
+            req.structured.matcher = future.result().matcher()
+            return True
+        self._waiting[req.request_id] = (req, future)
+        return False
+
+    def _compiled(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
+        future = self._cache.get(spec)
+        if future is None:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="tokenmill-grammar")
+            future = self._pool.submit(self._compile, spec)
+        self._remember(self._cache, spec, future)
+        return future
+
+    def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
+        return self.backend.compile(spec)
+
+    def _remember(self, cache: OrderedDict, key, value) -> None:
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > CACHE_SIZE:
+            cache.popitem(last=False)
+
+    # -- waiting for compiles ----------------------------------------------------------
+    @property
+    def has_waiting(self) -> bool:
+        return bool(self._waiting)
+
+    def collect(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        """Requests whose compile finished: (ready ones, (failed one, error message))."""
+        ready: list[Request] = []
+        failed: list[tuple[Request, str]] = []
+        for rid, (req, future) in list(self._waiting.items()):
+            if not future.done():
+                continue
+            del self._waiting[rid]
+            error = future.exception()
+            if error is None:
+                assert req.structured is not None
+                req.structured.matcher = future.result().matcher()
+                ready.append(req)
+            else:
+                failed.append((req, f"{type(error).__name__}: {error}"))
+        return ready, failed
+
+    def wait(self, timeout: float) -> None:
+        """Block until a compile finishes or ``timeout`` seconds pass (an idle engine)."""
+        if self._waiting:
+            wait([f for _, f in self._waiting.values()], timeout, return_when="FIRST_COMPLETED")
+
+    def discard(self, request_id: str) -> Request | None:
+        """Forget a waiting request (aborted before its grammar was ready)."""
+        entry = self._waiting.pop(request_id, None)
+        return entry[0] if entry else None
+
+    # -- every step ----------------------------------------------------------------------
+    def mask_logits(self, logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+        """Sampler row processor: -inf on the tokens each constrained row may not take."""
+        constrained = [
+            (i, row.structured) for i, row in enumerate(rows)
+            if row.structured is not None and row.structured.masks
+        ]
+        if not constrained:
+            return
+        backend = self.backend
+        bitmask = allocate_bitmask(len(constrained), backend.bitmask_width)
+        backend.fill_bitmasks(
+            [(state.matcher, j) for j, (_, state) in enumerate(constrained)], bitmask
+        )
+        for j, (_, state) in enumerate(constrained):
+            extra = state.extra_allowed
+            if extra is not None:
+                bitmask[j, extra // 32] |= _bit(extra % 32)
+        index = None
+        if len(constrained) < len(rows):
+            index = torch.tensor([i for i, _ in constrained], dtype=torch.int64)
+        apply_bitmask(logits, bitmask, index)
+
+    def advance(self, req: Request) -> StepResult:
+        """Feed the request's newest token to its matcher."""
+        assert req.structured is not None
+        result = req.structured.advance(req.output_token_ids)
+        if result is StepResult.REJECTED:
+            logger.warning("request %s: the grammar rejected token %d",
+                           req.request_id, req.output_token_ids[-1])
+        return result
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _bit(k: int) -> int:
+    """Bit k of an int32 word, as a Python int that fits in int32."""
+    return (1 << k) - (1 << 32) if k == 31 else 1 << k
+
