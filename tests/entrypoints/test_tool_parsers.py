@@ -12,8 +12,11 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stream_check import assemble as _assemble
+from stream_check import check_every_boundary
+from stream_check import full as _full
 
-from tokenmill.entrypoints.openai.chat_output import ChatOutputParser, ChatStreamer
+from tokenmill.entrypoints.openai.chat_output import ChatOutputParser
 from tokenmill.entrypoints.openai.reasoning_parsers import (
     get_reasoning_parser,
     resolve_reasoning_parser,
@@ -148,35 +151,9 @@ def _output_parser(name: str | None, reasoning: bool) -> ChatOutputParser:
     return ChatOutputParser(get_reasoning_parser("think")() if reasoning else None, tools)
 
 
-def _assemble(output: ChatOutputParser, chunks: list[str]) -> dict:
-    """What an OpenAI client rebuilds from the stream."""
-    streamer = ChatStreamer(output)
-    msg: dict = {"content": "", "reasoning": "", "calls": []}
-    for i, chunk in enumerate(chunks):
-        delta = streamer.feed(chunk, final=i == len(chunks) - 1)
-        msg["content"] += delta.content
-        msg["reasoning"] += delta.reasoning
-        for call in delta.calls:
-            if call["index"] == len(msg["calls"]):
-                msg["calls"].append([call["function"]["name"], ""])
-            msg["calls"][call["index"]][1] += call["function"]["arguments"]
-    return msg
-
-
-def _full(output: ChatOutputParser, text: str) -> dict:
-    parts = output.parse(text, final=True)
-    return {"content": parts.content, "reasoning": parts.reasoning or "",
-            "calls": [[c.name, c.arguments] for c in parts.calls]}
-
-
 @pytest.mark.parametrize("name, reasoning, text", SAMPLES)
 def test_stream_equals_full_at_every_boundary(name, reasoning, text):
-    output = _output_parser(name, reasoning)
-    full = _full(output, text)
-    assert _assemble(output, [text]) == full
-    for cut in range(len(text) + 1):
-        assert _assemble(output, [text[:cut], text[cut:]]) == full, cut
-    assert _assemble(output, list(text) + [""]) == full  # one character at a time
+    check_every_boundary(_output_parser(name, reasoning), text)
 
 
 @settings(max_examples=60, deadline=None)

@@ -10,9 +10,17 @@ import jsonschema
 import pytest
 from _serving_helpers import MODEL, tiny_engine_llm
 from chat_templates import QWEN25_TOOLS, THINKING, make_tiny_qwen2
+from stream_check import check_every_boundary
 
+from tokenmill.entrypoints.openai.chat_output import ChatOutputParser
 from tokenmill.entrypoints.openai.launcher import OpenAIServer
 from tokenmill.entrypoints.openai.state import ServerConfig
+from tokenmill.entrypoints.openai.tool_parsers import get_tool_parser
+from tokenmill.entrypoints.openai.tool_parsers.forced import (
+    NamedToolParser,
+    RequiredToolParser,
+    required_schema,
+)
 
 CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
         "required": ["city"], "additionalProperties": False}
@@ -56,6 +64,15 @@ def thinker(tmp_path_factory, smollm2_hf_tokenizer):
                         timeout=120), llm.tokenizer
     srv.close(timeout=30)
     llm.close()
+
+
+def _hermes_grammar(calls: int) -> str:
+    """Text, then ``calls`` Hermes calls to add (``<tool_call>`` is one added token: a
+    llguidance grammar names it, it does not spell it)."""
+    call = r'<tool_call> "\n{\"name\": \"add\", \"arguments\": " args "}\n" </tool_call>'
+    calls_rule = r' "\n" '.join([call] * calls)
+    return (r'start: "Let me add them.\n" ' + calls_rule + "\nargs: %json "
+            + json.dumps(COMPACT))
 
 
 def _create(client, **kwargs):
@@ -123,9 +140,7 @@ def test_parallel_required_calls(qwen):
 
 
 def test_auto_separates_text_from_calls(qwen):
-    # <tool_call> is one added token: llguidance grammars name it, they do not spell it
-    forced = ('start: "Let me add them.\\n" <tool_call> "\\n{\\"name\\": \\"add\\", '
-              '\\"arguments\\": " args "}\\n" </tool_call>\nargs: %json ' + json.dumps(COMPACT))
+    forced = _hermes_grammar(1)
     kwargs = dict(tool_choice="auto", extra_body={"structured_outputs": {"grammar": forced}})
     c = _create(qwen, **kwargs).choices[0]
     assert c.message.content == "Let me add them."
@@ -134,6 +149,22 @@ def test_auto_separates_text_from_calls(qwen):
     assert _assemble(_create(qwen, stream=True, **kwargs)) == _flat(c)
     none = _create(qwen, **{**kwargs, "tool_choice": "none"}).choices[0]  # calls stay text
     assert "<tool_call>" in none.message.content and not none.message.tool_calls
+
+
+def test_real_outputs_stream_the_same_cut_anywhere(qwen):
+    """Raw outputs of the model, re-chunked at every boundary, through each parser."""
+    cases = [
+        ({"json": required_schema(TOOLS, parallel=False)}, RequiredToolParser(TOOLS)),
+        ({"json": CITY}, NamedToolParser(TOOLS, "get_weather")),
+        ({"grammar": _hermes_grammar(2)}, get_tool_parser("hermes")(TOOLS)),
+    ]
+    for guide, parser in cases:
+        text = qwen.completions.create(model=MODEL, prompt="Call a tool:", max_tokens=120,
+                                       temperature=0, extra_body={"structured_outputs": guide}
+                                       ).choices[0].text
+        output = ChatOutputParser(None, parser)
+        assert output.parse(text, final=True).calls, text
+        check_every_boundary(output, text)
 
 
 def test_multi_turn_with_tool_results(qwen):

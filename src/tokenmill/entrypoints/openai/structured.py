@@ -65,7 +65,9 @@ def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputsParams | No
         if not isinstance(schema, dict):
             raise InvalidRequestError(
                 'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
-        return StructuredOutputsParams(json=schema)
+        # OpenAI's strict mode: objects have exactly their listed properties
+        return StructuredOutputsParams(json=schema,
+                                       disable_additional_properties=spec.get("strict") is True)
     if kind == "structural_tag":
         return StructuredOutputsParams(structural_tag={k: v for k, v in fmt.items()
                                                        if k != "type"})

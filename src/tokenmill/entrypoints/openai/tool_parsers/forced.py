@@ -31,7 +31,7 @@ def required_schema(tools: Sequence[dict], parallel: bool) -> dict[str, Any]:
         {"type": "object",
          "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
                         "parameters": parameters_schema(t)},
-         "required": ["name", "parameters"]}
+         "required": ["name", "parameters"], "additionalProperties": False}
         for t in tools
     ]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
