@@ -28,9 +28,16 @@ class EngineConfig:
     tokenizer: str | None = None
     """HF tokenizer folder overriding the checkpoint's own tokenizer."""
     dtype: str = "auto"
-    """Compute and KV dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16."""
+    """Compute and KV dtype: auto (bfloat16 with quantized weights, else float32 on CPU and
+    bfloat16 on CUDA), float32, bfloat16, float16."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    quantization: str = "auto"
+    """Weight format of the linear layers (``tokenmill.quant.plan.QUANTIZATIONS``): none
+    (dense in dtype), gguf (a GGUF's 4-bit blocks as int4 groups, its other quantized
+    types as int8 rows), int8, int4. auto = gguf on CPU for a GGUF checkpoint unless
+    dtype is float32 or float16 (exact dequantized math), else none. Quantized weights
+    compute in bfloat16, which dtype=auto then means."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; may only lower the model's own limit."""
     max_num_seqs: int = 256
@@ -83,6 +90,9 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"dtype={self.dtype!r} is not supported; use auto or one of {', '.join(DTYPES)}"
             )
+        from tokenmill.quant.plan import check_quantization
+
+        check_quantization(self.quantization)
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise InvalidRequestError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -28,6 +28,9 @@ class AttentionMetadata:
     block_size: int
     seq_lens_tensor: torch.Tensor
     """[B] int64, the same as seq_lens, on the device (for the batched decode path)."""
+    first_block_if_contiguous: tuple[int | None, ...] = ()
+    """Per sequence: its first block id when its blocks are consecutive ids (the context
+    is then a view of the cache, no gather), else None."""
     _masks: dict = field(default_factory=dict, compare=False, repr=False)
     """Decode masks built once per step and shared by all layers (keyed by window)."""
 
@@ -77,7 +80,16 @@ class AttentionMetadata:
             block_tables=torch.tensor(padded, dtype=torch.int64, device=device),
             block_size=block_size,
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            first_block_if_contiguous=tuple(
+                _first_if_contiguous(t, -(-s // block_size)) for t, s in zip(block_tables, seq_lens)
+            ),
         )
+
+
+def _first_if_contiguous(table: list[int], used: int) -> int | None:
+    if used == 0 or table[used - 1] - table[0] != used - 1:
+        return None
+    return table[0] if all(b == table[0] + j for j, b in enumerate(table[:used])) else None
 
 
 @dataclass(frozen=True)

@@ -12,48 +12,61 @@ import torch.nn.functional as F
 from tokenmill.attention.metadata import AttentionMetadata
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store new keys/values. kv_cache [2, NB, BS, KVH, D]; k, v [T, KVH, D]; slots [T]."""
-    kvh, d = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, kvh, d).index_copy_(0, slots, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, kvh, d).index_copy_(0, slots, v.to(kv_cache.dtype))
+def write_kv(kv_cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store new keys and values in one copy. kv_cache [2, NB, BS, KVH, D]; kv [T, 2, KVH, D]
+    (keys then values of each token, e.g. a view of the packed qkv output); slots [T]."""
+    _, nb, bs, kvh, d = kv_cache.shape
+    src = kv.transpose(0, 1)
+    if src.dtype != kv_cache.dtype:
+        src = src.to(kv_cache.dtype)
+    kv_cache.view(2, nb * bs, kvh, d).index_copy_(1, slots, src)
 
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    kv: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, H, D], k/v [T, KVH, D] for the new tokens -> output [T, H, D].
+    """q [T, H, D], kv [T, 2, KVH, D] for the new tokens -> output [T, H, D].
 
-    Writes the new K/V into the cache first, then reads each sequence's whole
-    context back from its blocks.
+    Writes the new K/V into the cache first, then reads each sequence's context back
+    from its blocks: a view when the blocks are consecutive, else one gather.
     """
-    write_kv(kv_cache, k, v, meta.slot_mapping)
+    write_kv(kv_cache, kv, meta.slot_mapping)
     if meta.is_all_decode and softcap is None:
         return _decode_batched(q, kv_cache, meta, scale, sliding_window)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for i in range(meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        if end - start == meta.seq_lens[i] and softcap is None:  # no cached context
+            out[start:end] = _attend_new(q[start:end], kv[start:end], scale, sliding_window)
+            continue
         out[start:end] = _attend_one(
             q[start:end], kv_cache, meta, i, scale, sliding_window, softcap
         )
     return out
 
 
-def _gather(kv_cache: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _context(kv_cache: torch.Tensor, meta: AttentionMetadata, i: int, nb: int) -> torch.Tensor:
+    """Blocks 0..nb-1 of sequence i: [2, nb, BS, KVH, D], a view when they are consecutive."""
+    first = meta.first_block_if_contiguous[i] if meta.first_block_if_contiguous else None
+    if first is not None:
+        return kv_cache[:, first : first + nb]
+    return kv_cache.index_select(1, meta.block_tables[i, :nb])
+
+
+def _gather(
+    kv_cache: torch.Tensor, meta: AttentionMetadata, i: int, length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values of one sequence: two [length, KVH, D] tensors."""
     nb = (length + kv_cache.shape[2] - 1) // kv_cache.shape[2]
-    blocks = table[:nb]
     kvh, d = kv_cache.shape[-2:]
-    keys = kv_cache[0, blocks].reshape(-1, kvh, d)[:length]
-    values = kv_cache[1, blocks].reshape(-1, kvh, d)[:length]
-    return keys, values
+    kv = _context(kv_cache, meta, i, nb).reshape(2, -1, kvh, d)[:, :length]
+    return kv[0], kv[1]
 
 
 def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -62,6 +75,25 @@ def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch
     if window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - window
     return allowed
+
+
+def _attend_new(
+    q: torch.Tensor, kv: torch.Tensor, scale: float, window: int | None
+) -> torch.Tensor:
+    """A sequence whose whole context is its new tokens: causal attention over kv [L, 2, KVH, D]
+    as it came out of the projection, with no read back from the cache."""
+    length, heads, _ = q.shape
+    group = heads // kv.shape[2]
+    keys = kv[:, 0].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+    values = kv[:, 1].repeat_interleave(group, dim=1).transpose(0, 1)
+    qh = q.transpose(0, 1)
+    if window is None or length <= window:
+        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale)
+    else:
+        pos = torch.arange(length, device=q.device)
+        mask = _mask(pos, pos, window)
+        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1)
 
 
 def _attend_one(
@@ -75,7 +107,7 @@ def _attend_one(
 ) -> torch.Tensor:
     q_len, heads, _ = q.shape
     length = meta.seq_lens[i]
-    keys, values = _gather(kv_cache, meta.block_tables[i], length)
+    keys, values = _gather(kv_cache, meta, i, length)
     group = heads // keys.shape[1]
     keys = keys.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)  # [H, L, D]
     values = values.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)
@@ -100,23 +132,26 @@ def _decode_batched(
     scale: float,
     window: int | None,
 ) -> torch.Tensor:
-    """All sequences have one new token: one padded SDPA call for the batch.
+    """All sequences have one new token: one SDPA call for the batch.
 
     Grouped-query attention without copying K/V per head: the G query heads that
-    share a KV head become G query rows of that head.
+    share a KV head become G query rows of that head. One sequence reads its blocks
+    in place when they are consecutive; a batch gathers them padded to the longest.
     """
     batch, heads, d = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
     group = heads // kvh
     max_len = max(meta.seq_lens)
     nb = (max_len + bs - 1) // bs
-    kv = kv_cache[:, meta.block_tables[:, :nb]]  # one gather: [2, B, nb, BS, KVH, D]
-    kv = kv.view(2, batch, nb * bs, kvh, d).transpose(2, 3).to(q.dtype)  # [2, B, KVH, L, D]
-    qg = q.view(batch, kvh, group, d)
-    if batch == 1 and (window is None or max_len <= window):
-        keys, values = kv[0, :, :, :max_len], kv[1, :, :, :max_len]  # every key visible: no mask
-        out = F.scaled_dot_product_attention(qg, keys, values, scale=scale)
+    qg = q.reshape(batch, kvh, group, d)
+    if batch == 1 and (window is None or max_len <= window):  # every key visible: no mask
+        kv = _context(kv_cache, meta, 0, nb).reshape(2, 1, nb * bs, kvh, d)[:, :, :max_len]
+        kv = kv.transpose(2, 3).to(q.dtype)  # [2, 1, KVH, L, D]
+        out = F.scaled_dot_product_attention(qg, kv[0], kv[1], scale=scale)
     else:
+        blocks = meta.block_tables[:, :nb].reshape(-1)
+        kv = kv_cache.index_select(1, blocks).view(2, batch, nb * bs, kvh, d)  # one gather
+        kv = kv.transpose(2, 3).to(q.dtype)  # [2, B, KVH, L, D]
         mask = meta.decode_mask(window, nb * bs)
         out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)
     return out.reshape(batch, heads, d)

@@ -13,6 +13,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.loader import Checkpoint, load_checkpoint
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
+from tokenmill.quant.plan import build_plan, resolve_quantization
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,8 @@ class LoadedModel:
     max_model_len: int
     dtype: torch.dtype
     device: torch.device
+    quantization: str = "none"
+    """The resolved weight format (``EngineConfig.quantization`` with auto decided)."""
 
 
 def model_context_limit(hf_config: dict) -> int:
@@ -52,15 +55,26 @@ def load_model(config: EngineConfig) -> LoadedModel:
     ckpt = load_checkpoint(config.model)
     model_cls = resolve_model_class(ckpt.hf_config.get("architectures"))
     max_model_len = resolve_max_model_len(config, ckpt.hf_config)
-    dtype, device = config.torch_dtype(), config.torch_device()
+    device = config.torch_device()
+    quantization = resolve_quantization(config.quantization, config.dtype, device, ckpt.format)
+    plan = build_plan(quantization, _stored_types(ckpt) if quantization == "gguf" else {})
+    # The quantized kernels compute in bfloat16: that is what dtype=auto means with them.
+    dtype = torch.bfloat16 if plan and config.dtype == "auto" else config.torch_dtype()
     tokenizer = load_tokenizer(ckpt, config.tokenizer)
-    logger.info("building %s (%s, %s) from %s", model_cls.__name__, dtype, device, ckpt.path)
+    logger.info("building %s (%s, %s, weights %s) from %s", model_cls.__name__, dtype, device,
+                quantization, ckpt.path)
     with torch.device(device):  # parameters are created in place: no second copy
-        model = model_cls(ckpt.hf_config, dtype, max_positions=max_model_len)
-    model.load_weights(ckpt.weights(dtype))
+        kwargs = {"quant": plan} if plan else {}
+        model = model_cls(ckpt.hf_config, dtype, max_positions=max_model_len, **kwargs)
+    model.load_weights(ckpt.weights(dtype, keep_quantized=plan is not None))
     model.eval()
     logger.info("model ready in %.1f s", time.perf_counter() - start)
-    return LoadedModel(ckpt, model, tokenizer, max_model_len, dtype, device)
+    return LoadedModel(ckpt, model, tokenizer, max_model_len, dtype, device, quantization)
+
+
+def _stored_types(ckpt: Checkpoint) -> dict:
+    """HF tensor name -> GGML type, for a GGUF checkpoint."""
+    return ckpt.source.tensor_types() if hasattr(ckpt.source, "tensor_types") else {}
 
 
 def kv_cache_blocks(config: EngineConfig, loaded: LoadedModel) -> int:

@@ -10,7 +10,8 @@ from torch import nn
 from tokenmill.attention import ForwardContext, paged_attention
 from tokenmill.layers.linear import Linear, PackedLinear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
+from tokenmill.quant.plan import QuantPlan, linear_method
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class AttentionSpec:
 class Attention(nn.Module):
     """hidden [T, hidden] -> [T, hidden]; writes this layer's K/V into ``ctx.kv_caches[layer_idx]``.
 
+    q, k and v stay in the packed projection output: q/k norms and rotary work in place
+    there, so keys and values are stored with one copy straight from it.
+
     HF q_proj/k_proj/v_proj load into qkv_proj shards 0/1/2.
     """
 
@@ -46,16 +50,29 @@ class Attention(nn.Module):
         layer_idx: int,
         rotary: RotaryEmbedding,
         dtype: torch.dtype | None = None,
+        quant: QuantPlan | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         self.spec = spec
         self.layer_idx = layer_idx
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
+        qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
         self.qkv_proj = PackedLinear(
-            spec.hidden_size, [self.q_size, self.kv_size, self.kv_size], spec.qkv_bias, dtype
+            spec.hidden_size,
+            qkv_sizes,
+            spec.qkv_bias,
+            dtype,
+            linear_method(quant, f"{prefix}.qkv_proj", qkv_sizes, spec.hidden_size),
         )
-        self.o_proj = Linear(self.q_size, spec.hidden_size, spec.o_bias, dtype)
+        self.o_proj = Linear(
+            self.q_size,
+            spec.hidden_size,
+            spec.o_bias,
+            dtype,
+            linear_method(quant, f"{prefix}.o_proj", [spec.hidden_size], self.q_size),
+        )
         self.rotary_emb = rotary
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
@@ -64,25 +81,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype)
             self.k_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype)
 
-    def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, rope: RopeTables, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         spec, tokens = self.spec, hidden.shape[0]
+        heads = spec.num_heads + spec.num_kv_heads
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) * D]
-        v = qkv[:, self.q_size + self.kv_size :].view(tokens, spec.num_kv_heads, spec.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = self.q_norm(q.view(tokens, spec.num_heads, spec.head_dim))
-            k = self.k_norm(k.view(tokens, spec.num_kv_heads, spec.head_dim))
-            q, k = self.rotary_emb(positions, q, k)
-        else:  # rotate q and k heads together: one pass instead of two
-            heads = spec.num_heads + spec.num_kv_heads
-            qk = self.rotary_emb.rotate(positions, qkv[:, : self.q_size + self.kv_size].view(tokens, heads, spec.head_dim))
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, heads, spec.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # normalized in place
             q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        self.rotary_emb.rotate_(qk, rope)  # q and k heads in one pass, in place
+        kv = qkv[:, self.q_size :].view(tokens, 2, spec.num_kv_heads, spec.head_dim)
         out = paged_attention(
-            q,
-            k,
-            v,
+            qk[:, : spec.num_heads],
+            kv,
             ctx.kv_caches[self.layer_idx],
             ctx.attn,
             spec.scale,

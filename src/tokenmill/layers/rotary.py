@@ -66,14 +66,25 @@ ROPE_SCALINGS: dict[str, Callable[[RopeConfig, int], torch.Tensor]] = {
 }
 
 
-class RotaryEmbedding(nn.Module):
-    """Applies rotary embedding to q [T, H, D] and k [T, KVH, D] at ``positions`` [T].
+@dataclass(frozen=True)
+class RopeTables:
+    """cos/sin rows of one step's positions, gathered once and shared by every layer."""
 
-    One instance per distinct RopeConfig is shared by all layers that use it.
-    Positions must be < ``max_positions``.
+    cos: torch.Tensor
+    """[T, 1, D] = [cos | cos]."""
+    sin: torch.Tensor
+    """[T, 1, D] = [-sin | sin]: rotate_half's sign folded in."""
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates q [T, H, D] and k [T, KVH, D] at the step's positions (``tables``).
+
+    One instance per distinct RopeConfig is shared by all layers that use it; the
+    model gathers its ``tables`` once per step. Positions must be < ``max_positions``.
     """
 
-    cos_sin_cache: torch.Tensor  # [max_positions, D] = [cos | sin], model dtype
+    cos_cache: torch.Tensor  # [max_positions, D] = [cos | cos], model dtype
+    sin_cache: torch.Tensor  # [max_positions, D] = [-sin | sin], model dtype
 
     def __init__(
         self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype
@@ -83,25 +94,26 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         inv_freq = ROPE_SCALINGS[rope.scaling](rope, head_dim)  # [D/2]
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(dtype)
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)  # rounded as HF rounds them
+        self.register_buffer("cos_cache", torch.cat((cos, cos), dim=-1), persistent=False)
+        self.register_buffer("sin_cache", torch.cat((-sin, sin), dim=-1), persistent=False)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)  # cos, sin [T, 1, D/2]
+    def tables(self, positions: torch.Tensor) -> RopeTables:
+        """positions [T] -> the cos/sin rows every layer of this step uses."""
+        return RopeTables(
+            self.cos_cache.index_select(0, positions).unsqueeze(1),
+            self.sin_cache.index_select(0, positions).unsqueeze(1),
+        )
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] (any mix of q and k heads) -> rotated [T, heads, D]."""
-        cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(x, cos, sin)
+    def rotate_(self, x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+        """Rotate x [T, heads, D] (any mix of q and k heads, may be a view) in place.
+
+        x * [cos|cos] + [x2|x1] * [-sin|sin]: each product and the sum rounded once, in
+        x's dtype, bit-identical to HF's ``x * cos + rotate_half(x) * sin``.
+        """
+        t, heads, d = x.shape
+        swapped = x.reshape(t, heads, 2, d // 2).flip(2).view(t, heads, d)  # a copy
+        return x.mul_(tables.cos).add_(swapped.mul_(tables.sin))
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_positions={self.max_positions}"
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x * [cos|cos] + rotate_half(x) * [sin|sin], bit-identical to HF's formula."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -18,10 +18,14 @@ class WeightSource(Protocol):
     each tensor contiguous, on the CPU, in ``dtype``, and owning its memory (never a
     view into a memory-mapped file). At most one tensor is materialized at a time,
     so peak extra memory is one tensor, however big the checkpoint. Each call starts
-    a fresh pass over the files.
+    a fresh pass over the files. With ``keep_quantized``, a source that stores
+    block-quantized tensors (GGUF) yields those as ``tokenmill.quant.GgufBlocks``
+    instead (raw blocks, possibly a view of the file); others ignore the flag.
     """
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]: ...
+    def iter_weights(
+        self, dtype: torch.dtype, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, Any]]: ...
 
 
 @dataclass(frozen=True)
@@ -41,11 +45,14 @@ class Checkpoint:
     source: WeightSource | None = field(default=None, repr=False, compare=False)
     """Streams the tensors; None for a config-only Checkpoint built by hand."""
 
-    def weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Stream (HF parameter name, tensor in ``dtype``), one tensor at a time."""
+    def weights(
+        self, dtype: torch.dtype, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, Any]]:
+        """Stream (HF parameter name, tensor in ``dtype``), one tensor at a time
+        (quantized GGUF tensors as raw blocks with ``keep_quantized``)."""
         if self.source is None:
             raise ModelLoadError(
                 f"checkpoint {self.path} was built without a weight source; "
                 "create it with tokenmill.loader.load_checkpoint(path)"
             )
-        return self.source.iter_weights(dtype)
+        return self.source.iter_weights(dtype, keep_quantized)

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from tokenmill.loader.checkpoint import Checkpoint
-from tokenmill.loader.gguf_file import GgufFile, read_gguf
+from tokenmill.loader.gguf_file import GgufFile, GgufTensorInfo, read_gguf
 from tokenmill.loader.gguf_names import (
     COMMON_CONFIG_KEYS,
     MINUS_ONE,
@@ -26,6 +28,7 @@ from tokenmill.loader.gguf_names import (
 )
 from tokenmill.loader.gguf_quant import check_supported, dequantize
 from tokenmill.loader.hf_config import normalize_hf_config
+from tokenmill.quant.gguf_blocks import DENSE_TYPES, GgufBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +52,10 @@ TRANSFORMS: dict[str, Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]] = 
 }
 
 
+# Transforms that only reorder rows: they apply to raw blocks as well as to values.
+_ROW_TRANSFORMS = frozenset({UNPERMUTE_Q, UNPERMUTE_K})
+
+
 @dataclass(frozen=True)
 class GgufWeights:
     """Dequantizes one tensor at a time (float32, transform, then cast) from the memory map."""
@@ -58,14 +65,23 @@ class GgufWeights:
     """(index into file.tensors, where it goes) for every tensor that maps to HF."""
     hf_config: dict[str, Any]
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensor_types(self) -> dict[str, GGMLQuantizationType]:
+        """HF tensor name -> the GGML type it is stored in."""
+        return {mapped.hf_name: self.file.tensors[i].qtype for i, mapped in self.names}
+
+    def iter_weights(
+        self, dtype: torch.dtype, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | GgufBlocks]]:
+        """With ``keep_quantized``, 2-D block-quantized tensors come as ``GgufBlocks`` (rows
+        in HF order) for the layer to pack; everything else is dequantized to ``dtype``."""
         last_log = start = time.perf_counter()
         for done, (index, mapped) in enumerate(self.names, 1):
             info = self.file.tensors[index]
-            tensor = dequantize(self.file.raw(info), info.qtype, info.shape)
-            if mapped.transform is not None:
-                tensor = TRANSFORMS[mapped.transform](tensor, self.hf_config)
-            yield mapped.hf_name, tensor.to(dtype).contiguous()
+            if keep_quantized and _keeps_blocks(info.qtype, info.shape, mapped.transform):
+                yield mapped.hf_name, self._blocks(info, mapped)
+            else:
+                yield mapped.hf_name, self._dequantized(info, mapped, dtype)
+            self.file.release(info)  # the pages of this tensor leave our resident memory
             if time.perf_counter() - last_log > _PROGRESS_EVERY_S:
                 last_log = time.perf_counter()
                 logger.info(
@@ -74,6 +90,23 @@ class GgufWeights:
                     len(self.names),
                     last_log - start,
                 )
+
+    def _dequantized(self, info: GgufTensorInfo, mapped: MappedName, dtype: torch.dtype) -> torch.Tensor:
+        tensor = dequantize(self.file.raw(info), info.qtype, info.shape)
+        if mapped.transform is not None:
+            tensor = TRANSFORMS[mapped.transform](tensor, self.hf_config)
+        return tensor.to(dtype).contiguous()
+
+    def _blocks(self, info: GgufTensorInfo, mapped: MappedName) -> GgufBlocks:
+        raw = self.file.raw(info)
+        if mapped.transform is not None:  # a row permutation: apply it to the blocks
+            raw = TRANSFORMS[mapped.transform](torch.from_numpy(np.array(raw)), self.hf_config)
+            raw = raw.numpy()
+        return GgufBlocks(raw, info.qtype, (info.shape[0], info.shape[1]))
+
+
+def _keeps_blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], transform: str | None) -> bool:
+    return len(shape) == 2 and qtype not in DENSE_TYPES and transform in (None, *_ROW_TRANSFORMS)
 
 
 def load_gguf_checkpoint(path: Path) -> Checkpoint:

@@ -10,6 +10,7 @@ would hand them (a uint8 view, one row of blocks per row).
 
 from __future__ import annotations
 
+import mmap
 import struct
 from dataclasses import dataclass, field
 from math import prod
@@ -69,6 +70,16 @@ class GgufFile:
     def raw(self, info: GgufTensorInfo) -> np.ndarray:
         """Read-only uint8 view of one tensor's bytes (memory-mapped; nothing read yet)."""
         return self._blob[info.offset : info.offset + info.nbytes].reshape(info.row_bytes_shape)
+
+    def release(self, info: GgufTensorInfo) -> None:
+        """Drop one tensor's mapped pages from this process's resident memory once it is
+        consumed, so loading never holds the file and the model at once (the pages stay in
+        the OS page cache; reading the tensor again maps them back)."""
+        mapping = getattr(self._blob, "_mmap", None)
+        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        mapping.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
 
 
 def read_gguf(path: Path) -> GgufFile:

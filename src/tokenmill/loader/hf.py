@@ -25,7 +25,10 @@ class SafetensorsWeights:
 
     files: tuple[Path, ...]
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(
+        self, dtype: torch.dtype, keep_quantized: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Safetensors hold dense tensors only: ``keep_quantized`` changes nothing."""
         for file in self.files:
             with _open(file) as f:
                 for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)

@@ -7,12 +7,11 @@ except where projections are packed (``qkv_proj``, ``gate_up_proj``; see
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention import ForwardContext
@@ -20,10 +19,11 @@ from tokenmill.layers.attention import Attention, AttentionSpec
 from tokenmill.layers.linear import Linear, VocabEmbedding
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RopeConfig, RotaryEmbedding
+from tokenmill.layers.rotary import RopeConfig, RopeTables, RotaryEmbedding
 from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.weights import load_weights
+from tokenmill.quant.plan import QuantPlan, linear_method
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,8 @@ class DecoderLayer(nn.Module):
     """Pre-norm layer: (hidden, residual) [T, hidden] -> (hidden, residual).
 
     ``residual`` is None on the first layer. Each norm adds its input to the
-    residual stream first (``RMSNorm.forward_residual``), so the stream is
-    summed exactly as HF sums it.
+    residual stream first (``RMSNorm.forward_residual``, in place), so the stream is
+    summed exactly as HF sums it. ``rope`` holds this step's cos/sin rows per rotary.
     """
 
     def __init__(
@@ -62,8 +62,10 @@ class DecoderLayer(nn.Module):
         layer_idx: int,
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
+        prefix = f"model.layers.{layer_idx}"
         attn_spec = AttentionSpec(
             hidden_size=cfg.hidden_size,
             num_heads=cfg.num_heads,
@@ -77,27 +79,35 @@ class DecoderLayer(nn.Module):
             sliding_window=cfg.window_of(layer_idx),
             softcap=spec.attn_softcap,
         )
-        self.self_attn = Attention(attn_spec, layer_idx, rotary, dtype)
+        self.self_attn = Attention(
+            attn_spec, layer_idx, rotary, dtype, quant, f"{prefix}.self_attn"
+        )
         self.mlp = GatedMLP(
-            cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act, spec.mlp_bias, dtype
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.hidden_act,
+            spec.mlp_bias,
+            dtype,
+            quant,
+            f"{prefix}.mlp",
         )
         self.input_layernorm = _norm(cfg, spec, dtype)
         self.post_attention_layernorm = _norm(cfg, spec, dtype)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Mapping[RotaryEmbedding, RopeTables],
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self._attention(positions, hidden, residual, ctx)
+        hidden, residual = self._attention(rope, hidden, residual, ctx)
         hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
         return self.mlp(hidden), residual
 
     def _attention(
         self,
-        positions: torch.Tensor,
+        rope: Mapping[RotaryEmbedding, RopeTables],
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         ctx: ForwardContext,
@@ -107,7 +117,7 @@ class DecoderLayer(nn.Module):
             residual, hidden = hidden, self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm.forward_residual(hidden, residual)
-        return self.self_attn(positions, hidden, ctx), residual
+        return self.self_attn(rope[self.self_attn.rotary_emb], hidden, ctx), residual
 
 
 class SandwichDecoderLayer(DecoderLayer):
@@ -124,19 +134,20 @@ class SandwichDecoderLayer(DecoderLayer):
         layer_idx: int,
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
+        quant: QuantPlan | None = None,
     ) -> None:
-        super().__init__(cfg, spec, layer_idx, rotary, dtype)
+        super().__init__(cfg, spec, layer_idx, rotary, dtype, quant)
         self.pre_feedforward_layernorm = _norm(cfg, spec, dtype)
         self.post_feedforward_layernorm = _norm(cfg, spec, dtype)
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Mapping[RotaryEmbedding, RopeTables],
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self._attention(positions, hidden, residual, ctx)
+        hidden, residual = self._attention(rope, hidden, residual, ctx)
         hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm.forward_residual(hidden, residual)
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
@@ -150,10 +161,20 @@ class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm: input_ids [T] -> hidden [T, hidden]."""
 
     def __init__(
-        self, cfg: ArchConfig, spec: DecoderSpec, dtype: torch.dtype, max_positions: int
+        self,
+        cfg: ArchConfig,
+        spec: DecoderSpec,
+        dtype: torch.dtype,
+        max_positions: int,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.embed_tokens = VocabEmbedding(
+            cfg.vocab_size,
+            cfg.hidden_size,
+            dtype,
+            None if quant is None else quant.embedding_method("model.embed_tokens"),
+        )
         # Like HF, the scale is rounded to the model dtype (sqrt(3072) -> 55.5 in bfloat16).
         self.embed_scale = (
             float(torch.tensor(cfg.hidden_size**0.5).to(dtype)) if spec.embed_scale else None
@@ -163,9 +184,11 @@ class DecoderModel(nn.Module):
             rope = cfg.rope_of(i)
             if rope not in ropes:
                 ropes[rope] = RotaryEmbedding(cfg.head_dim, max_positions, rope, dtype)
+        self.rotaries = nn.ModuleList(ropes.values())
         layer_cls = SandwichDecoderLayer if spec.sandwich_norms else DecoderLayer
         self.layers = nn.ModuleList(
-            layer_cls(cfg, spec, i, ropes[cfg.rope_of(i)], dtype) for i in range(cfg.num_layers)
+            layer_cls(cfg, spec, i, ropes[cfg.rope_of(i)], dtype, quant)
+            for i in range(cfg.num_layers)
         )
         self.norm = _norm(cfg, spec, dtype)
 
@@ -175,9 +198,10 @@ class DecoderModel(nn.Module):
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
+        rope = {rotary: rotary.tables(positions) for rotary in self.rotaries}  # once per step
         residual: torch.Tensor | None = None
         for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, ctx)
+            hidden, residual = layer(rope, hidden, residual, ctx)
         if residual is None:
             return self.norm(hidden)
         return self.norm.forward_residual(hidden, residual)[0]
@@ -189,10 +213,15 @@ class DecoderForCausalLM(CausalLM):
     Parameters are allocated uninitialized (on the current default device) and
     must be filled by ``load_weights``. ``max_positions`` caps the rotary cache
     (default: the config's max_position_embeddings); positions must stay below it.
+    ``quant`` says how each linear stores its weight (default: dense in ``dtype``).
     """
 
     def __init__(
-        self, hf_config: dict[str, Any], dtype: torch.dtype, max_positions: int | None = None
+        self,
+        hf_config: dict[str, Any],
+        dtype: torch.dtype,
+        max_positions: int | None = None,
+        quant: QuantPlan | None = None,
     ) -> None:
         super().__init__()
         cfg = ArchConfig.from_hf(hf_config)
@@ -203,12 +232,18 @@ class DecoderForCausalLM(CausalLM):
         self.head_dim = cfg.head_dim
         self.vocab_size = cfg.vocab_size
         self.model = DecoderModel(
-            cfg, self.spec, dtype, max_positions or cfg.max_position_embeddings
+            cfg, self.spec, dtype, max_positions or cfg.max_position_embeddings, quant
         )
         self.lm_head: Linear | None = (
             None
             if cfg.tie_word_embeddings
-            else Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+            else Linear(
+                cfg.hidden_size,
+                cfg.vocab_size,
+                False,
+                dtype,
+                linear_method(quant, "lm_head", [cfg.vocab_size], cfg.hidden_size),
+            )
         )
 
     @classmethod
@@ -225,8 +260,10 @@ class DecoderForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (soft-capped in float32 if set)."""
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        logits = F.linear(hidden, head.weight).float()
+        if self.lm_head is None:
+            logits = self.model.embed_tokens.logits(hidden).float()
+        else:
+            logits = self.lm_head(hidden).float()
         cap = self.spec.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -1,0 +1,282 @@
+"""tokenmill vs llama.cpp (llama-cpp-python) on the same GGUF, side by side in one run.
+
+    python benchmarks/vs_llamacpp.py [--model PATH.gguf] [--threads 2]
+                                     [--quantization auto,none] [--no-server]
+
+Offline, in this process: single-stream decode tokens/s (128 tokens after a 32-token
+prompt), prefill tokens/s (32- and 200-token prompts), load time and, for tokenmill,
+the peak resident memory of loading the weights against their in-memory size. Online
+(each server in its own process, as deployed): 16 concurrent requests (128-token
+prompts, 64 greedy output tokens each, EOS suppressed) against `tokenmill serve` and
+llama-cpp-python's server; reported as output tokens/s. Every tokenmill figure is
+also given as a ratio to llama.cpp's. Without llama-cpp-python the peer is skipped
+with a message and tokenmill's figures are printed alone.
+Default model: the embedded SmolLM2-135M-Instruct Q4_1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import best_of, copy_bandwidth, table  # noqa: E402
+
+DECODE_PROMPT, PREFILL_LENS = 32, (32, 200)
+
+
+def prompt_ids(n: int, seed: int, vocab: int = 20000) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab, (n,), generator=g).tolist()
+
+
+# -- tokenmill -----------------------------------------------------------------------
+def tm_generate(llm, prompt: list[int], n: int) -> None:
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], params)
+
+
+def tm_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter and buffer except the rotary tables (weights, quantized or not)."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return sum(t.numel() * t.element_size() for n, t in tensors if "cos_sin" not in n)
+
+
+def tm_decode_weight_bytes(model: torch.nn.Module) -> int:
+    """What one decode step reads: every weight but the embedding rows (unless tied)."""
+    total = tm_weight_bytes(model)
+    embed = model.model.embed_tokens
+    if getattr(model, "lm_head", None) is not None:
+        total -= embed.method.weight_bytes(embed)
+    return total
+
+
+def load_memory(path: str, quantization: str) -> tuple[float, int, int]:
+    """(seconds, peak resident bytes added while loading the weights, their in-memory bytes)."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.loading import load_model
+
+    def rss(field: str) -> int:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
+    before = rss("VmRSS:")
+    start = time.perf_counter()
+    loaded = load_model(EngineConfig(model=path, quantization=quantization))
+    seconds = time.perf_counter() - start
+    peak = rss("VmHWM:") - before
+    weights = tm_weight_bytes(loaded.model)
+    del loaded
+    return seconds, peak, weights
+
+
+def run_tokenmill(path: str, quantization: str, repeat: int, n: int) -> dict[str, float]:
+    from tokenmill import LLM
+
+    res: dict[str, float] = {}
+    res["load_s"], res["load_peak"], res["weights"] = load_memory(path, quantization)
+    with LLM(path, quantization=quantization, enable_prefix_caching=False) as llm:
+        loaded = llm.engine.loaded
+        res["label"] = f"{loaded.quantization}, {str(loaded.dtype).removeprefix('torch.')}"
+        res["decode_bytes"] = tm_decode_weight_bytes(loaded.model)
+        short = prompt_ids(DECODE_PROMPT, 1)
+        tm_generate(llm, short, 8)  # warm-up
+        t_first = best_of(lambda: tm_generate(llm, short, 1), repeat)
+        t_all = best_of(lambda: tm_generate(llm, short, n), repeat)
+        res["decode"] = (n - 1) / (t_all - t_first)
+        for length in PREFILL_LENS:
+            p = prompt_ids(length, 2)
+            res[f"prefill{length}"] = length / best_of(lambda p=p: tm_generate(llm, p, 1), repeat)
+    return res
+
+
+# -- llama.cpp -----------------------------------------------------------------------
+def run_llama_cpp(path: str, threads: int, repeat: int, n: int) -> dict[str, float]:
+    from llama_cpp import Llama
+
+    start = time.perf_counter()
+    llm = Llama(
+        model_path=path,
+        n_threads=threads,
+        n_threads_batch=threads,
+        n_ctx=1024,
+        n_batch=512,
+        verbose=False,
+    )
+    res: dict[str, float] = {"load_s": time.perf_counter() - start, "label": "llama.cpp"}
+
+    def generate(prompt: list[int], count: int) -> None:
+        llm.reset()
+        for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True), 1):
+            if i == count:
+                break
+
+    def prefill(prompt: list[int]) -> None:
+        llm.reset()
+        llm.eval(prompt)
+
+    short = prompt_ids(DECODE_PROMPT, 1)
+    generate(short, 8)
+    t_first = best_of(lambda: generate(short, 1), repeat)
+    t_all = best_of(lambda: generate(short, n), repeat)
+    res["decode"] = (n - 1) / (t_all - t_first)
+    for length in PREFILL_LENS:
+        p = prompt_ids(length, 2)
+        res[f"prefill{length}"] = length / best_of(lambda p=p: prefill(p), repeat)
+    llm.close()
+    return res
+
+
+# -- online: 16 concurrent requests ---------------------------------------------------
+def run_servers(path: str, args, have_peer: bool) -> dict[str, float]:
+    import httpx
+    from serving import (
+        Target,
+        free_port,
+        random_prompts,
+        run_level,
+        start_llama_cpp,
+        start_tokenmill,
+        stop,
+    )
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
+    c = args.concurrency
+    prompts = random_prompts(tok, c, args.prompt_len, seed=7)
+    out: dict[str, float] = {}
+
+    port = free_port()
+    proc = start_tokenmill(path, port)
+    try:
+        name = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+        target = Target(
+            "tokenmill", f"http://127.0.0.1:{port}/v1", name, {"ignore_eos": True}, True
+        )
+        asyncio.run(run_level(target, prompts[:1], 1, 4))  # warm-up
+        out["tokenmill"] = asyncio.run(run_level(target, prompts, c, args.max_tokens)).tokens_per_s
+    finally:
+        stop(proc)
+    if have_peer:
+        port = free_port()
+        proc = start_llama_cpp(path, port, args.prompt_len + args.max_tokens + 64)
+        try:
+            eos = {str(tok.eos_token_id): -100.0}  # like ignore_eos: every request makes max_tokens
+            target = Target(
+                "llama.cpp", f"http://127.0.0.1:{port}/v1", path, {"logit_bias": eos}, False
+            )
+            texts = [tok.decode(p) for p in prompts]
+            asyncio.run(run_level(target, texts[:1], 1, 4))
+            out["llama.cpp"] = asyncio.run(
+                run_level(target, texts, c, args.max_tokens)
+            ).tokens_per_s
+        finally:
+            stop(proc)
+    return out
+
+
+def ratio(tm: float, peer: dict | None, key: str) -> str:
+    return f"{tm:.1f}" + (f" ({tm / peer[key]:.2f}x)" if peer else "")
+
+
+def report(results: dict[str, dict], peer: dict | None, online: dict, args, bw: float) -> None:
+    cols = list(results)
+    rows = [["metric"] + (["llama.cpp"] if peer else []) + [f"tokenmill {c}" for c in cols]]
+    for key, name in [
+        ("decode", f"decode tok/s (1 stream, {args.decode_tokens} tokens)"),
+        *[(f"prefill{n}", f"prefill tok/s ({n}-token prompt)") for n in PREFILL_LENS],
+        ("load_s", "load seconds"),
+    ]:
+        rows.append(
+            [name]
+            + ([f"{peer[key]:.1f}"] if peer else [])
+            + [
+                f"{results[c][key]:.1f}" if key == "load_s" else ratio(results[c][key], peer, key)
+                for c in cols
+            ]
+        )
+    rows.append(
+        ["decode % of bandwidth limit"]
+        + ([""] if peer else [])
+        + [
+            f"{r['decode'] * r['decode_bytes'] / bw:.0%} (limit {bw / r['decode_bytes']:.0f}/s)"
+            for r in results.values()
+        ]
+    )
+    rows.append(
+        ["weights MB (load peak MB)"]
+        + ([""] if peer else [])
+        + [
+            f"{r['weights'] / 1e6:.0f} ({r['load_peak'] / 1e6:.0f}, {r['load_peak'] / r['weights']:.2f}x)"
+            for r in results.values()
+        ]
+    )
+    print(table(rows))
+    if online:
+        print(
+            f"\n{args.concurrency} concurrent requests ({args.prompt_len}-token prompts, "
+            f"{args.max_tokens} output tokens), server output tokens/s:"
+        )
+        line = [f"tokenmill {online['tokenmill']:.1f}"]
+        if "llama.cpp" in online:
+            line.append(f"llama.cpp {online['llama.cpp']:.1f}")
+            line.append(f"ratio {online['tokenmill'] / online['llama.cpp']:.2f}x")
+        print("  " + ", ".join(line))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M Q4_1)")
+    ap.add_argument("--threads", type=int, default=None, help="threads for both (default: torch's)")
+    ap.add_argument(
+        "--quantization", default="auto", help="tokenmill quantizations to run (comma list)"
+    )
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--no-server", action="store_true", help="skip the 16-concurrent server run")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    from tokenmill.loader import default_model_path
+
+    path = args.model or default_model_path()
+    have_peer = importlib.util.find_spec("llama_cpp") is not None
+    print(f"model: {path}; {threads} threads", flush=True)
+    peer = None
+    if have_peer:
+        peer = run_llama_cpp(path, threads, args.repeat, args.decode_tokens)
+    else:
+        print(
+            "llama.cpp: skipped (llama-cpp-python is not installed; `pip install "
+            "'llama-cpp-python[server]'` builds it to compare on the same GGUF)"
+        )
+    results = {
+        q: run_tokenmill(path, q, args.repeat, args.decode_tokens)
+        for q in args.quantization.split(",")
+    }
+    results = {r["label"]: r for r in results.values()}
+    online = {} if args.no_server else run_servers(path, args, have_peer)
+    bw = copy_bandwidth()
+    print(f"copy bandwidth (read + write) {bw / 1e9:.1f} GB/s\n")
+    report(results, peer, online, args, bw)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Which weight format each linear layer of a model gets: the ``quantization`` option.
+
+``QUANTIZATIONS`` names what users choose; ``resolve_quantization`` turns ``auto`` into
+one of them once the checkpoint and device are known; a ``QuantPlan`` then answers, per
+module (by its name in the model), which ``LinearMethod`` stores its weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.quant.gguf_blocks import DENSE_TYPES, INT4_EXACT_TYPES
+from tokenmill.quant.methods import METHODS, Int4Method, LinearMethod
+
+QUANTIZATIONS: Mapping[str, str] = {
+    "auto": "gguf on CPU for a GGUF checkpoint unless dtype is float32/float16; else none",
+    "none": "dense weights in the model dtype (GGUF tensors are dequantized)",
+    "gguf": "keep a GGUF's precision: 4-bit block types as int4 groups of 32 (exact), other "
+    "quantized types as int8 per output row, float tensors dense",
+    "int8": "every linear and the embedding table as int8 per output row",
+    "int4": "every linear as int4 groups of 32 (round-to-nearest unless stored as 4-bit "
+    "GGUF blocks), the embedding table as int8 per row",
+}
+
+
+def check_quantization(name: str) -> None:
+    if name not in QUANTIZATIONS:
+        raise InvalidRequestError(
+            f"quantization={name!r} is not supported; use one of {', '.join(QUANTIZATIONS)}"
+        )
+
+
+def resolve_quantization(name: str, dtype: str, device: torch.device, fmt: str) -> str:
+    """``auto`` -> a concrete choice; checks that the choice fits the device and checkpoint."""
+    if name == "auto":
+        fast = device.type == "cpu" and fmt == "gguf" and dtype in ("auto", "bfloat16", "bf16")
+        return "gguf" if fast else "none"
+    if name != "none" and device.type != "cpu":
+        raise InvalidRequestError(
+            f"quantization={name!r} uses CPU kernels; on {device.type} use quantization='none'"
+        )
+    if name == "gguf" and fmt != "gguf":
+        raise InvalidRequestError(
+            "quantization='gguf' keeps a GGUF file's own formats and this checkpoint is not a "
+            "GGUF file; use quantization='int8' (or 'int4') to quantize it at load"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    """The weight format of every linear layer and the embedding table of one model."""
+
+    quantization: str
+    """A resolved ``QUANTIZATIONS`` name other than auto and none."""
+    stored_types: Mapping[str, frozenset[Q]] = field(default_factory=dict)
+    """Module name -> the GGUF types its checkpoint tensors are stored in (GGUF only)."""
+
+    def linear_method(
+        self, prefix: str, out_sizes: Sequence[int], in_features: int
+    ) -> LinearMethod:
+        """Method of the linear named ``prefix`` with output shards ``out_sizes``."""
+        name = self._choice(prefix)
+        if name == "int4" and not _int4_fits(out_sizes, in_features):
+            name = "int8"  # the int4 layout needs aligned shards and whole groups
+        return METHODS[name]
+
+    def embedding_method(self, prefix: str) -> LinearMethod:
+        """The table is read by rows too, which int4's packed layout can not do: int8."""
+        return METHODS["dense" if self._choice(prefix) == "dense" else "int8"]
+
+    def _choice(self, prefix: str) -> str:
+        if self.quantization != "gguf":
+            return self.quantization
+        types = self.stored_types.get(prefix, frozenset())
+        if not types or types <= DENSE_TYPES:
+            return "dense"
+        return "int4" if types <= INT4_EXACT_TYPES else "int8"
+
+
+def _int4_fits(out_sizes: Sequence[int], in_features: int) -> bool:
+    align = Int4Method.ROW_ALIGN  # shard offsets on packed row blocks; whole 16-row tails
+    return (
+        in_features % 32 == 0
+        and sum(out_sizes) % 16 == 0
+        and all(n % align == 0 for n in out_sizes[:-1])
+    )
+
+
+def linear_method(
+    plan: QuantPlan | None, prefix: str, out_sizes: Sequence[int], in_features: int
+) -> LinearMethod | None:
+    """The plan's method for a linear layer; None (dense) without a plan."""
+    return None if plan is None else plan.linear_method(prefix, out_sizes, in_features)
+
+
+def build_plan(quantization: str, hf_types: Mapping[str, Q]) -> QuantPlan | None:
+    """The plan of a resolved quantization (None for none); ``hf_types`` maps each HF
+    tensor name of a GGUF checkpoint to its stored type ({} for other checkpoints)."""
+    from tokenmill.models.weights import module_name
+
+    if quantization == "none":
+        return None
+    stored: dict[str, set[Q]] = {}
+    for hf_name, qtype in hf_types.items():
+        stored.setdefault(module_name(hf_name), set()).add(qtype)
+    return QuantPlan(quantization, {k: frozenset(v) for k, v in stored.items()})

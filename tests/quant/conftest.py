@@ -1,0 +1,8 @@
+"""Quantization tests reuse the loader tests' random GGUF blocks and synthetic files."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "loader"))  # quant_blocks, gguf_synth

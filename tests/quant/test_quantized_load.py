@@ -1,0 +1,63 @@
+"""A GGUF loaded quantized computes what its dequantized twin computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf_synth import synthetic_tensors, write_gguf
+
+from tokenmill.attention import AttentionMetadata, ForwardContext
+from tokenmill.loader import load_checkpoint
+from tokenmill.models import resolve_model_class
+from tokenmill.quant.plan import build_plan
+
+BLOCK = 16
+
+
+def build(ckpt, dtype: torch.dtype, quantization: str):
+    plan = build_plan(quantization, ckpt.source.tensor_types())
+    cls = resolve_model_class(ckpt.hf_config["architectures"])
+    model = cls(ckpt.hf_config, dtype, max_positions=128, quant=plan)
+    model.load_weights(ckpt.weights(dtype, keep_quantized=plan is not None))
+    return model.eval()
+
+
+@torch.no_grad()
+def prefill_logits(model, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    shape = (2, 4, BLOCK, model.num_kv_heads, model.head_dim)
+    caches = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [[1, 2]], BLOCK)
+    hidden = model(torch.tensor(ids), torch.arange(len(ids)), ForwardContext(meta, caches))
+    return model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize(
+    "types",
+    [
+        [Q.Q4_0, Q.Q4_1, Q.Q4_K],  # all int4, exact
+        [Q.Q8_0, Q.Q5_K, Q.Q6_K],  # int8 rows
+        [Q.Q4_K, Q.Q2_K, Q.Q3_K, Q.Q5_0, Q.Q5_1, Q.F16, Q.BF16],  # mixed: int4/int8/dense
+    ],
+    ids=["int4", "int8", "mixed"],
+)
+@pytest.mark.parametrize("tied", [False, True], ids=["head", "tied"])
+def test_quantized_logits_follow_dequantized(tmp_path, types, tied) -> None:
+    path = write_gguf(tmp_path / "m.gguf", synthetic_tensors(types, tied=tied))
+    ckpt = load_checkpoint(str(path))
+    reference = build(ckpt, torch.float32, "none")
+    quantized = build(ckpt, torch.bfloat16, "gguf")
+    ids = [1, 5, 9, 33, 2, 17, 60, 8, 8, 41, 3, 12]
+    want = prefill_logits(reference, ids, torch.float32)
+    got = prefill_logits(quantized, ids, torch.bfloat16)
+    cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+    assert cos.min() > 0.99, cos
+
+
+def test_quantized_model_is_smaller(tmp_path) -> None:
+    path = write_gguf(tmp_path / "m.gguf", synthetic_tensors([Q.Q4_1]))
+    ckpt = load_checkpoint(str(path))
+    qkv = build(ckpt, torch.bfloat16, "gguf").model.layers[0].self_attn.qkv_proj
+    assert qkv.method.name == "int4" and not hasattr(qkv, "weight")
+    # 4 bits + a bf16 scale and zero per 32 weights: 0.625 bytes per weight
+    assert qkv.method.weight_bytes(qkv) == qkv.in_features * qkv.out_features * 5 // 8
