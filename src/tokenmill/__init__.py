@@ -14,6 +14,7 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "EngineConfig",
+    "StructuredOutputsParams",
     "__version__",
 ]
 
@@ -26,6 +27,7 @@ _LAZY = {
     "CompletionOutput": "tokenmill.outputs",
     "Logprob": "tokenmill.outputs",
     "EngineConfig": "tokenmill.config",
+    "StructuredOutputsParams": "tokenmill.structured_output.params",
 }
 
 if TYPE_CHECKING:
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from tokenmill.llm import LLM
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
     from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+    from tokenmill.structured_output.params import StructuredOutputsParams
 
 
 def __getattr__(name: str):

@@ -61,6 +61,11 @@ class GuidanceBackend(StructuredOutputBackend):
     name = "guidance"
 
     def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+        if getattr(hf_tokenizer, "backend_tokenizer", None) is None:
+            raise InvalidRequestError(
+                "structured output needs a fast tokenizer (tokenizer.json); this model's "
+                f"{type(hf_tokenizer).__name__} is not one"
+            )
         self._hf = hf_tokenizer
         self._n_vocab = max(vocab_size, len(hf_tokenizer))
         self._eos = list(eos_token_ids) or None
