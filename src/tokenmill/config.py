@@ -28,16 +28,16 @@ class EngineConfig:
     tokenizer: str | None = None
     """HF tokenizer folder overriding the checkpoint's own tokenizer."""
     dtype: str = "auto"
-    """Compute and KV dtype: auto (bfloat16 with quantized weights, else float32 on CPU and
-    bfloat16 on CUDA), float32, bfloat16, float16."""
+    """Compute and KV dtype: auto (float32 on CPU, bfloat16 on CUDA; with quantized weights
+    see ``quantization``), float32, bfloat16, float16."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     quantization: str = "auto"
     """Weight format of the linear layers (``tokenmill.quant.plan.QUANTIZATIONS``): none
     (dense in dtype), gguf (a GGUF's 4-bit blocks as int4 groups, its other quantized
-    types as int8 rows), int8, int4. auto = gguf on CPU for a GGUF checkpoint unless
-    dtype is float32 or float16 (exact dequantized math), else none. Quantized weights
-    compute in bfloat16, which dtype=auto then means."""
+    types as int8 groups), int8, int4. auto = gguf on CPU for a GGUF checkpoint unless
+    dtype is float32 or float16 (exact dequantized math), else none. With quantized
+    weights dtype=auto means float32 where the native kernel runs, else bfloat16."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; may only lower the model's own limit."""
     max_num_seqs: int = 256

@@ -13,7 +13,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.loader import Checkpoint, load_checkpoint
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
-from tokenmill.quant.plan import build_plan, resolve_quantization
+from tokenmill.quant.plan import auto_dtype, build_plan, resolve_quantization
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     device = config.torch_device()
     quantization = resolve_quantization(config.quantization, config.dtype, device, ckpt.format)
     plan = build_plan(quantization, _stored_types(ckpt) if quantization == "gguf" else {})
-    # The quantized kernels compute in bfloat16: that is what dtype=auto means with them.
-    dtype = torch.bfloat16 if plan and config.dtype == "auto" else config.torch_dtype()
+    dtype = auto_dtype() if plan and config.dtype == "auto" else config.torch_dtype()
     tokenizer = load_tokenizer(ckpt, config.tokenizer)
     logger.info("building %s (%s, %s, weights %s) from %s", model_cls.__name__, dtype, device,
                 quantization, ckpt.path)

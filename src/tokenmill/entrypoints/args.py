@@ -35,9 +35,9 @@ class Flag:
 ENGINE_FLAGS = (
     Flag("--model", "model", str, "HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
     Flag("--tokenizer", "tokenizer", str, "HF tokenizer folder to use instead of the checkpoint's own"),
-    Flag("--dtype", "dtype", str, "weights/compute dtype: auto (bfloat16 with quantized weights, else float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16", "auto"),
+    Flag("--dtype", "dtype", str, "weights/compute dtype: auto (float32 on CPU, bfloat16 on CUDA; see --quantization), float32, bfloat16, float16", "auto"),
     Flag("--device", "device", str, "auto, cpu, cuda or cuda:N", "auto"),
-    Flag("--quantization", "quantization", str, "weight format: auto (a GGUF keeps its quantized weights on CPU, computing in bfloat16, unless --dtype float32), none (dense), gguf, int8, int4", "auto", choices=("auto", "none", "gguf", "int8", "int4")),
+    Flag("--quantization", "quantization", str, "weight format: auto (on CPU a GGUF keeps its quantized weights unless --dtype float32/float16), none (dense), gguf, int8, int4", "auto", choices=("auto", "none", "gguf", "int8", "int4")),
     Flag("--max-model-len", "max_model_len", int, "longest prompt + output in tokens; may only lower the model's own limit"),
     Flag("--max-num-seqs", "max_num_seqs", int, "most requests batched in one engine step", 256),
     Flag("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step; long prompts are prefilled in chunks of this size (default max(2048, max-num-seqs))"),

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.quant.methods import METHODS, LinearMethod, Source
+from tokenmill.quant.methods import LinearMethod, Source, method_for
 
 
 class Linear(nn.Module):
@@ -33,7 +33,7 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.method = method or METHODS["dense"]
+        self.method = method or method_for("dense")
         self.method.create_weights(
             self, out_features, in_features, dtype or torch.get_default_dtype()
         )
@@ -109,7 +109,7 @@ class VocabEmbedding(nn.Module):
         self.num_embeddings = vocab_size
         self.embedding_dim = hidden_size
         self.dtype = dtype or torch.get_default_dtype()
-        self.method = method or METHODS["dense"]
+        self.method = method or method_for("dense")
         self.method.create_weights(self, vocab_size, hidden_size, self.dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

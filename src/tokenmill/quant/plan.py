@@ -14,15 +14,16 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.quant import native
 from tokenmill.quant.gguf_blocks import DENSE_TYPES, INT4_EXACT_TYPES
-from tokenmill.quant.methods import METHODS, Int4Method, LinearMethod
+from tokenmill.quant.methods import LinearMethod, method_for
 
 QUANTIZATIONS: Mapping[str, str] = {
     "auto": "gguf on CPU for a GGUF checkpoint unless dtype is float32/float16; else none",
     "none": "dense weights in the model dtype (GGUF tensors are dequantized)",
     "gguf": "keep a GGUF's precision: 4-bit block types as int4 groups of 32 (exact), other "
-    "quantized types as int8 per output row, float tensors dense",
-    "int8": "every linear and the embedding table as int8 per output row",
+    "quantized types as int8 (groups of 32; PyTorch's fallback: per row), float tensors dense",
+    "int8": "every linear and the embedding table as int8",
     "int4": "every linear as int4 groups of 32 (round-to-nearest unless stored as 4-bit "
     "GGUF blocks), the embedding table as int8 per row",
 }
@@ -66,13 +67,15 @@ class QuantPlan:
     ) -> LinearMethod:
         """Method of the linear named ``prefix`` with output shards ``out_sizes``."""
         name = self._choice(prefix)
-        if name == "int4" and not _int4_fits(out_sizes, in_features):
-            name = "int8"  # the int4 layout needs aligned shards and whole groups
-        return METHODS[name]
+        if name == "int4" and not _fits(name, out_sizes, in_features):
+            name = "int8"
+        if name == "int8" and not _fits(name, out_sizes, in_features):
+            name = "dense"  # shards off the packed layout's row blocks, or partial groups
+        return method_for(name)
 
     def embedding_method(self, prefix: str) -> LinearMethod:
-        """The table is read by rows too, which int4's packed layout can not do: int8."""
-        return METHODS["dense" if self._choice(prefix) == "dense" else "int8"]
+        """Tables stay 8-bit at least: a 4-bit output head costs too much quality."""
+        return method_for("dense" if self._choice(prefix) == "dense" else "int8")
 
     def _choice(self, prefix: str) -> str:
         if self.quantization != "gguf":
@@ -83,13 +86,25 @@ class QuantPlan:
         return "int4" if types <= INT4_EXACT_TYPES else "int8"
 
 
-def _int4_fits(out_sizes: Sequence[int], in_features: int) -> bool:
-    align = Int4Method.ROW_ALIGN  # shard offsets on packed row blocks; whole 16-row tails
+def _fits(name: str, out_sizes: Sequence[int], in_features: int) -> bool:
+    """Whole groups of 32 inputs, and every shard on the layout's blocks of output rows
+    (native tiles of 16; PyTorch's int4 packs rows by 64, its int8 row by row)."""
+    if native.available():
+        align = tail = native.TILE
+    else:
+        align, tail = (64, 16) if name == "int4" else (1, 1)
     return (
         in_features % 32 == 0
-        and sum(out_sizes) % 16 == 0
+        and sum(out_sizes) % tail == 0
         and all(n % align == 0 for n in out_sizes[:-1])
     )
+
+
+def auto_dtype() -> torch.dtype:
+    """What dtype=auto means with quantized weights: float32 where the native kernel runs
+    (it quantizes activations finer than bfloat16 anyway, so float32 keeps the dequantized
+    reference's numbers at no cost), bfloat16 for PyTorch's kernels (their fast paths)."""
+    return torch.float32 if native.available() else torch.bfloat16
 
 
 def linear_method(

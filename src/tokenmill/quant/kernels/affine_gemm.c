@@ -1,0 +1,158 @@
+/* y[M, N] = x[M, K] . W^T for W in affine groups of 32: w = scale * q + offset, q unsigned
+ * (4 or 8 bits). Activations are quantized per group of 32 in two int8 terms,
+ * x ~= d (256 q1 + q2) with d = max|x| / (127 * 256) (q2 quantizes what q1 leaves), so
+ * about 15 bits: finer than bfloat16, where one int8 term (llama.cpp's Q8) costs visible
+ * quality on small models. The integer dot products run on AVX512-VNNI (vpdpbusd:
+ * unsigned weights x signed activations); the offset term uses the exact float sum of
+ * each activation group.
+ *
+ * Weight layout (built by tokenmill/quant/native.py), per tile of 16 output rows and
+ * group g of 32 inputs:
+ *   4-bit: 4 steps of 8 inputs, 64 bytes each: byte 4r + j = q[r, k + j] | q[r, k + 4 + j] << 4
+ *   8-bit: 8 steps of 4 inputs, 64 bytes each: byte 4r + j = q[r, k + j]
+ *   then scales[16] and offsets[16] as float16 (64 bytes).
+ * so one 64-byte load feeds vpdpbusd for 16 rows at once, each lane a row.
+ *
+ * Threads: OpenMP over tiles, the runtime PyTorch itself loaded (same libgomp), so
+ * torch.set_num_threads applies and no second thread pool competes for the cores.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define GROUP 32
+#define TILE 16
+#define MBLOCK 4
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffff) > 0x7f800000) return (uint16_t)((u >> 16) | 0x40); /* NaN */
+    u += 0x7fff + ((u >> 16) & 1);
+    return (uint16_t)(u >> 16);
+}
+
+/* One token's activations -> two int8 terms per group (q1, q2 at qx + 2 g * 32), the group
+ * scale d of 256 q1 + q2 (dx) and the exact group sums (sx). */
+static void quantize_row(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx) {
+    float buf[GROUP];
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        float amax = 0.f, sum = 0.f;
+        for (int i = 0; i < GROUP; i++) {
+            int64_t k = g * GROUP + i;
+            float v = bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
+            buf[i] = v;
+            sum += v;
+            float a = fabsf(v);
+            amax = a > amax ? a : amax;
+        }
+        float d1 = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        int8_t *q1 = qx + 2 * g * GROUP, *q2 = q1 + GROUP;
+        for (int i = 0; i < GROUP; i++) {
+            long a = lrintf(buf[i] * inv);
+            long b = lrintf((buf[i] - d1 * (float)a) * inv * 256.f);
+            q1[i] = (int8_t)a;
+            q2[i] = (int8_t)(b > 127 ? 127 : b < -127 ? -127 : b);
+        }
+        dx[g] = d1 / 256.f;
+        sx[g] = sum;
+    }
+}
+
+/* mb tokens (mb <= MBLOCK) x one tile of 16 rows. Four accumulators per token (term 1/2 x
+ * even/odd step) keep the vpdpbusd dependency chains short. */
+static void tile_kernel(const uint8_t *w, int bits, int64_t groups, int mb, const int8_t *qx,
+                        const float *dx, const float *sx, int64_t K, float *out /* [mb][16] */) {
+    const int steps = bits == 4 ? 4 : 8;
+    const int64_t group_bytes = (int64_t)steps * 64 + 64;
+    __m512 y[MBLOCK];
+    for (int m = 0; m < MBLOCK; m++) y[m] = _mm512_setzero_ps();
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *gw = w + g * group_bytes;
+        __m512i a[MBLOCK][4];
+        for (int m = 0; m < MBLOCK; m++)
+            a[m][0] = a[m][1] = a[m][2] = a[m][3] = _mm512_setzero_si512();
+        if (bits == 4) {
+            for (int s = 0; s < 4; s++) {
+                __m512i v = _mm512_loadu_si512((const void *)(gw + s * 64));
+                __m512i lo = _mm512_and_si512(v, low4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                for (int m = 0; m < mb; m++) {
+                    const int32_t *q1 = (const int32_t *)(qx + 2 * (m * K + g * GROUP) + s * 8);
+                    const int32_t *q2 = q1 + GROUP / 4;
+                    a[m][0] = _mm512_dpbusd_epi32(a[m][0], lo, _mm512_set1_epi32(q1[0]));
+                    a[m][1] = _mm512_dpbusd_epi32(a[m][1], hi, _mm512_set1_epi32(q1[1]));
+                    a[m][2] = _mm512_dpbusd_epi32(a[m][2], lo, _mm512_set1_epi32(q2[0]));
+                    a[m][3] = _mm512_dpbusd_epi32(a[m][3], hi, _mm512_set1_epi32(q2[1]));
+                }
+            }
+        } else {
+            for (int s = 0; s < 8; s += 2) {
+                __m512i v0 = _mm512_loadu_si512((const void *)(gw + s * 64));
+                __m512i v1 = _mm512_loadu_si512((const void *)(gw + s * 64 + 64));
+                for (int m = 0; m < mb; m++) {
+                    const int32_t *q1 = (const int32_t *)(qx + 2 * (m * K + g * GROUP) + s * 4);
+                    const int32_t *q2 = q1 + GROUP / 4;
+                    a[m][0] = _mm512_dpbusd_epi32(a[m][0], v0, _mm512_set1_epi32(q1[0]));
+                    a[m][1] = _mm512_dpbusd_epi32(a[m][1], v1, _mm512_set1_epi32(q1[1]));
+                    a[m][2] = _mm512_dpbusd_epi32(a[m][2], v0, _mm512_set1_epi32(q2[0]));
+                    a[m][3] = _mm512_dpbusd_epi32(a[m][3], v1, _mm512_set1_epi32(q2[1]));
+                }
+            }
+        }
+        const uint8_t *sc = gw + steps * 64;
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+        __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));
+        for (int m = 0; m < mb; m++) {
+            int64_t gi = m * (K / GROUP) + g;
+            /* 256 term1 + term2 < 2^31: |term1| <= 32 * 255 * 127 */
+            __m512i t1 = _mm512_add_epi32(a[m][0], a[m][1]);
+            __m512i t2 = _mm512_add_epi32(a[m][2], a[m][3]);
+            __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(t1, 8), t2));
+            y[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(scale, _mm512_set1_ps(dx[gi])), y[m]);
+            y[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sx[gi]), y[m]);
+        }
+    }
+    for (int m = 0; m < mb; m++) _mm512_storeu_ps(out + m * TILE, y[m]);
+}
+
+/* x [M, K] (float32 or bfloat16), w tiles [N / 16][K / 32][...], y [M, N] (float32 or bfloat16).
+ * work: 2 * M * K int8 + 2 * M * K / 32 floats of scratch. */
+void affine_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
+                 int64_t N, void *y, int y_bf16, int8_t *qx, float *dx, float *sx) {
+    const int64_t groups = K / GROUP, tiles = N / TILE;
+    const int64_t tile_bytes = groups * ((bits == 4 ? 4 : 8) * 64 + 64);
+    const int64_t xsize = x_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (M * K > 8192)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row((const char *)x + m * K * xsize, x_bf16, K, qx + 2 * m * K, dx + m * groups,
+                     sx + m * groups);
+    const int64_t mblocks = (M + MBLOCK - 1) / MBLOCK;
+#pragma omp parallel for schedule(static) collapse(2)
+    for (int64_t mbi = 0; mbi < mblocks; mbi++) {
+        for (int64_t t = 0; t < tiles; t++) {
+            int64_t m0 = mbi * MBLOCK;
+            int mb = (int)(M - m0 < MBLOCK ? M - m0 : MBLOCK);
+            float out[MBLOCK * TILE];
+            tile_kernel(w + t * tile_bytes, bits, groups, mb, qx + 2 * m0 * K, dx + m0 * groups,
+                        sx + m0 * groups, K, out);
+            for (int m = 0; m < mb; m++) {
+                if (y_bf16) {
+                    uint16_t *dst = (uint16_t *)y + (m0 + m) * N + t * TILE;
+                    for (int r = 0; r < TILE; r++) dst[r] = f32_to_bf16(out[m * TILE + r]);
+                } else {
+                    memcpy((float *)y + (m0 + m) * N + t * TILE, out + m * TILE, TILE * 4);
+                }
+            }
+        }
+    }
+}
