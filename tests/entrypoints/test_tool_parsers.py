@@ -164,3 +164,11 @@ def test_stream_equals_full_for_random_chunkings(sample, cuts):
     chunks = [text[a:b] for a, b in zip([0, *bounds], [*bounds, len(text)])]
     output = _output_parser(name, reasoning)
     assert _assemble(output, chunks) == _full(output, text)
+
+
+def test_parallel_tool_calls_off_keeps_the_first_call():
+    text = ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 3}}</tool_call>')
+    one = ChatOutputParser(None, parser("hermes"), max_calls=1)
+    assert one.parse(text, final=True).calls == (ADD,)
+    check_every_boundary(one, text)

@@ -27,9 +27,12 @@ class ChatParts:
 class ChatOutputParser:
     """Per choice. ``reasoning``/``tools`` None: that part is not parsed."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None,
+                 max_calls: int | None = None) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.max_calls = max_calls
+        """Calls past this many are dropped (``parallel_tool_calls=false``: 1)."""
 
     @property
     def is_plain(self) -> bool:
@@ -44,7 +47,7 @@ class ChatOutputParser:
             return ChatParts(reasoning, text)
         parsed = self.tools.parse(text, final)
         # Stripped; a partial strip is a prefix of the final one (rstrip holds back spaces).
-        return ChatParts(reasoning, parsed.content.strip(), parsed.calls)
+        return ChatParts(reasoning, parsed.content.strip(), parsed.calls[: self.max_calls])
 
 
 @dataclass

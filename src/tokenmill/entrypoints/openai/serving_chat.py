@@ -68,7 +68,8 @@ class ChatHandler:
         )
         reasoning_cls = llm.engine.structured.reasoning_parser
         reasoning = reasoning_cls.for_prompt(tokenizer, prompt_ids) if reasoning_cls else None
-        parser = ChatOutputParser(reasoning, tools.parser)
+        parser = ChatOutputParser(reasoning, tools.parser,
+                                  max_calls=None if req.parallel_tool_calls else 1)
         top_n = _top_logprobs(req)
         params = to_sampling_params(
             req,
