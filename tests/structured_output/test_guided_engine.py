@@ -94,3 +94,16 @@ def test_unknown_backend_and_reasoning_parser_are_refused():
         EngineConfig(structured_outputs_backend="outlines")
     with pytest.raises(ValueError, match="reasoning parser 'nope' is unknown"):
         EngineConfig(reasoning_parser="nope")
+
+
+def test_grammar_state_survives_preemption(tiny_llm):
+    engine = tiny_llm.engine
+    before = engine.scheduler.num_preemptions
+    regex = "(ab|ba){30}" + re.escape(uuid.uuid4().hex[:4])
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80,
+                             structured_outputs=Guide(regex=regex)) for i in range(8)]
+    # 8 x (19 + 30..64) tokens: more than the 64 blocks x 4 tokens of the tiny engine
+    prompts = [{"prompt_token_ids": PROMPT * 3 + [100 + i]} for i in range(8)]
+    outs = tiny_llm.generate(prompts, params)
+    assert engine.scheduler.num_preemptions > before
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs), [o.outputs[0].text for o in outs]
