@@ -47,7 +47,7 @@ def tm_generate(llm, prompt: list[int], n: int) -> None:
 def tm_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of every parameter and buffer except the rotary tables (weights, quantized or not)."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    return sum(t.numel() * t.element_size() for n, t in tensors if "cos_sin" not in n)
+    return sum(t.numel() * t.element_size() for n, t in tensors if "_cache" not in n)
 
 
 def tm_decode_weight_bytes(model: torch.nn.Module) -> int:
@@ -59,26 +59,40 @@ def tm_decode_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+LOAD_MEMORY = """
+import sys, time
+from pathlib import Path
+def rss(field):
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+from tokenmill.config import EngineConfig
+from tokenmill.engine.loading import load_model
+from tokenmill.loader import load_checkpoint
+from tokenmill.quant import native
+from tokenmill.tokenizer import load_tokenizer
+config = EngineConfig(model=sys.argv[1], quantization=sys.argv[2])
+load_tokenizer(load_checkpoint(config.model), None)  # imports and tokenizer cache warm
+native.available()
+Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
+before = rss("VmRSS:")
+start = time.perf_counter()
+loaded = load_model(config)
+seconds = time.perf_counter() - start
+tensors = [*loaded.model.named_parameters(), *loaded.model.named_buffers()]
+weights = sum(t.numel() * t.element_size() for n, t in tensors if "_cache" not in n)
+print(seconds, rss("VmHWM:") - before, weights)
+"""
+
+
 def load_memory(path: str, quantization: str) -> tuple[float, int, int]:
-    """(seconds, peak resident bytes added while loading the weights, their in-memory bytes)."""
-    from tokenmill.config import EngineConfig
-    from tokenmill.engine.loading import load_model
+    """(seconds, peak resident bytes added by load_model, the model's weight bytes), measured
+    in a fresh process so that nothing else this benchmark allocated counts."""
+    import subprocess
 
-    def rss(field: str) -> int:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-        return 0
-
-    Path("/proc/self/clear_refs").write_text("5")  # reset the high-water mark
-    before = rss("VmRSS:")
-    start = time.perf_counter()
-    loaded = load_model(EngineConfig(model=path, quantization=quantization))
-    seconds = time.perf_counter() - start
-    peak = rss("VmHWM:") - before
-    weights = tm_weight_bytes(loaded.model)
-    del loaded
-    return seconds, peak, weights
+    cmd = [sys.executable, "-c", LOAD_MEMORY, path, quantization]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.split()
+    return float(out[0]), int(out[1]), int(out[2])
 
 
 def run_tokenmill(path: str, quantization: str, repeat: int, n: int) -> dict[str, float]:
@@ -102,7 +116,25 @@ def run_tokenmill(path: str, quantization: str, repeat: int, n: int) -> dict[str
 
 
 # -- llama.cpp -----------------------------------------------------------------------
-def run_llama_cpp(path: str, threads: int, repeat: int, n: int) -> dict[str, float]:
+# llama.cpp's extra CPU buffer types include an AMX path that dies with SIGILL (tileloadd)
+# on some VMs that report AMX; without them llama.cpp runs its AVX-512 kernels. This
+# snippet turns them off in-process and in the server process.
+NO_EXTRA_BUFTS = """
+import llama_cpp.llama as _ll
+_default = _ll.llama_cpp.llama_model_default_params
+def _params():
+    p = _default()
+    p.use_extra_bufts = False
+    return p
+_ll.llama_cpp.llama_model_default_params = _params
+"""
+
+
+def run_llama_cpp(
+    path: str, threads: int, repeat: int, n: int, extra_bufts: bool
+) -> dict[str, float]:
+    if not extra_bufts:
+        exec(NO_EXTRA_BUFTS, {})
     from llama_cpp import Llama
 
     start = time.perf_counter()
@@ -139,17 +171,25 @@ def run_llama_cpp(path: str, threads: int, repeat: int, n: int) -> dict[str, flo
 
 
 # -- online: 16 concurrent requests ---------------------------------------------------
-def run_servers(path: str, args, have_peer: bool) -> dict[str, float]:
-    import httpx
-    from serving import (
-        Target,
-        free_port,
-        random_prompts,
-        run_level,
-        start_llama_cpp,
-        start_tokenmill,
-        stop,
+def start_llama_cpp(path: str, port: int, n_ctx: int, threads: int, extra_bufts: bool):
+    import subprocess
+
+    from serving import wait_healthy
+
+    boot = ("" if extra_bufts else NO_EXTRA_BUFTS) + (
+        "import runpy, sys; sys.argv[0] = 'llama_cpp.server'; "
+        "runpy.run_module('llama_cpp.server', run_name='__main__')"
     )
+    cmd = [sys.executable, "-c", boot, "--model", path, "--port", str(port), "--host",
+           "127.0.0.1", "--n_ctx", str(n_ctx), "--n_threads", str(threads)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_healthy(f"http://127.0.0.1:{port}/v1/models", proc)
+    return proc
+
+
+def run_servers(path: str, args, have_peer: bool, threads: int) -> dict[str, float]:
+    import httpx
+    from serving import Target, free_port, random_prompts, run_level, start_tokenmill, stop
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(Path(path).parent), gguf_file=Path(path).name)
@@ -170,7 +210,8 @@ def run_servers(path: str, args, have_peer: bool) -> dict[str, float]:
         stop(proc)
     if have_peer:
         port = free_port()
-        proc = start_llama_cpp(path, port, args.prompt_len + args.max_tokens + 64)
+        n_ctx = args.prompt_len + args.max_tokens + 64
+        proc = start_llama_cpp(path, port, n_ctx, threads, args.llama_extra_bufts)
         try:
             eos = {str(tok.eos_token_id): -100.0}  # like ignore_eos: every request makes max_tokens
             target = Target(
@@ -250,6 +291,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-server", action="store_true", help="skip the 16-concurrent server run")
+    ap.add_argument(
+        "--llama-extra-bufts",
+        action="store_true",
+        help="keep llama.cpp's extra CPU buffer types (AMX; SIGILL on some VMs)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -261,7 +307,7 @@ def main() -> None:
     print(f"model: {path}; {threads} threads", flush=True)
     peer = None
     if have_peer:
-        peer = run_llama_cpp(path, threads, args.repeat, args.decode_tokens)
+        peer = run_llama_cpp(path, threads, args.repeat, args.decode_tokens, args.llama_extra_bufts)
     else:
         print(
             "llama.cpp: skipped (llama-cpp-python is not installed; `pip install "
@@ -272,7 +318,7 @@ def main() -> None:
         for q in args.quantization.split(",")
     }
     results = {r["label"]: r for r in results.values()}
-    online = {} if args.no_server else run_servers(path, args, have_peer)
+    online = {} if args.no_server else run_servers(path, args, have_peer, threads)
     bw = copy_bandwidth()
     print(f"copy bandwidth (read + write) {bw / 1e9:.1f} GB/s\n")
     report(results, peer, online, args, bw)

@@ -78,8 +78,9 @@ class Attention(nn.Module):
         self.k_norm: RMSNorm | None = None
         if spec.qk_norm_eps is not None:
             offset = spec.qk_norm_unit_offset
-            self.q_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype)
-            self.k_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype)
+            exact = quant is None  # HF's rounding for dense models; fast once quantized
+            self.q_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype, exact)
+            self.k_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype, exact)
 
     def forward(self, rope: RopeTables, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         spec, tokens = self.spec, hidden.shape[0]

@@ -1,4 +1,4 @@
-"""RMSNorm, computed in float32 like Hugging Face, with an optional fused residual add."""
+"""RMSNorm with an in-place residual add: Hugging Face's rounding, or a 4-op fast form."""
 
 from __future__ import annotations
 
@@ -9,45 +9,52 @@ from torch import nn
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w (Llama style) or * (1 + w) (Gemma style, ``unit_offset=True``).
 
-    The two styles also round differently, exactly as their Hugging Face
-    counterparts: Llama casts the normalized input back to the input dtype and
-    then multiplies by ``w``; Gemma multiplies by ``1 + w`` in float32 and casts
-    the product.
+    ``exact=True`` in float32 rounds exactly as the Hugging Face counterparts: Llama
+    casts the normalized input back to the input dtype and then multiplies by ``w``;
+    Gemma multiplies by ``1 + w`` in float32 and casts the product. Otherwise (bfloat16 or
+    float16 Llama norms, or ``exact=False``, which quantized models use) the same formula
+    runs in 4 ops instead of 8, since per-op cost dominates a decode step.
     """
 
     def __init__(
-        self, dim: int, eps: float, unit_offset: bool = False, dtype: torch.dtype | None = None
+        self,
+        dim: int,
+        eps: float,
+        unit_offset: bool = False,
+        dtype: torch.dtype | None = None,
+        exact: bool = True,
     ) -> None:
         super().__init__()
         self.eps = eps
         self.unit_offset = unit_offset
+        self.exact = exact
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
         self._min_norm = (dim * eps) ** 0.5
         self._scaled: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> [..., dim], same dtype."""
-        if x.dtype != torch.float32 and not self.unit_offset:
-            return self._reduced_precision(x)
+        if not self.exact or (x.dtype != torch.float32 and not self.unit_offset):
+            return self._fast(x)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (xf * (1.0 + self.weight.float())).to(x.dtype)
         return self.weight * xf.to(x.dtype)
 
-    def _reduced_precision(self, x: torch.Tensor) -> torch.Tensor:
-        """bfloat16/float16, Llama style, in 4 ops instead of 8 (per-op cost dominates a
-        decode step): x / max(||x||, sqrt(dim * eps)) * (w * sqrt(dim)). Equal to HF's
-        x * rsqrt(mean(x^2) + eps) * w except that eps only guards tiny rows, which is far
-        below bfloat16 resolution for real hidden states (and 0 stays 0)."""
+    def _fast(self, x: torch.Tensor) -> torch.Tensor:
+        """x / max(||x||, sqrt(dim * eps)) * (w * sqrt(dim)): HF's x * rsqrt(mean(x^2) + eps)
+        * w except that eps only guards tiny rows (far below bfloat16 resolution for real
+        hidden states, and 0 stays 0); the norm accumulates in float32, one rounding."""
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(self._min_norm)
         return torch.div(x, norm).mul_(self._scaled_weight())
 
     def _scaled_weight(self) -> torch.Tensor:
-        """w * sqrt(dim) in float32, recomputed whenever the weight was written."""
+        """(w or 1 + w) * sqrt(dim) in float32, recomputed whenever the weight was written."""
         version = (self.weight.data_ptr(), self.weight._version)
         if self._scaled is None or self._scaled[0] != version:
-            self._scaled = (version, self.weight.float() * self.weight.shape[0] ** 0.5)
+            w = self.weight.float() + (1.0 if self.unit_offset else 0.0)
+            self._scaled = (version, w * self.weight.shape[0] ** 0.5)
         return self._scaled[1]
 
     def forward_residual(

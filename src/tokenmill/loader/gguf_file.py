@@ -72,14 +72,14 @@ class GgufFile:
         return self._blob[info.offset : info.offset + info.nbytes].reshape(info.row_bytes_shape)
 
     def release(self, info: GgufTensorInfo) -> None:
-        """Drop one tensor's mapped pages from this process's resident memory once it is
-        consumed, so loading never holds the file and the model at once (the pages stay in
-        the OS page cache; reading the tensor again maps them back)."""
+        """Drop the mapped pages of the file up to the end of ``info`` from this process's
+        resident memory once it is consumed, so loading never holds the file and the model
+        at once (the pages stay in the OS page cache; a later read maps them back). The
+        whole prefix goes, not just this tensor: the kernel maps page-cache folios of up to
+        2 MB around every fault, which pulls neighbouring tensors back in."""
         mapping = getattr(self._blob, "_mmap", None)
-        if mapping is None or not hasattr(mmap, "MADV_DONTNEED"):
-            return
-        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
-        mapping.madvise(mmap.MADV_DONTNEED, start, info.offset + info.nbytes - start)
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED, 0, info.offset + info.nbytes)
 
 
 def read_gguf(path: Path) -> GgufFile:

@@ -91,8 +91,8 @@ class DecoderLayer(nn.Module):
             quant,
             f"{prefix}.mlp",
         )
-        self.input_layernorm = _norm(cfg, spec, dtype)
-        self.post_attention_layernorm = _norm(cfg, spec, dtype)
+        self.input_layernorm = _norm(cfg, spec, dtype, quant)
+        self.post_attention_layernorm = _norm(cfg, spec, dtype, quant)
 
     def forward(
         self,
@@ -137,8 +137,8 @@ class SandwichDecoderLayer(DecoderLayer):
         quant: QuantPlan | None = None,
     ) -> None:
         super().__init__(cfg, spec, layer_idx, rotary, dtype, quant)
-        self.pre_feedforward_layernorm = _norm(cfg, spec, dtype)
-        self.post_feedforward_layernorm = _norm(cfg, spec, dtype)
+        self.pre_feedforward_layernorm = _norm(cfg, spec, dtype, quant)
+        self.post_feedforward_layernorm = _norm(cfg, spec, dtype, quant)
 
     def forward(
         self,
@@ -153,8 +153,11 @@ class SandwichDecoderLayer(DecoderLayer):
         return self.post_feedforward_layernorm(self.mlp(hidden)), residual
 
 
-def _norm(cfg: ArchConfig, spec: DecoderSpec, dtype: torch.dtype) -> RMSNorm:
-    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_unit_offset, dtype)
+def _norm(
+    cfg: ArchConfig, spec: DecoderSpec, dtype: torch.dtype, quant: QuantPlan | None
+) -> RMSNorm:
+    """HF's exact rounding for dense models (parity); the fast form once weights are quantized."""
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_unit_offset, dtype, quant is None)
 
 
 class DecoderModel(nn.Module):
@@ -190,7 +193,7 @@ class DecoderModel(nn.Module):
             layer_cls(cfg, spec, i, ropes[cfg.rope_of(i)], dtype, quant)
             for i in range(cfg.num_layers)
         )
-        self.norm = _norm(cfg, spec, dtype)
+        self.norm = _norm(cfg, spec, dtype, quant)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

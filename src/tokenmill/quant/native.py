@@ -18,6 +18,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -72,9 +73,9 @@ def _library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("native quantized kernels unavailable (%s): using PyTorch's", detail)
         return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.affine_gemm.argtypes = [ptr, ctypes.c_int, i64, i64, ptr, ctypes.c_int, i64, ptr,
-                                ctypes.c_int, ptr, ptr, ptr]  # fmt: skip
+    i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_bool
+    lib.affine_gemm.argtypes = [ptr, flag, i64, i64, ptr, ctypes.c_int, i64, ptr, flag,
+                                ptr, ptr, ptr]  # fmt: skip
     lib.affine_gemm.restype = None
     return lib
 
@@ -84,17 +85,34 @@ def available() -> bool:
     return _library() is not None
 
 
+class _Scratch(threading.local):
+    """Per-thread buffers for the quantized activations, grown on demand and reused."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.buffer = torch.empty(0, dtype=torch.int8)
+
+    def pointers(self, m: int, k: int) -> tuple[int, int, int]:
+        """(2 M K int8 terms, M K / 32 float scales, M K / 32 float sums) addresses."""
+        need = 2 * m * k + 8 * (m * k // GROUP) + 64
+        if need > self.size:
+            self.size = max(need, 2 * self.size)
+            self.buffer = torch.empty(self.size, dtype=torch.int8)
+        base = self.buffer.data_ptr()
+        scales = (base + 2 * m * k + 63) // 64 * 64
+        return base, scales, scales + 4 * (m * k // GROUP)
+
+
+_scratch = _Scratch()
+
+
 def affine_gemm(x: torch.Tensor, tiles: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """x [M, K] float32/bfloat16 contiguous, tiles from ``pack_tiles`` -> y [M, n] in x's dtype."""
-    lib = _library()
-    assert lib is not None and x.is_contiguous() and x.dtype in (torch.float32, torch.bfloat16)
     m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype)
-    qx = torch.empty(2 * m * k, dtype=torch.int8)
-    scratch = torch.empty(2, m * k // GROUP, dtype=torch.float32)
-    bf16 = int(x.dtype == torch.bfloat16)
-    lib.affine_gemm(x.data_ptr(), bf16, m, k, tiles.data_ptr(), bits, n, y.data_ptr(), bf16,
-                    qx.data_ptr(), scratch[0].data_ptr(), scratch[1].data_ptr())  # fmt: skip
+    bf16 = x.dtype == torch.bfloat16
+    _library().affine_gemm(x.data_ptr(), bf16, m, k, tiles.data_ptr(), bits, n, y.data_ptr(),
+                           bf16, *_scratch.pointers(m, k))  # fmt: skip
     return y
 
 

@@ -127,8 +127,8 @@ static void tile_kernel(const uint8_t *w, int bits, int64_t groups, int mb, cons
 
 /* x [M, K] (float32 or bfloat16), w tiles [N / 16][K / 32][...], y [M, N] (float32 or bfloat16).
  * work: 2 * M * K int8 + 2 * M * K / 32 floats of scratch. */
-void affine_gemm(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
-                 int64_t N, void *y, int y_bf16, int8_t *qx, float *dx, float *sx) {
+void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
+                 int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx) {
     const int64_t groups = K / GROUP, tiles = N / TILE;
     const int64_t tile_bytes = groups * ((bits == 4 ? 4 : 8) * 64 + 64);
     const int64_t xsize = x_bf16 ? 2 : 4;
