@@ -69,7 +69,7 @@ def rss(field):
 from tokenmill.config import EngineConfig
 from tokenmill.engine.loading import load_model
 from tokenmill.loader import load_checkpoint
-from tokenmill.quant import native
+from tokenmill import native
 from tokenmill.tokenizer import load_tokenizer
 config = EngineConfig(model=sys.argv[1], quantization=sys.argv[2])
 load_tokenizer(load_checkpoint(config.model), None)  # imports and tokenizer cache warm

@@ -6,9 +6,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from tokenmill import native
 from tokenmill.config import EngineConfig
 from tokenmill.errors import InvalidRequestError
-from tokenmill.quant import native
 from tokenmill.quant.plan import build_plan, resolve_quantization
 
 CPU = torch.device("cpu")

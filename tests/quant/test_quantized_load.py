@@ -7,6 +7,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_synth import synthetic_tensors, write_gguf
 
+from tokenmill import native
 from tokenmill.attention import AttentionMetadata, ForwardContext
 from tokenmill.loader import load_checkpoint
 from tokenmill.models import resolve_model_class
@@ -61,3 +62,41 @@ def test_quantized_model_is_smaller(tmp_path) -> None:
     assert qkv.method.name == "int4" and not hasattr(qkv, "weight")
     # 4 bits + a bf16 scale and zero per 32 weights: 0.625 bytes per weight
     assert qkv.method.weight_bytes(qkv) == qkv.in_features * qkv.out_features * 5 // 8
+
+
+@torch.no_grad()
+def decode_logits(model, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
+    """Prefill each prompt alone, then decode all of them together, ``steps`` times."""
+    shape = (2, 32, BLOCK, model.num_kv_heads, model.head_dim)
+    caches = [torch.zeros(shape) for _ in range(model.num_layers)]
+    tables = [[3 + 2 * i, 4 + 2 * i] if i % 2 else [20 + i, 9 + i] for i in range(len(prompts))]
+    lens, last = [], []
+    for table, ids in zip(tables, prompts):  # scattered blocks for odd sequences
+        meta = AttentionMetadata.build([len(ids)], [len(ids)], [table], BLOCK)
+        hidden = model(torch.tensor(ids), torch.arange(len(ids)), ForwardContext(meta, caches))
+        last.append(int(model.compute_logits(hidden[-1:]).argmax()))
+        lens.append(len(ids))
+    out = []
+    for _ in range(steps):
+        lens = [n + 1 for n in lens]
+        meta = AttentionMetadata.build([1] * len(lens), lens, tables, BLOCK)
+        positions = torch.tensor([n - 1 for n in lens])
+        logits = model.compute_logits(
+            model(torch.tensor(last), positions, ForwardContext(meta, caches))
+        )
+        out.append(logits)
+        last = logits.argmax(-1).tolist()
+    return out
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels unavailable here")
+def test_native_decode_layers_equal_the_per_op_path(tmp_path) -> None:
+    path = write_gguf(tmp_path / "m.gguf", synthetic_tensors([Q.Q4_1, Q.Q4_K, Q.Q8_0]))
+    model = build(load_checkpoint(str(path)), torch.float32, "gguf")
+    assert model.model.native_decode is not None
+    prompts = [[1, 5, 9, 33, 2], [7, 7, 8, 12, 40, 41, 3, 5, 1, 2, 60, 61, 19]]
+    fused = decode_logits(model, prompts, steps=6)
+    model.model.native_decode = None  # per-op path: PyTorch glue around the same kernels
+    per_op = decode_logits(model, prompts, steps=6)
+    for a, b in zip(fused, per_op):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())

@@ -37,6 +37,19 @@ def paged_attention(
     from its blocks: a view when the blocks are consecutive, else one gather.
     """
     write_kv(kv_cache, kv, meta.slot_mapping)
+    return attend(q, kv, kv_cache, meta, scale, sliding_window, softcap)
+
+
+def attend(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """``paged_attention`` once the new K/V (``kv``, also still used as is) are stored."""
     if meta.is_all_decode and softcap is None:
         return _decode_batched(q, kv_cache, meta, scale, sliding_window)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -7,7 +7,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.attention import ForwardContext, paged_attention
+from tokenmill import native
+from tokenmill.attention import AttentionMetadata, ForwardContext, paged_attention
+from tokenmill.attention.reference import attend
 from tokenmill.layers.linear import Linear, PackedLinear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
@@ -81,6 +83,9 @@ class Attention(nn.Module):
             exact = quant is None  # HF's rounding for dense models; fast once quantized
             self.q_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype, exact)
             self.k_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype, exact)
+        # Quantized models are not bit-exact with HF anyway: there the float32 steps around
+        # the matmuls may run as native kernels (rotary + K/V store, decode attention).
+        self.native_steps = quant is not None and spec.softcap is None
 
     def forward(self, rope: RopeTables, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         spec, tokens = self.spec, hidden.shape[0]
@@ -91,15 +96,35 @@ class Attention(nn.Module):
             q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
+        kv_cache, meta = ctx.kv_caches[self.layer_idx], ctx.attn
+        if self.native_steps and native.takes(qkv, kv_cache, rope.cos):
+            return self.o_proj(self._native(qkv, rope, kv_cache, meta))
         self.rotary_emb.rotate_(qk, rope)  # q and k heads in one pass, in place
         kv = qkv[:, self.q_size :].view(tokens, 2, spec.num_kv_heads, spec.head_dim)
         out = paged_attention(
             qk[:, : spec.num_heads],
             kv,
-            ctx.kv_caches[self.layer_idx],
-            ctx.attn,
+            kv_cache,
+            meta,
             spec.scale,
             spec.sliding_window,
             spec.softcap,
         )  # [T, H, D]
         return self.o_proj(out.reshape(tokens, self.q_size))
+
+    def _native(
+        self, qkv: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Rotary + K/V store in one call; decode attention in one call (prefill: PyTorch)."""
+        spec, tokens = self.spec, qkv.shape[0]
+        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        native.rope_store_kv(qkv, h, kvh, d, rope.cos, rope.sin, kv_cache, meta.slot_mapping)
+        if meta.is_all_decode:
+            return native.decode_attention(
+                qkv, h, kvh, d, kv_cache, meta.block_tables, meta.seq_lens_tensor,
+                max(meta.seq_lens), spec.scale, spec.sliding_window,
+            )  # fmt: skip
+        q = qkv[:, : self.q_size].view(tokens, h, d)
+        kv = qkv[:, self.q_size :].view(tokens, 2, kvh, d)
+        out = attend(q, kv, kv_cache, meta, spec.scale, spec.sliding_window, spec.softcap)
+        return out.reshape(tokens, self.q_size)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill import native
+
 
 class RMSNorm(nn.Module):
     """y = x / rms(x) * w (Llama style) or * (1 + w) (Gemma style, ``unit_offset=True``).
@@ -46,8 +48,14 @@ class RMSNorm(nn.Module):
         """x / max(||x||, sqrt(dim * eps)) * (w * sqrt(dim)): HF's x * rsqrt(mean(x^2) + eps)
         * w except that eps only guards tiny rows (far below bfloat16 resolution for real
         hidden states, and 0 stays 0); the norm accumulates in float32, one rounding."""
+        if self._native(x):
+            return native.add_rms_norm(None, x, self._scaled_weight(), self._min_norm)
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(self._min_norm)
         return torch.div(x, norm).mul_(self._scaled_weight())
+
+    def _native(self, x: torch.Tensor) -> bool:
+        """Rows of float32 in one native call (quantized models: ``exact=False``)."""
+        return not self.exact and x.dim() == 2 and x.is_contiguous() and native.takes(x)
 
     def _scaled_weight(self) -> torch.Tensor:
         """(w or 1 + w) * sqrt(dim) in float32, recomputed whenever the weight was written."""
@@ -61,6 +69,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add ``x`` to the residual stream (in place), then normalize: (normed, residual)."""
+        if self._native(residual) and x.shape == residual.shape and native.takes(x):
+            normed = native.add_rms_norm(x, residual, self._scaled_weight(), self._min_norm)
+            return normed, residual
         residual.add_(x)
         return self(residual), residual
 

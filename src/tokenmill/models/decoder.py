@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill import native
 from tokenmill.attention import ForwardContext
 from tokenmill.layers.attention import Attention, AttentionSpec
 from tokenmill.layers.linear import Linear, VocabEmbedding
@@ -22,6 +23,8 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RopeConfig, RopeTables, RotaryEmbedding
 from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ArchConfig
+from tokenmill.models.native_decode import NativeDecode
+from tokenmill.models.native_decode import supports as native_decode_supports
 from tokenmill.models.weights import load_weights
 from tokenmill.quant.plan import QuantPlan, linear_method
 
@@ -194,6 +197,8 @@ class DecoderModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = _norm(cfg, spec, dtype, quant)
+        # Quantized plain pre-norm layers: decode steps as one native call per layer.
+        self.native_decode = NativeDecode(self) if quant and native_decode_supports(self) else None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -203,6 +208,9 @@ class DecoderModel(nn.Module):
             hidden = hidden * self.embed_scale
         rope = {rotary: rotary.tables(positions) for rotary in self.rotaries}  # once per step
         residual: torch.Tensor | None = None
+        if self.native_decode is not None and ctx.attn.is_all_decode and native.takes(hidden):
+            hidden, residual = self.native_decode(hidden.contiguous(), rope, ctx)
+            return self.norm.forward_residual(hidden, residual)[0]
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, ctx)
         if residual is None:

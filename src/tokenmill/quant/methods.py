@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import native
 from tokenmill.errors import ModelLoadError
-from tokenmill.quant import native
 from tokenmill.quant.gguf_blocks import GROUP, GgufBlocks, affine_groups
 
 Source = torch.Tensor | GgufBlocks

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from tokenmill import native
 from tokenmill.errors import InvalidRequestError
-from tokenmill.quant import native
 from tokenmill.quant.gguf_blocks import DENSE_TYPES, INT4_EXACT_TYPES
 from tokenmill.quant.methods import LinearMethod, method_for
 

@@ -6,7 +6,7 @@
  * unsigned weights x signed activations); the offset term uses the exact float sum of
  * each activation group.
  *
- * Weight layout (built by tokenmill/quant/native.py), per tile of 16 output rows and
+ * Weight layout (built by tokenmill/native/__init__.py), per tile of 16 output rows and
  * group g of 32 inputs:
  *   4-bit: 4 steps of 8 inputs, 64 bytes each: byte 4r + j = q[r, k + j] | q[r, k + 4 + j] << 4
  *   8-bit: 8 steps of 4 inputs, 64 bytes each: byte 4r + j = q[r, k + j]
@@ -24,13 +24,7 @@
 #define GROUP 32
 #define TILE 16
 #define MBLOCK 4
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
+#define PREFETCH 2048
 
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
     uint32_t u;
@@ -40,30 +34,35 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     return (uint16_t)(u >> 16);
 }
 
+static inline __m512 load16(const void *x, int bf16, int64_t k) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + k));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)x + k);
+}
+
 /* One token's activations -> two int8 terms per group (q1, q2 at qx + 2 g * 32), the group
  * scale d of 256 q1 + q2 (dx) and the exact group sums (sx). */
 static void quantize_row(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx) {
-    float buf[GROUP];
+    const __m512i lim = _mm512_set1_epi32(127), nlim = _mm512_set1_epi32(-127);
     for (int64_t g = 0; g < K / GROUP; g++) {
-        float amax = 0.f, sum = 0.f;
-        for (int i = 0; i < GROUP; i++) {
-            int64_t k = g * GROUP + i;
-            float v = bf16 ? bf16_to_f32(((const uint16_t *)x)[k]) : ((const float *)x)[k];
-            buf[i] = v;
-            sum += v;
-            float a = fabsf(v);
-            amax = a > amax ? a : amax;
-        }
+        __m512 v[2] = {load16(x, bf16, g * GROUP), load16(x, bf16, g * GROUP + 16)};
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+        sx[g] = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
         float d1 = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int8_t *q1 = qx + 2 * g * GROUP, *q2 = q1 + GROUP;
-        for (int i = 0; i < GROUP; i++) {
-            long a = lrintf(buf[i] * inv);
-            long b = lrintf((buf[i] - d1 * (float)a) * inv * 256.f);
-            q1[i] = (int8_t)a;
-            q2[i] = (int8_t)(b > 127 ? 127 : b < -127 ? -127 : b);
-        }
         dx[g] = d1 / 256.f;
-        sx[g] = sum;
+        __m512 vinv = _mm512_set1_ps(inv), vinv256 = _mm512_set1_ps(inv * 256.f);
+        __m512 vd1 = _mm512_set1_ps(d1);
+        int8_t *q1 = qx + 2 * g * GROUP, *q2 = q1 + GROUP;
+        for (int h = 0; h < 2; h++) {
+            __m512i a = _mm512_cvtps_epi32(_mm512_mul_ps(v[h], vinv)); /* nearest even */
+            __m512 r = _mm512_fnmadd_ps(vd1, _mm512_cvtepi32_ps(a), v[h]); /* what q1 leaves */
+            __m512i b = _mm512_cvtps_epi32(_mm512_mul_ps(r, vinv256));
+            b = _mm512_max_epi32(_mm512_min_epi32(b, lim), nlim);
+            _mm_storeu_si128((__m128i *)(q1 + 16 * h), _mm512_cvtepi32_epi8(a));
+            _mm_storeu_si128((__m128i *)(q2 + 16 * h), _mm512_cvtepi32_epi8(b));
+        }
     }
 }
 
@@ -81,6 +80,8 @@ static void tile_kernel(const uint8_t *w, int bits, int64_t groups, int mb, cons
         __m512i a[MBLOCK][4];
         for (int m = 0; m < MBLOCK; m++)
             a[m][0] = a[m][1] = a[m][2] = a[m][3] = _mm512_setzero_si512();
+        /* the hardware prefetchers stop at 4 KB pages: keep PREFETCH bytes in flight */
+        for (int s = 0; s <= steps; s++) _mm_prefetch((const char *)gw + PREFETCH + s * 64, _MM_HINT_T0);
         if (bits == 4) {
             for (int s = 0; s < 4; s++) {
                 __m512i v = _mm512_loadu_si512((const void *)(gw + s * 64));

@@ -1,0 +1,128 @@
+"""Decode steps of a quantized pre-norm decoder as one native call per layer.
+
+At one token per sequence the arithmetic of a layer is small and Python-level operations
+(~40 per layer) cost more than the matmuls. When every layer is a plain pre-norm layer
+(Llama, Mistral, Qwen2: no q/k norms, no sandwich norms, no soft-capping) with affine-group
+weights, float32 activations and the native kernels available, ``DecoderModel`` hands
+all-decode steps to ``NativeDecode``: the same float32 computation as the per-op native
+path (``RMSNorm._fast``, ``Attention._native``), one ``decode_layer`` call per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill import native
+from tokenmill.attention import ForwardContext
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
+from tokenmill.quant.methods import AffineGroupMethod
+
+if TYPE_CHECKING:
+    from tokenmill.models.decoder import DecoderModel
+
+_ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
+
+
+def supports(model: DecoderModel) -> bool:
+    """Whether every layer of ``model`` can run as one native call (checked once, at build)."""
+    from tokenmill.models.decoder import DecoderLayer
+
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if (
+            type(layer) is not DecoderLayer
+            or not attn.native_steps
+            or attn.q_norm is not None
+            or mlp.act.name not in _ACTIVATIONS
+            or not all(isinstance(p.method, AffineGroupMethod) for p in projections)
+        ):
+            return False
+    return True
+
+
+class NativeDecode:
+    """Runs the layers of a ``supports``-ed model for all-decode float32 steps."""
+
+    def __init__(self, model: DecoderModel) -> None:
+        self.model = model
+        self._descs: tuple[tuple[int, ...], list] | None = None  # (cache addresses, descs)
+        self._keep: list[torch.Tensor] = []  # tensors the descriptors point into
+
+    def __call__(
+        self, hidden: torch.Tensor, rope: Mapping[RotaryEmbedding, RopeTables], ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [B, hidden] float32 embeddings -> (last layer output, residual stream)."""
+        meta, layers = ctx.attn, self.model.layers
+        tables = rope[layers[0].self_attn.rotary_emb]
+        attn, mlp = layers[0].self_attn, layers[0].mlp
+        batch, width = hidden.shape
+        kvh, inter = attn.spec.num_kv_heads, mlp.down_proj.in_features
+        widest = max(width, inter)
+        residual = torch.empty_like(hidden)
+        buffers = {
+            "normed": torch.empty(batch, width),
+            "qkv": torch.empty(batch, attn.qkv_proj.out_features),
+            "attn": torch.empty(batch, attn.q_size),
+            "gate_up": torch.empty(batch, 2 * inter),
+            "act": torch.empty(batch, inter),
+            "scores": torch.empty(batch * kvh * max(meta.seq_lens)),
+            "qx": torch.empty(2 * batch * widest, dtype=torch.int8),
+            "dx": torch.empty(batch * widest // 32),
+            "sx": torch.empty(batch * widest // 32),
+        }
+        step = native.StepArgs(
+            tokens=batch, table_width=meta.block_tables.stride(0), max_len=max(meta.seq_lens),
+            first_layer=1, hidden=hidden.data_ptr(), residual=residual.data_ptr(),
+            cos=tables.cos.data_ptr(), sin=tables.sin.data_ptr(),
+            slots=meta.slot_mapping.data_ptr(), block_tables=meta.block_tables.data_ptr(),
+            seq_lens=meta.seq_lens_tensor.data_ptr(),
+            **{name: t.data_ptr() for name, t in buffers.items()},
+        )  # fmt: skip
+        for desc in self._layer_descs(ctx.kv_caches):
+            native.decode_layer(desc, step)
+            step.first_layer = 0
+        return hidden, residual
+
+    def _layer_descs(self, kv_caches: list[torch.Tensor]) -> list:
+        key = tuple(c.data_ptr() for c in kv_caches)
+        if self._descs is None or self._descs[0] != key:
+            self._keep = []
+            descs = [
+                self._describe(layer, kv_caches[i]) for i, layer in enumerate(self.model.layers)
+            ]
+            self._descs = (key, descs)
+        return self._descs[1]
+
+    def _describe(self, layer, kv_cache: torch.Tensor) -> native.LayerDesc:
+        attn, mlp, spec = layer.self_attn, layer.mlp, layer.self_attn.spec
+        norms = (
+            layer.input_layernorm._scaled_weight(),
+            layer.post_attention_layernorm._scaled_weight(),
+        )
+        self._keep.extend(norms)
+        _, blocks, block_size = kv_cache.shape[:3]
+        return native.LayerDesc(
+            qkv=self._proj(attn.qkv_proj), o=self._proj(attn.o_proj),
+            gate_up=self._proj(mlp.gate_up_proj), down=self._proj(mlp.down_proj),
+            input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(),
+            min_norm=layer.input_layernorm._min_norm, scale=spec.scale,
+            hidden=spec.hidden_size, q_heads=spec.num_heads, kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim, intermediate=mlp.down_proj.in_features,
+            window=spec.sliding_window or 0, activation=_ACTIVATIONS[mlp.act.name],
+            kv_cache=kv_cache.data_ptr(), cache_slots=blocks * block_size, block_size=block_size,
+        )  # fmt: skip
+
+    def _proj(self, linear: Linear) -> native.Proj:
+        bias = None
+        if linear.bias is not None:
+            bias = linear.bias.detach().float().contiguous()
+            self._keep.append(bias)
+        return native.Proj(
+            tiles=linear.qtiles.data_ptr(), bias=bias.data_ptr() if bias is not None else None,
+            bits=linear.method.bits, out=linear.out_features, in_=linear.in_features,
+        )  # fmt: skip

@@ -1,0 +1,263 @@
+"""Native CPU kernels (``kernels/*.c``): built once, called through ctypes.
+
+- ``affine_gemm``: x W^T for weights in 4/8-bit affine groups (``tokenmill.quant``);
+- ``add_rms_norm``, ``rope_store_kv``, ``decode_attention``: the small per-layer steps
+  of a float32 forward in one call each (``kernels/decode.c``).
+
+The C files are compiled together with the system C compiler (``cc -O3 -march=native
+-fopenmp``, about two seconds) the first time they are needed and cached under
+``$TOKENMILL_CACHE_DIR/kernels``, keyed by the sources and the CPU's feature flags. The
+library links the OpenMP runtime PyTorch has already loaded, so it shares PyTorch's
+threads. Without a compiler, or on a CPU without AVX512-VNNI, ``available()`` is False
+and the layers use PyTorch's own kernels.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from tokenmill.env import cache_dir
+
+logger = logging.getLogger(__name__)
+
+_SOURCES = tuple(sorted((Path(__file__).parent / "kernels").glob("*.c")))
+_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "f16c")
+TILE, GROUP = 16, 32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _build(out: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc) found")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        target = Path(tmp) / out.name
+        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
+               *map(str, _SOURCES), "-o", str(target), "-lm"]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, text=True)
+        target.replace(out)  # atomic: concurrent builders never see a partial file
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    flags = _cpu_flags()
+    if platform.machine() != "x86_64" or not all(f in flags for f in _REQUIRED_FLAGS):
+        logger.info("native CPU kernels need x86-64 with AVX512-VNNI: using PyTorch's")
+        return None
+    sources = b"".join(p.read_bytes() for p in _SOURCES)
+    key = hashlib.sha256(sources + " ".join(sorted(flags)).encode()).hexdigest()
+    path = cache_dir() / "kernels" / f"tokenmill-{key[:16]}.so"
+    try:
+        if not path.exists():
+            logger.info("compiling the native CPU kernels (once) into %s", path)
+            _build(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("native CPU kernels unavailable (%s): using PyTorch's", detail)
+        return None
+    i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_bool
+    lib.affine_gemm.argtypes = [ptr, flag, i64, i64, ptr, ctypes.c_int, i64, ptr, flag,
+                                ptr, ptr, ptr]  # fmt: skip
+    lib.affine_gemm.restype = None
+    f32 = ctypes.c_float
+    lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, flag]
+    lib.rope_store_kv.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, ptr, i64,
+                                     ptr, f32, i64, ptr, ptr, i64]  # fmt: skip
+    lib.decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ctypes.POINTER(StepArgs)]
+    for fn in (lib.add_rms_norm, lib.rope_store_kv, lib.decode_attention, lib.decode_layer):
+        fn.restype = None
+    return lib
+
+
+# -- one decoder layer per call (kernels/decoder_layer.c) --------------------------------
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class Proj(ctypes.Structure):
+    """An affine-group projection: its tiles, optional float32 bias, bits and shape."""
+
+    _fields_ = [("tiles", _ptr), ("bias", _ptr), ("bits", _i64), ("out", _i64), ("in_", _i64)]
+
+
+class LayerDesc(ctypes.Structure):
+    """What stays fixed for a layer across steps (built once per KV cache)."""
+
+    _fields_ = [
+        ("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj),
+        ("input_norm", _ptr), ("post_norm", _ptr), ("min_norm", _f32), ("scale", _f32),
+        ("hidden", _i64), ("q_heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+        ("intermediate", _i64), ("window", _i64), ("activation", _i64),
+        ("kv_cache", _ptr), ("cache_slots", _i64), ("block_size", _i64),
+    ]  # fmt: skip
+
+
+class StepArgs(ctypes.Structure):
+    """What one decode step shares across its layers: buffers and attention metadata."""
+
+    _fields_ = [
+        ("tokens", _i64), ("table_width", _i64), ("max_len", _i64), ("first_layer", _i64),
+        ("hidden", _ptr), ("residual", _ptr), ("cos", _ptr), ("sin", _ptr),
+        ("slots", _ptr), ("block_tables", _ptr), ("seq_lens", _ptr),
+        ("normed", _ptr), ("qkv", _ptr), ("attn", _ptr), ("gate_up", _ptr), ("act", _ptr),
+        ("scores", _ptr), ("qx", _ptr), ("dx", _ptr), ("sx", _ptr),
+    ]  # fmt: skip
+
+
+def decode_layer(desc: ctypes.Structure, step: ctypes.Structure) -> None:
+    """Run one decoder layer (see kernels/decoder_layer.c) on ``step``'s buffers in place."""
+    _library().decode_layer(ctypes.byref(desc), ctypes.byref(step))
+
+
+def available() -> bool:
+    """True when the native kernels can run here (built or buildable, CPU supported)."""
+    return _library() is not None
+
+
+def takes(*tensors: torch.Tensor) -> bool:
+    """The per-layer float32 steps apply: kernels available, float32 CPU tensors."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and available()
+
+
+class _Scratch(threading.local):
+    """Per-thread buffers for the quantized activations, grown on demand and reused."""
+
+    def __init__(self) -> None:
+        self.size = 0
+        self.buffer = torch.empty(0, dtype=torch.int8)
+
+    def pointers(self, m: int, k: int) -> tuple[int, int, int]:
+        """(2 M K int8 terms, M K / 32 float scales, M K / 32 float sums) addresses."""
+        need = 2 * m * k + 8 * (m * k // GROUP) + 64
+        if need > self.size:
+            self.size = max(need, 2 * self.size)
+            self.buffer = torch.empty(self.size, dtype=torch.int8)
+        base = self.buffer.data_ptr()
+        scales = (base + 2 * m * k + 63) // 64 * 64
+        return base, scales, scales + 4 * (m * k // GROUP)
+
+
+_scratch = _Scratch()
+
+
+def affine_gemm(x: torch.Tensor, tiles: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """x [M, K] float32/bfloat16 contiguous, tiles from ``pack_tiles`` -> y [M, n] in x's dtype."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=x.dtype)
+    bf16 = x.dtype == torch.bfloat16
+    _library().affine_gemm(x.data_ptr(), bf16, m, k, tiles.data_ptr(), bits, n, y.data_ptr(),
+                           bf16, *_scratch.pointers(m, k))  # fmt: skip
+    return y
+
+
+# -- float32 per-layer steps ---------------------------------------------------------------
+def add_rms_norm(
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, min_norm: float
+) -> torch.Tensor:
+    """residual += x (in place, unless x is None); returns residual / max(|residual|,
+    min_norm) * weight per row. float32 [T, D] contiguous; weight float32 [D]."""
+    out = torch.empty_like(residual)
+    add = x is not None
+    _library().add_rms_norm(x.data_ptr() if add else 0, residual.data_ptr(), weight.data_ptr(),
+                            out.data_ptr(), residual.shape[0], residual.shape[1], min_norm, add)  # fmt: skip
+    return out
+
+
+def rope_store_kv(
+    qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
+    sin: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor,
+) -> None:  # fmt: skip
+    """Rotate the q and k heads of qkv [T, (H + 2 KVH) D] in place and store k, v at
+    ``slots`` of kv_cache [2, NB, BS, KVH, D]. cos/sin [T, D] (see ``RopeTables``)."""
+    slots_total = kv_cache.shape[1] * kv_cache.shape[2]
+    _library().rope_store_kv(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), q_heads, kv_heads,
+                             head_dim, cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
+                             slots_total, slots.data_ptr())  # fmt: skip
+
+
+def decode_attention(
+    qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, kv_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float,
+    window: int | None,
+) -> torch.Tensor:  # fmt: skip
+    """One query per sequence (the q heads of qkv [B, ...]) -> [B, H D] float32."""
+    batch = qkv.shape[0]
+    out = torch.empty(batch, q_heads * head_dim, dtype=torch.float32)
+    scores = torch.empty(batch * kv_heads * max_len, dtype=torch.float32)
+    _, nb, bs = kv_cache.shape[:3]
+    _library().decode_attention(qkv.data_ptr(), batch, qkv.stride(0), q_heads, kv_heads,
+                                head_dim, kv_cache.data_ptr(), nb * bs, bs,
+                                block_tables.data_ptr(), block_tables.stride(0),
+                                seq_lens.data_ptr(), scale, window or 0, out.data_ptr(),
+                                scores.data_ptr(), max_len)  # fmt: skip
+    return out
+
+
+# -- affine-group GEMM -------------------------------------------------------------------
+def tile_bytes(bits: int, k: int) -> int:
+    """Bytes of one tile (16 rows x k inputs): per group, the codes then 16 + 16 float16."""
+    return k // GROUP * ((4 if bits == 4 else 8) * 64 + 64)
+
+
+def pack_tiles(
+    codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """codes uint8 [n, K] (< 2**bits), scale/offset [n, K/32] -> uint8 [n/16, tile_bytes].
+
+    Row r of a tile is lane r of every 64-byte load (see affine_gemm.c).
+    """
+    n, k = codes.shape
+    t, g = n // TILE, k // GROUP
+    c = codes.view(t, TILE, g, GROUP)
+    if bits == 4:  # k = 8 s + 4 h + j -> byte [s][r][j] = low: h=0, high: h=1
+        c = c.view(t, TILE, g, 4, 2, 4).permute(0, 2, 3, 1, 4, 5)  # [t, g, s, r, h, j]
+        c = c[..., 0, :] | (c[..., 1, :] << 4)  # [t, g, 4, 16, 4]
+    else:  # k = 4 s + j -> byte [s][r][j]
+        c = c.view(t, TILE, g, 8, 4).permute(0, 2, 3, 1, 4)  # [t, g, 8, 16, 4]
+    c = c.reshape(t, g, -1)
+    so = torch.stack((scale, offset)).to(torch.float16).view(2, t, TILE, g)
+    so = so.permute(1, 3, 0, 2).reshape(t, g, 2 * TILE).contiguous().view(torch.uint8)
+    return torch.cat((c, so), dim=2).reshape(t, -1)
+
+
+def unpack_rows(tiles: torch.Tensor, rows: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """Dequantized float32 [len(rows), k] of the given rows (an embedding lookup)."""
+    g = k // GROUP
+    steps = 4 if bits == 4 else 8
+    t = tiles.view(tiles.shape[0], g, steps * 64 + 64)
+    tile, lane = rows // TILE, rows % TILE
+    code_bytes = t[:, :, : steps * 64].reshape(-1, g, steps, TILE, 4)[
+        tile, :, :, lane
+    ]  # [R, g, s, 4]
+    if bits == 4:
+        codes = torch.stack((code_bytes & 0x0F, code_bytes >> 4), dim=3)  # [R, g, s, h, 4]
+    else:
+        codes = code_bytes
+    codes = codes.reshape(len(rows), g, GROUP).float()
+    so = t[tile, :, steps * 64 :].view(torch.float16).view(len(rows), g, 2, TILE)  # [R, g, 2, 16]
+    so = so[torch.arange(len(rows)), :, :, lane].float()  # [R, g, 2]
+    return (codes * so[..., 0:1] + so[..., 1:2]).reshape(len(rows), k)

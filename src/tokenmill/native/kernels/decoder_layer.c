@@ -1,0 +1,87 @@
+/* One pre-norm decoder layer (Llama / Mistral / Qwen2 style) for a decode step, all native:
+ * input norm (joining the residual stream), qkv projection, rotary + K/V store, paged
+ * attention, o projection, post-attention norm, gated MLP. One call per layer instead of
+ * ~40 Python-level operations; the float32 math is the same as the per-step kernels'.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
+                 int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx);
+void add_rms_norm(float *x, float *residual, const float *w, float *out, int64_t rows, int64_t dim,
+                  float min_norm, _Bool add);
+void rope_store_kv(float *qkv, int64_t tokens, int64_t row_stride, int64_t q_heads,
+                   int64_t kv_heads, int64_t d, const float *cos, const float *sin, float *cache,
+                   int64_t cache_slots, const int64_t *slots);
+void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q_heads,
+                      int64_t kv_heads, int64_t d, const float *cache, int64_t cache_slots,
+                      int64_t block_size, const int64_t *block_tables, int64_t table_width,
+                      const int64_t *seq_lens, float scale, int64_t window, float *out,
+                      float *scratch, int64_t max_len);
+
+typedef struct {
+    const uint8_t *tiles;
+    const float *bias; /* NULL: none */
+    int64_t bits, out, in;
+} Proj;
+
+typedef struct {
+    Proj qkv, o, gate_up, down;
+    const float *input_norm, *post_norm; /* (w or 1 + w) * sqrt(hidden), float32 */
+    float min_norm, scale;
+    int64_t hidden, q_heads, kv_heads, head_dim, intermediate, window, activation; /* 0 silu, 1 gelu tanh */
+    float *kv_cache;
+    int64_t cache_slots, block_size;
+} LayerDesc;
+
+typedef struct {
+    int64_t tokens, table_width, max_len, first_layer;
+    float *hidden, *residual; /* [B, hidden]: in = previous layer's output, out = this one's */
+    const float *cos, *sin;   /* [B, head_dim] */
+    const int64_t *slots, *block_tables, *seq_lens;
+    float *normed, *qkv, *attn, *gate_up, *act, *scores; /* scratch */
+    int8_t *qx;
+    float *dx, *sx;
+} StepArgs;
+
+static void project(const Proj *p, const float *x, float *y, const StepArgs *s) {
+    affine_gemm(x, 0, s->tokens, p->in, p->tiles, (int)p->bits, p->out, y, 0, s->qx, s->dx, s->sx);
+    if (p->bias)
+        for (int64_t t = 0; t < s->tokens; t++)
+            for (int64_t i = 0; i < p->out; i++) y[t * p->out + i] += p->bias[i];
+}
+
+static inline float gelu_tanh(float x) {
+    return 0.5f * x * (1.f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
+
+void decode_layer(const LayerDesc *L, const StepArgs *s) {
+    const int64_t B = s->tokens, H = L->hidden, I = L->intermediate, D = L->head_dim;
+    if (s->first_layer) { /* the residual stream starts as the embeddings */
+        memcpy(s->residual, s->hidden, B * H * sizeof(float));
+        add_rms_norm(0, s->residual, L->input_norm, s->normed, B, H, L->min_norm, 0);
+    } else {
+        add_rms_norm(s->hidden, s->residual, L->input_norm, s->normed, B, H, L->min_norm, 1);
+    }
+    project(&L->qkv, s->normed, s->qkv, s);
+    rope_store_kv(s->qkv, B, L->qkv.out, L->q_heads, L->kv_heads, D, s->cos, s->sin, L->kv_cache,
+                  L->cache_slots, s->slots);
+    decode_attention(s->qkv, B, L->qkv.out, L->q_heads, L->kv_heads, D, L->kv_cache,
+                     L->cache_slots, L->block_size, s->block_tables, s->table_width, s->seq_lens,
+                     L->scale, L->window, s->attn, s->scores, s->max_len);
+    project(&L->o, s->attn, s->hidden, s);
+    add_rms_norm(s->hidden, s->residual, L->post_norm, s->normed, B, H, L->min_norm, 1);
+    project(&L->gate_up, s->normed, s->gate_up, s);
+    for (int64_t t = 0; t < B; t++) {
+        const float *g = s->gate_up + t * 2 * I, *u = g + I;
+        float *a = s->act + t * I;
+        if (L->activation == 0) {
+#pragma omp simd
+            for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+        } else {
+            for (int64_t i = 0; i < I; i++) a[i] = gelu_tanh(g[i]) * u[i];
+        }
+    }
+    project(&L->down, s->act, s->hidden, s);
+}
