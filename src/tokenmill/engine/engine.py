@@ -152,6 +152,7 @@ class LLMEngine:
             self.structured.wait(timeout=0.05)  # idle but for compiles: wait for one
             return failed
         self.stats.on_scheduled(sched)
+        self.structured.prepare(sched)  # grammar masks compute while the model runs
         try:
             result = self.runner.execute(sched)
         except Exception as exc:  # a broken step fails its requests, not the engine

@@ -7,8 +7,9 @@
    requests with the same spec share one compile). Until it is ready the request
    waits here, not in the scheduler, so compiling never stalls the engine loop.
 3. ``collect``: requests whose grammar is ready go on to the scheduler.
-4. Per step, ``mask_logits`` (a sampler row processor) fills one bitmask row per
-   constrained row, in parallel, and sets the disallowed logits to -inf.
+4. Per step, ``prepare`` (before the model runs) starts filling one bitmask row per
+   constrained row in a background thread; ``mask_logits`` (a sampler row processor)
+   collects it and sets the disallowed logits to -inf.
 5. ``advance`` feeds the sampled token to the matcher; a complete grammar ends
    the request.
 """
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from tokenmill.engine.request import Request
     from tokenmill.entrypoints.openai.reasoning_parsers import ReasoningParser
     from tokenmill.sampling.sampler import RowState
+    from tokenmill.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ class StructuredOutputManager:
         self._cache: OrderedDict[GrammarSpec, Future[CompiledGrammar]] = OrderedDict()
         self._validated: OrderedDict[GrammarSpec, None] = OrderedDict()
         self._waiting: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._prepared: tuple[list[StructuredRequest], Future[torch.Tensor]] | None = None
 
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer, vocab_size: int
@@ -157,23 +161,43 @@ class StructuredOutputManager:
         return entry[0] if entry else None
 
     # -- every step ----------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput) -> None:
+        """Start filling this step's bitmask in the background (llguidance releases the GIL),
+        so that it overlaps the model's forward pass; ``mask_logits`` collects it."""
+        states = [s.request.structured for s in sched.seqs if s.samples
+                  and s.request.structured is not None and s.request.structured.masks]
+        self._prepared = None
+        if states:
+            if self._mask_thread is None:
+                self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-mask")
+            self._prepared = (states, self._mask_thread.submit(self._fill, states))
+
+    def _fill(self, states: list[StructuredRequest]) -> torch.Tensor:
+        """[len(states), W] int32: row j = what states[j] allows next."""
+        backend = self.backend
+        bitmask = allocate_bitmask(len(states), backend.bitmask_width)
+        backend.fill_bitmasks([(state.matcher, j) for j, state in enumerate(states)], bitmask)
+        for j, state in enumerate(states):
+            extra = state.extra_allowed
+            if extra is not None:
+                bitmask[j, extra // 32] |= _bit(extra % 32)
+        return bitmask
+
     def mask_logits(self, logits: torch.Tensor, rows: Sequence[RowState]) -> None:
         """Sampler row processor: -inf on the tokens each constrained row may not take."""
         constrained = [
             (i, row.structured) for i, row in enumerate(rows)
             if row.structured is not None and row.structured.masks
         ]
+        prepared, self._prepared = self._prepared, None
         if not constrained:
             return
-        backend = self.backend
-        bitmask = allocate_bitmask(len(constrained), backend.bitmask_width)
-        backend.fill_bitmasks(
-            [(state.matcher, j) for j, (_, state) in enumerate(constrained)], bitmask
-        )
-        for j, (_, state) in enumerate(constrained):
-            extra = state.extra_allowed
-            if extra is not None:
-                bitmask[j, extra // 32] |= _bit(extra % 32)
+        states = [state for _, state in constrained]
+        if prepared is not None and len(prepared[0]) == len(states) and all(
+                a is b for a, b in zip(prepared[0], states)):
+            bitmask = prepared[1].result()
+        else:  # not prepared (a sampler used on its own): fill now
+            bitmask = self._fill(states)
         index = None
         if len(constrained) < len(rows):
             index = torch.tensor([i for i, _ in constrained], dtype=torch.int64)
@@ -189,8 +213,9 @@ class StructuredOutputManager:
         return result
 
     def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._pool, self._mask_thread):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _bit(k: int) -> int:
