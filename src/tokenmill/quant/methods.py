@@ -29,7 +29,7 @@ from tokenmill.quant.gguf_blocks import GROUP, GgufBlocks, affine_groups
 Source = torch.Tensor | GgufBlocks
 """A block of weight rows from the checkpoint: dense [n, in], or GGUF blocks."""
 
-CHUNK_ROWS = 4096  # rows converted at a time: bounds the float32 temporaries of loading
+CHUNK_ROWS = 1024  # rows converted at a time: bounds the temporaries of loading
 
 
 class LinearMethod(ABC):
