@@ -13,12 +13,13 @@ masking, advancing the matchers). Compile times are per schema, from a cold cach
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import best_of, table  # noqa: E402
+from common import table  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.structured_output import StructuredOutputsParams  # noqa: E402
@@ -62,17 +63,49 @@ def prompts(llm: LLM, n: int) -> list[dict]:
     return out
 
 
-def throughput(llm: LLM, batch: list[dict], params: SamplingParams, repeat: int) -> float:
-    tokens = 0
+def timed_runs(llm: LLM, batch: list[dict], runs: dict[str, SamplingParams], repeat: int
+               ) -> dict[str, float]:
+    """Median tokens/s per run; the runs alternate, so load drift hits them alike."""
+    rates: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeat):
+        for name, params in runs.items():
+            start = time.perf_counter()
+            outs = llm.generate(batch, params)
+            seconds = time.perf_counter() - start
+            assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
+            rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / seconds)
+    return {name: statistics.median(r) for name, r in rates.items()}
 
-    def run() -> None:
-        nonlocal tokens
-        outs = llm.generate(batch, params)
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outs)
 
-    seconds = best_of(run, repeat)
-    return tokens / seconds
+class GrammarClock:
+    """Wall time of the grammar work in the engine: mask fill (background thread), mask
+    application (sampler) and advancing the matchers, per engine step."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.seconds = {"fill": 0.0, "apply": 0.0, "advance": 0.0}
+        self.steps = 0
+        manager, engine = llm.engine.structured, llm.engine
+        for key, owner, name in (("fill", manager, "_fill"), ("advance", manager, "advance"),
+                                 (None, engine, "step")):
+            setattr(owner, name, self._wrap(key, getattr(owner, name)))
+        sampler = engine.runner.sampler  # holds the processor itself, not the attribute
+        sampler.processors = tuple(self._wrap("apply", p) if p == manager.mask_logits else p
+                                   for p in sampler.processors)
+
+    def _wrap(self, key, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                if key is None:
+                    self.steps += 1
+                else:
+                    self.seconds[key] += time.perf_counter() - start
+        return timed
+
+    def per_step_ms(self) -> dict[str, float]:
+        return {k: v * 1e3 / max(self.steps, 1) for k, v in self.seconds.items()}
 
 
 def compile_times(llm: LLM) -> list[list[str]]:
@@ -97,10 +130,13 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--dtype", default="auto")
     args = ap.parse_args()
 
-    llm = LLM(args.model, dtype="float32", max_model_len=1024, enable_prefix_caching=False)
+    # the defaults a CPU user gets (a GGUF stays quantized); no prefix cache, so every run
+    # pays its prefill alike
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=1024, enable_prefix_caching=False)
     print("grammar compile time, cold cache (ms):")
     print(table([["schema", "ms"], *compile_times(llm)]))
 
@@ -109,14 +145,23 @@ def main() -> None:
     guided = SamplingParams(temperature=0, max_tokens=args.max_tokens,
                             structured_outputs=StructuredOutputsParams(json=INVENTORY))
     llm.generate(batch[:2], [plain, guided])  # warm-up (and the inventory grammar's compile)
-    free = throughput(llm, batch, plain, args.repeat)
-    constrained = throughput(llm, batch, guided, args.repeat)
-    print(f"\n{args.concurrency} concurrent requests x {args.max_tokens} tokens, greedy:")
+    rates = timed_runs(llm, batch, {"unconstrained": plain, "JSON schema": guided}, args.repeat)
+    free, constrained = rates["unconstrained"], rates["JSON schema"]
+    print(f"\n{args.concurrency} concurrent requests x {args.max_tokens} tokens, greedy "
+          f"(median of {args.repeat}, alternating):")
     print(table([
         ["run", "tokens/s", "vs unconstrained"],
         ["unconstrained", f"{free:.1f}", "1.00"],
         ["JSON schema", f"{constrained:.1f}", f"{constrained / free:.2f}"],
     ]))
+    clock = GrammarClock(llm)
+    start = time.perf_counter()
+    llm.generate(batch, guided)
+    step_ms = (time.perf_counter() - start) * 1e3 / max(clock.steps, 1)
+    parts = clock.per_step_ms()
+    print(f"\ngrammar work per engine step (ms; a step takes {step_ms:.1f}): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+          + " (fill overlaps the forward pass)")
 
 
 if __name__ == "__main__":

@@ -67,9 +67,12 @@ static void quantize_row(const void *x, int bf16, int64_t K, int8_t *qx, float *
 }
 
 /* mb tokens (mb <= MBLOCK) x one tile of 16 rows. Four accumulators per token (term 1/2 x
- * even/odd step) keep the vpdpbusd dependency chains short. */
-static void tile_kernel(const uint8_t *w, int bits, int64_t groups, int mb, const int8_t *qx,
-                        const float *dx, const float *sx, int64_t K, float *out /* [mb][16] */) {
+ * even/odd step) keep the vpdpbusd dependency chains short. Always inlined with constant
+ * bits and mb (see tile_dispatch), so the loops over tokens unroll and the accumulators
+ * stay in registers. */
+static inline __attribute__((always_inline)) void tile_kernel(
+    const uint8_t *w, const int bits, int64_t groups, const int mb, const int8_t *qx,
+    const float *dx, const float *sx, int64_t K, float *out /* [mb][16] */) {
     const int steps = bits == 4 ? 4 : 8;
     const int64_t group_bytes = (int64_t)steps * 64 + 64;
     __m512 y[MBLOCK];
@@ -126,6 +129,19 @@ static void tile_kernel(const uint8_t *w, int bits, int64_t groups, int mb, cons
     for (int m = 0; m < mb; m++) _mm512_storeu_ps(out + m * TILE, y[m]);
 }
 
+#define TILE_CASE(B, MB)                                                                     \
+    case (B) * 8 + (MB):                                                                     \
+        tile_kernel(w, B, groups, MB, qx, dx, sx, K, out);                                   \
+        break;
+
+static void tile_dispatch(const uint8_t *w, int bits, int64_t groups, int mb, const int8_t *qx,
+                          const float *dx, const float *sx, int64_t K, float *out) {
+    switch (bits * 8 + mb) {
+        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3) TILE_CASE(4, 4)
+        TILE_CASE(8, 1) TILE_CASE(8, 2) TILE_CASE(8, 3) TILE_CASE(8, 4)
+    }
+}
+
 /* x [M, K] (float32 or bfloat16), w tiles [N / 16][K / 32][...], y [M, N] (float32 or bfloat16).
  * work: 2 * M * K int8 + 2 * M * K / 32 floats of scratch. */
 void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
@@ -138,14 +154,15 @@ void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_
         quantize_row((const char *)x + m * K * xsize, x_bf16, K, qx + 2 * m * K, dx + m * groups,
                      sx + m * groups);
     const int64_t mblocks = (M + MBLOCK - 1) / MBLOCK;
-#pragma omp parallel for schedule(static) collapse(2)
-    for (int64_t mbi = 0; mbi < mblocks; mbi++) {
-        for (int64_t t = 0; t < tiles; t++) {
+    /* tile-major: a tile's weights come from memory once and serve every token from L1 */
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t mbi = 0; mbi < mblocks; mbi++) {
             int64_t m0 = mbi * MBLOCK;
             int mb = (int)(M - m0 < MBLOCK ? M - m0 : MBLOCK);
             float out[MBLOCK * TILE];
-            tile_kernel(w + t * tile_bytes, bits, groups, mb, qx + 2 * m0 * K, dx + m0 * groups,
-                        sx + m0 * groups, K, out);
+            tile_dispatch(w + t * tile_bytes, bits, groups, mb, qx + 2 * m0 * K, dx + m0 * groups,
+                          sx + m0 * groups, K, out);
             for (int m = 0; m < mb; m++) {
                 if (y_bf16) {
                     uint16_t *dst = (uint16_t *)y + (m0 + m) * N + t * TILE;
