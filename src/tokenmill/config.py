@@ -61,6 +61,10 @@ class EngineConfig:
     long_prefill_token_threshold: int | None = None
     """Largest prefill chunk of one request per step, so long prompts never stall decodes
     for a whole budget's worth of compute (None: up to max_num_batched_tokens)."""
+    enforce_eager: bool = False
+    """Never use CUDA graphs (vLLM's name). By default an all-decode step on CUDA replays a
+    graph captured per batch-size bucket when the attention backend supports capture;
+    graphs are captured once at start-up and cut the per-kernel launch cost of decoding."""
     check_kv_integrity: bool = False
     """Debug: verify the KV block bookkeeping after every step (slow)."""
     structured_outputs_backend: str = "auto"

@@ -44,6 +44,7 @@ ENGINE_FLAGS = (
     Flag("--block-size", "block_size", int, "tokens per KV cache block", 16),
     Flag("--kv-cache-memory", "kv_cache_memory_bytes", memory_size, "memory for the KV cache, e.g. 2GiB (default 1GiB, or enough for one max-model-len sequence)"),
     Flag("--num-kv-blocks", "num_kv_blocks", int, "exact number of KV cache blocks (overrides --kv-cache-memory)"),
+    Flag("--enforce-eager", "enforce_eager", None, "never capture or replay CUDA graphs (decode steps on CUDA otherwise replay one graph per batch-size bucket)", False, action="store_true"),
     Flag("--seed", "seed", int, "seed for requests that do not set their own", 0),
     Flag("--served-model-name", "served_model_name", str, "model name reported to clients"),
     Flag("--structured-outputs-backend", "structured_outputs_backend", str, "grammar backend of structured output: auto or guidance (llguidance)", "auto"),
