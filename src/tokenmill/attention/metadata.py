@@ -11,8 +11,12 @@ tokens). KV caches are one tensor per layer of shape
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tokenmill.attention.backends import AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -31,6 +35,8 @@ class AttentionMetadata:
     first_block_if_contiguous: tuple[int | None, ...] = ()
     """Per sequence: its first block id when its blocks are consecutive ids (the context
     is then a view of the cache, no gather), else None."""
+    query_start_loc_tensor: torch.Tensor | None = None
+    """[B+1] int32, query_start_loc on the device (for kernels that take the whole batch)."""
     _masks: dict = field(default_factory=dict, compare=False, repr=False)
     """Decode masks built once per step and shared by all layers (keyed by window)."""
 
@@ -49,6 +55,10 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def max_query_len(self) -> int:
+        return max((b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:])), default=0)
 
     @property
     def is_all_decode(self) -> bool:
@@ -83,6 +93,7 @@ class AttentionMetadata:
             first_block_if_contiguous=tuple(
                 _first_if_contiguous(t, -(-s // block_size)) for t, s in zip(block_tables, seq_lens)
             ),
+            query_start_loc_tensor=torch.tensor(qsl, dtype=torch.int32, device=device),
         )
 
 
@@ -92,6 +103,12 @@ def _first_if_contiguous(table: list[int], used: int) -> int | None:
     return table[0] if all(b == table[0] + j for j, b in enumerate(table[:used])) else None
 
 
+def _reference_backend() -> AttentionBackend:
+    from tokenmill.attention.backends import REFERENCE  # backends imports this module
+
+    return REFERENCE
+
+
 @dataclass(frozen=True)
 class ForwardContext:
     """Passed explicitly to every model forward (no hidden globals)."""
@@ -99,3 +116,6 @@ class ForwardContext:
     attn: AttentionMetadata
     kv_caches: list[torch.Tensor]
     """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
+    backend: AttentionBackend = field(default_factory=_reference_backend)
+    """Runs every layer's paged attention (``attention/backends.py``)."""
+

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from tokenmill import native
-from tokenmill.attention import AttentionMetadata, ForwardContext, paged_attention
+from tokenmill.attention import AttentionMetadata, ForwardContext
 from tokenmill.attention.reference import attend
 from tokenmill.layers.linear import Linear, PackedLinear
 from tokenmill.layers.norm import RMSNorm
@@ -101,7 +101,7 @@ class Attention(nn.Module):
             return self.o_proj(self._native(qkv, rope, kv_cache, meta))
         self.rotary_emb.rotate_(qk, rope)  # q and k heads in one pass, in place
         kv = qkv[:, self.q_size :].view(tokens, 2, spec.num_kv_heads, spec.head_dim)
-        out = paged_attention(
+        out = ctx.backend.forward(
             qk[:, : spec.num_heads],
             kv,
             kv_cache,

@@ -1,0 +1,44 @@
+"""The triton backend: K/V store and paged attention as Triton kernels (CUDA; on CPU only
+under TRITON_INTERPRET=1, for tests)."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention import triton_kernels
+from tokenmill.attention.backends import AttentionBackend
+from tokenmill.attention.metadata import AttentionMetadata
+
+
+class TritonBackend(AttentionBackend):
+    """Two launches per layer: ``store_kv``, then ``paged_attention`` (decode or prefill).
+
+    An all-decode batch launches without ``query_start_loc`` and needs nothing from the
+    host but shapes, so a CUDA graph can capture it; padding rows have slot -1 and
+    seq_len 0 (nothing stored, output 0).
+    """
+
+    name = "triton"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        triton_kernels.store_kv(kv_cache, kv, meta.slot_mapping)
+        if meta.is_all_decode:
+            return triton_kernels.paged_attention(
+                q, kv_cache, meta.block_tables, meta.seq_lens_tensor, scale, sliding_window, softcap
+            )
+        qsl = meta.query_start_loc_tensor
+        if qsl is None:  # metadata built by hand, not by AttentionMetadata.build
+            qsl = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=q.device)
+        return triton_kernels.paged_attention(
+            q, kv_cache, meta.block_tables, meta.seq_lens_tensor, scale, sliding_window, softcap,
+            query_start_loc=qsl, max_query_len=meta.max_query_len,
+        )  # fmt: skip
