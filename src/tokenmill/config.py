@@ -32,6 +32,10 @@ class EngineConfig:
     see ``quantization``), float32, bfloat16, float16."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
+    attention_backend: str = "auto"
+    """Paged attention kernels (``tokenmill.attention.backends``): auto (triton on CUDA when
+    it is installed, else reference), reference (pure PyTorch, any device), triton (CUDA;
+    on CPU only under TRITON_INTERPRET=1, for tests)."""
     quantization: str = "auto"
     """Weight format of the linear layers (``tokenmill.quant.plan.QUANTIZATIONS``): none
     (dense in dtype), gguf (a GGUF's 4-bit blocks as int4 groups, its other quantized
@@ -101,6 +105,9 @@ class EngineConfig:
             raise InvalidRequestError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise InvalidRequestError(f"device={self.device!r} asked for but CUDA is not available")
+        from tokenmill.attention.backends import resolve_backend_name
+
+        resolve_backend_name(self.attention_backend, self.torch_device())
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

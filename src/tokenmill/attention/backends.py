@@ -71,6 +71,16 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
 
     Raises ``InvalidRequestError`` saying what to change when it can not run there.
     """
+    name = resolve_backend_name(name, device)
+    if name == "reference":
+        return REFERENCE
+    module, cls = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), cls)()
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """``name`` with auto resolved, checked to run on ``device`` (``InvalidRequestError``
+    otherwise); imports no backend, so the config can check it before loading."""
     if name not in BACKEND_CHOICES:
         raise InvalidRequestError(
             f"attention_backend={name!r} is unknown; use one of {', '.join(BACKEND_CHOICES)}"
@@ -79,10 +89,7 @@ def select_backend(name: str, device: torch.device) -> AttentionBackend:
         name = "triton" if device.type == "cuda" and _triton_version() else "reference"
     if name == "triton":
         _check_triton(device)
-    if name == "reference":
-        return REFERENCE
-    module, cls = BACKENDS[name].split(":")
-    return getattr(importlib.import_module(module), cls)()
+    return name
 
 
 def _triton_version() -> str | None:
