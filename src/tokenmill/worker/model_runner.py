@@ -1,6 +1,7 @@
 """One step on one device: inputs -> model -> logits (only where needed) -> tokens.
 
-The only device-to-host copy of a step is in ``_to_host``.
+Every integer input of a step goes to the device in one copy (``inputs.py``); the one
+device-to-host wait is ``HostIds.fetch`` of the sampled ids.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from tokenmill.attention import AttentionMetadata, ForwardContext
 from tokenmill.models.base import CausalLM
 from tokenmill.sampling import LogprobsTensors, RowState, Sampler, compute_logprobs
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
+from tokenmill.worker.cuda_graphs import PaddedDecode
+from tokenmill.worker.inputs import HostIds, PinnedStaging, build_step_inputs
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,10 @@ def allocate_kv_caches(
 
 
 class ModelRunner:
+    """Runs scheduled steps. ``backend`` (None: ``ForwardContext``'s default) does the
+    attention; ``decode`` (CUDA graphs, ``cuda_graphs.PaddedDecode``) takes the all-decode
+    steps that fit one of its buckets, every other step runs eagerly here."""
+
     def __init__(
         self,
         model: CausalLM,
@@ -54,48 +61,49 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         sampler: Sampler,
+        backend: object | None = None,
+        decode: PaddedDecode | None = None,
     ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.backend = backend
+        self.decode = decode
+        self.staging = PinnedStaging(device)
+        self.host_ids = HostIds(device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         seqs = sched.seqs
-        input_ids, positions, meta = self._prepare_inputs(seqs)
-        hidden = self.model(input_ids, positions, ForwardContext(meta, self.kv_caches))
+        if self.decode is not None and self.decode.takes(seqs):
+            hidden = self.decode.run(seqs)  # [B, hidden]: row i is sequence i
+            qsl: tuple[int, ...] = tuple(range(len(seqs) + 1))
+        else:
+            inputs = build_step_inputs(seqs, self.block_size, self.staging)
+            hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(inputs.meta))
+            qsl = inputs.meta.query_start_loc
         sample_seqs = [s for s in seqs if s.samples]
-        sampled_rows = [meta.query_start_loc[i + 1] - 1 for i, s in enumerate(seqs) if s.samples]
+        sampled_rows = [qsl[i + 1] - 1 for i, s in enumerate(seqs) if s.samples]
         sampled = lp = None
         if sample_seqs:
-            logits = self.model.compute_logits(hidden[sampled_rows])
+            # Every row samples (a decode step): no gather, hence no index copy.
+            rows = hidden if len(sampled_rows) == hidden.shape[0] else hidden[sampled_rows]
+            logits = self.model.compute_logits(rows)
             out = self.sampler(logits, [_row_state(s) for s in sample_seqs])
             sampled, lp = out.token_ids, out.logprobs
-        prompt_lp = self._prompt_logprobs(seqs, meta, hidden)
-        return _to_host(sample_seqs, sampled, lp, prompt_lp)
+        prompt_lp = self._prompt_logprobs(seqs, qsl, hidden)
+        token_list = self.host_ids.fetch(sampled) if sampled is not None else []
+        return _to_host(sample_seqs, token_list, lp, prompt_lp)
 
-    def _prepare_inputs(
-        self, seqs: tuple[ScheduledSeq, ...]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        ids: list[int] = []
-        pos: list[int] = []
-        for s in seqs:
-            ids.extend(s.request.all_token_ids[s.start : s.end])
-            pos.extend(range(s.start, s.end))
-        meta = AttentionMetadata.build(
-            query_lens=[s.num_new_tokens for s in seqs],
-            seq_lens=[s.end for s in seqs],
-            block_tables=[list(s.block_table) for s in seqs],
-            block_size=self.block_size,
-            device=self.device,
-        )
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
-        return as_tensor(ids), as_tensor(pos), meta
+    def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
+        if self.backend is None:
+            return ForwardContext(meta, self.kv_caches)
+        return ForwardContext(meta, self.kv_caches, self.backend)  # type: ignore[call-arg]
 
     def _prompt_logprobs(
-        self, seqs: tuple[ScheduledSeq, ...], meta: AttentionMetadata, hidden: torch.Tensor
+        self, seqs: tuple[ScheduledSeq, ...], qsl: tuple[int, ...], hidden: torch.Tensor
     ) -> dict[str, tuple[int, list[int], LogprobsTensors]]:
         """Score the prompt tokens this chunk predicts, for requests that asked."""
         result: dict[str, tuple[int, list[int], LogprobsTensors]] = {}
@@ -105,7 +113,7 @@ class ModelRunner:
             last = min(s.end, req.num_prompt_tokens - 1)  # positions predicting a prompt token
             if k is None or s.start >= last:
                 continue
-            row0 = meta.query_start_loc[i]
+            row0 = qsl[i]
             logits = self.model.compute_logits(hidden[row0 : row0 + last - s.start])
             targets = torch.tensor(
                 req.prompt_token_ids[s.start + 1 : last + 1], dtype=torch.int64, device=self.device
@@ -141,9 +149,9 @@ def _entries(lp, token_ids: list[int]) -> list[TokenLogprobs]:
     ]
 
 
-def _to_host(sample_seqs, sampled, lp, prompt_lp) -> ModelRunnerOutput:
-    """The single device-to-host synchronisation point of a step."""
-    token_list = sampled.tolist() if sampled is not None else []
+def _to_host(sample_seqs, token_list: list[int], lp, prompt_lp) -> ModelRunnerOutput:
+    """Host-side outputs once the sampled ids are on the host (``HostIds.fetch``, the step's
+    synchronisation point); logprob tensors, when asked for, are read after it."""
     ids = [s.request.request_id for s in sample_seqs]
     logprobs: dict[str, TokenLogprobs] = {}
     if lp is not None:

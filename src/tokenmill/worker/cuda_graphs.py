@@ -1,0 +1,203 @@
+"""All-decode steps through static, padded buffers, replayed as CUDA graphs.
+
+A decode step of B sequences runs as a bucket of N >= B rows (N in ``decode_buckets``):
+rows B..N-1 are padding (token 0 at position 0, cache slot -1, context length 0), which
+a capturable backend skips when storing K/V and answers with zeros. Every input lives
+in one static device buffer, so the graph captured for N reads this step's values. The
+block tables are padded to a fixed width, max_model_len / block_size blocks.
+
+Sampling stays outside the graph: the runner takes the hidden rows 0..B-1.
+
+With ``capture=False`` the same buffers run the model eagerly (CPU tests of the
+padding and bucketing; a backend that reads the Python-side lengths sees the real ones).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.attention import AttentionMetadata, ForwardContext
+from tokenmill.models.base import CausalLM
+from tokenmill.scheduler import ScheduledSeq
+from tokenmill.worker.inputs import PinnedStaging
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+"""Batch sizes a graph is captured for (capped by max_num_seqs, which is always one)."""
+PAD_SLOT = -1
+"""Cache slot of a padding row: its K/V is not stored."""
+
+
+def decode_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """(1, 2, 4, ..., cap) with cap = min(max_num_seqs, 512); bigger batches run eagerly."""
+    cap = min(max_num_seqs, BUCKETS[-1])
+    return (*(b for b in BUCKETS if b < cap), cap)
+
+
+def wants_cuda_graphs(device: torch.device, backend: object, enforce_eager: bool) -> bool:
+    """Graphs need CUDA, a backend that reads only tensors (``supports_cuda_graphs``), and
+    ``enforce_eager`` off. The reference backend sizes its work from Python lengths: never."""
+    return (
+        device.type == "cuda"
+        and not enforce_eager
+        and bool(getattr(backend, "supports_cuda_graphs", False))
+    )
+
+
+@dataclass(frozen=True)
+class _Views:
+    """Bucket N's static inputs: views of the shared flat buffer (fixed addresses)."""
+
+    input_ids: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    slots: torch.Tensor  # [N]
+    seq_lens: torch.Tensor  # [N]
+    qsl: torch.Tensor  # [N + 1]: 0..N, one token per row
+    tables: torch.Tensor  # [N, W]
+    numel: int  # elements of the flat buffer that bucket N uses
+
+
+class PaddedDecode:
+    """Runs all-decode batches of up to ``buckets[-1]`` sequences on static buffers."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_caches: list[torch.Tensor],
+        block_size: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        device: torch.device,
+        backend: object | None = None,
+        capture: bool = True,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.width = -(-max_model_len // block_size)
+        self.buckets = decode_buckets(max_num_seqs)
+        self.backend = backend
+        self.capture = capture
+        self.staging = PinnedStaging(device)
+        n = self.buckets[-1]
+        # [ids N | pos N | slots N | seq_lens N | qsl N+1 | tables N*W] for the largest N;
+        # smaller buckets use a prefix laid out the same way.
+        self.flat = torch.zeros(n * (5 + self.width) + 1, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        """Bucket -> the graph's hidden output [N, hidden] (rewritten by every replay)."""
+        self.capture_seconds: dict[int, float] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.disabled = False
+        """Set when a capture failed: decode steps then run on the normal eager path."""
+
+    def bucket_for(self, batch: int) -> int | None:
+        """The smallest bucket holding ``batch`` rows; None when none does."""
+        if self.disabled:
+            return None
+        return next((b for b in self.buckets if b >= batch), None)
+
+    def takes(self, seqs: tuple[ScheduledSeq, ...]) -> bool:
+        """An all-decode step (one new token per sequence) that fits a bucket."""
+        return all(s.num_new_tokens == 1 for s in seqs) and self.bucket_for(len(seqs)) is not None
+
+    def run(self, seqs: tuple[ScheduledSeq, ...]) -> torch.Tensor:
+        """Hidden states [B, hidden] of the step's B one-token sequences (``takes`` holds)."""
+        n = self.bucket_for(len(seqs))
+        assert n is not None and all(s.num_new_tokens == 1 for s in seqs)
+        # Capture first: it fills the buffers with padding rows of its own.
+        graph = (self.graphs.get(n) or self._capture(n)) if self.capture else None
+        views = self._views(n)
+        self.staging.upload(self._host_values(seqs, n), out=self.flat[: views.numel])
+        if graph is None:  # eager through the same buffers (also after a failed capture)
+            seq_lens = tuple(s.end for s in seqs) + (0,) * (n - len(seqs))
+            hidden = self.model(views.input_ids, views.positions, self._ctx(views, seq_lens))
+            return hidden[: len(seqs)]
+        graph.replay()
+        return self.outputs[n][: len(seqs)]
+
+    def capture_all(self) -> float:
+        """Capture every bucket, largest first (smaller ones reuse its memory pool); the
+        total seconds are logged and returned."""
+        start = time.perf_counter()
+        for n in reversed(self.buckets):
+            if n not in self.graphs and self._capture(n) is None:
+                break
+        total = time.perf_counter() - start
+        logger.info(
+            "captured CUDA graphs for %d decode batch sizes (%s) in %.2f s",
+            len(self.graphs), ",".join(map(str, sorted(self.graphs))), total,
+        )  # fmt: skip
+        return total
+
+    def _host_values(self, seqs: tuple[ScheduledSeq, ...], n: int) -> list[int]:
+        """The packed host vector of bucket n: real rows, then padding rows."""
+        bs, pad = self.block_size, n - len(seqs)
+        ids = [s.request.all_token_ids[s.start] for s in seqs] + [0] * pad
+        pos = [s.start for s in seqs] + [0] * pad
+        slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in seqs]
+        lens = [s.end for s in seqs] + [0] * pad
+        tables: list[int] = []
+        for s in seqs:
+            tables.extend(s.block_table)
+            tables.extend([0] * (self.width - len(s.block_table)))
+        tables.extend([0] * (pad * self.width))
+        return ids + pos + slots + [PAD_SLOT] * pad + lens + list(range(n + 1)) + tables
+
+    def _views(self, n: int) -> _Views:
+        w = self.width
+        parts = self.flat[: n * (5 + w) + 1].split([n, n, n, n, n + 1, n * w])
+        ids, pos, slots, lens, qsl, tables = parts
+        return _Views(ids, pos, slots, lens, qsl, tables.view(n, w), n * (5 + w) + 1)
+
+    def _ctx(self, views: _Views, seq_lens: tuple[int, ...]) -> ForwardContext:
+        n = views.input_ids.numel()
+        extra = {}
+        if "query_start_loc_tensor" in AttentionMetadata.__dataclass_fields__:
+            extra["query_start_loc_tensor"] = views.qsl.to(torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=views.slots,
+            query_start_loc=tuple(range(n + 1)),
+            seq_lens=seq_lens,
+            block_tables=views.tables,
+            block_size=self.block_size,
+            seq_lens_tensor=views.seq_lens,
+            **extra,
+        )
+        if self.backend is None:
+            return ForwardContext(meta, self.kv_caches)
+        return ForwardContext(meta, self.kv_caches, self.backend)  # type: ignore[call-arg]
+
+    def _capture(self, n: int) -> torch.cuda.CUDAGraph | None:
+        """Record bucket n's forward; on failure log it and turn the padded path off."""
+        start = time.perf_counter()
+        views = self._views(n)
+        # Every row is padding while warming up and capturing: nothing reaches the cache.
+        self.staging.upload(self._host_values((), n), out=self.flat[: views.numel])
+        # Python-side lengths are placeholders here: a captured backend reads only tensors.
+        ctx = self._ctx(views, (self.max_model_len,) * n)
+        try:
+            torch.cuda.synchronize()
+            for _ in range(2):  # compiles Triton kernels, lets cuBLAS pick its algorithms
+                self.model(views.input_ids, views.positions, ctx)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                out = self.model(views.input_ids, views.positions, ctx)
+            torch.cuda.synchronize()
+        except Exception:
+            logger.exception("CUDA graph capture failed for batch size %d: decoding eagerly", n)
+            self.disabled = True
+            return None
+        self.graphs[n], self.outputs[n] = graph, out
+        self.capture_seconds[n] = time.perf_counter() - start
+        logger.debug(
+            "captured the decode graph of batch size %d in %.3f s", n, self.capture_seconds[n]
+        )
+        return graph
