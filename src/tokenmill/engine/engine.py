@@ -21,7 +21,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.state import StepResult
-from tokenmill.worker.model_runner import ModelRunner, allocate_kv_caches
+from tokenmill.worker.model_runner import allocate_kv_caches, make_runner
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ class LLMEngine:
         generator = torch.Generator(device=self.loaded.device).manual_seed(config.seed)
         self.structured = StructuredOutputManager.from_config(config, self.tokenizer, self.vocab_size)
         sampler = Sampler(generator, extra_processors=(self.structured.mask_logits,))
-        self.runner = ModelRunner(
-            self.loaded.model, caches, config.block_size, self.loaded.device, sampler
+        self.runner = make_runner(
+            config, self.loaded.model, caches, self.loaded.device, sampler, self.max_model_len
         )
         self.processor = OutputProcessor(self.tokenizer)
         self._children: dict[str, list[str]] = {}

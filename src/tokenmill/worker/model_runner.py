@@ -11,10 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardContext
+from tokenmill.attention.backends import select_backend
+from tokenmill.config import EngineConfig
 from tokenmill.models.base import CausalLM
 from tokenmill.sampling import LogprobsTensors, RowState, Sampler, compute_logprobs
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
-from tokenmill.worker.cuda_graphs import PaddedDecode
+from tokenmill.worker.cuda_graphs import PaddedDecode, wants_cuda_graphs
 from tokenmill.worker.inputs import HostIds, PinnedStaging, build_step_inputs
 
 
@@ -121,6 +123,27 @@ class ModelRunner:
             lp = compute_logprobs(logits, k, targets)
             result[req.request_id] = (s.start, req.prompt_token_ids[s.start + 1 : last + 1], lp)
         return result
+
+
+def make_runner(
+    config: EngineConfig,
+    model: CausalLM,
+    kv_caches: list[torch.Tensor],
+    device: torch.device,
+    sampler: Sampler,
+    max_model_len: int,
+) -> ModelRunner:
+    """The engine's runner: the configured attention backend, and on CUDA (unless
+    ``enforce_eager``) decode graphs for a capturable backend, captured here, up front."""
+    backend = select_backend(config.attention_backend, device)
+    decode = None
+    if wants_cuda_graphs(device, backend, config.enforce_eager):
+        decode = PaddedDecode(
+            model, kv_caches, config.block_size, max_model_len, config.max_num_seqs, device, backend
+        )
+        with torch.inference_mode():
+            decode.capture_all()
+    return ModelRunner(model, kv_caches, config.block_size, device, sampler, backend, decode)
 
 
 def _row_state(s: ScheduledSeq) -> RowState:
