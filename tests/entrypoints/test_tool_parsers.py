@@ -27,6 +27,7 @@ from tokenmill.entrypoints.openai.tool_parsers import (
     resolve_tool_parser,
 )
 from tokenmill.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from tokenmill.entrypoints.openai.tool_parsers.tolerant import TolerantToolParser
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -95,8 +96,33 @@ def test_forced_parsers():
     (None, "json"),
 ])
 def test_parser_chosen_from_the_chat_template(template, expected):
-    assert resolve_tool_parser("auto", template) is get_tool_parser(expected)
-    assert resolve_tool_parser("pythonic", template) is get_tool_parser("pythonic")
+    chosen = resolve_tool_parser("auto", template)
+    if expected == "json":
+        assert chosen is get_tool_parser("json")
+    else:  # the template's parser, with the JSON fallback behind it
+        assert issubclass(chosen, TolerantToolParser) and chosen.name == expected
+        assert chosen.primary is get_tool_parser(expected)
+    assert resolve_tool_parser("pythonic", template) is get_tool_parser("pythonic")  # exact
+
+
+HERMES_TEMPLATE = "...<tool_call>\n{{ tool_call | tojson }}\n</tool_call>..."
+FENCED_CALL = 'Sure.\n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (FENCED_CALL, "Sure.\n", [PARIS]),  # the model ignored the template's tags
+    ('{"name": "add", "arguments": {"a": 1, "b": 2}}', "", [ADD]),
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>', "", [ADD]),
+    ('Text, then <tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>\n'
+     '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+     'Text, then \n```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```',
+     [ADD]),  # tags found: the template's parser decides alone
+    ('{"name": "undeclared", "arguments": {}}', '{"name": "undeclared", "arguments": {}}', []),
+    ("Just text.", "Just text.", []),
+])
+def test_detected_parser_falls_back_to_json(text, content, calls):
+    parsed = resolve_tool_parser("auto", HERMES_TEMPLATE)(TOOLS).parse(text, final=True)
+    assert (parsed.content, list(parsed.calls)) == (content, calls)
 
 
 def test_unknown_parser_names():
@@ -132,6 +158,11 @@ SAMPLES = [
     ("pythonic", False, '[get_weather(city="Paris")]'),
     ("json", False, 'Sure:\n```json\n{"name": "add", "arguments": {"a": 1}}\n```\nbye `x` '),
     ("json", True, "<think>x</think>  just text  "),
+    ("tolerant", False, FENCED_CALL + "\nThat is all. "),
+    ("tolerant", False, 'I will look.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n'
+     "</tool_call> ```not a call``` "),
+    ("tolerant", True, '<think>hm</think>{"name": "add", "arguments": {"a": 1, "b": 2}}'),
+    ("tolerant", False, "`{plain} text with ``` fences and <tool_ bits"),
     ("required", False, ' [{"name": "add", "parameters": {"a": 1}}, {"name": "get_weather", '
      '"parameters": {"city": "Nice"}}] '),
     ("named", True, '<think>a</think>\n{"city": "Paris"}\n'),
@@ -146,6 +177,8 @@ def _output_parser(name: str | None, reasoning: bool) -> ChatOutputParser:
         tools = RequiredToolParser(TOOLS)
     elif name == "named":
         tools = NamedToolParser(TOOLS, "get_weather")
+    elif name == "tolerant":
+        tools = resolve_tool_parser("auto", HERMES_TEMPLATE)(TOOLS)
     elif name is not None:
         tools = parser(name)
     return ChatOutputParser(get_reasoning_parser("think")() if reasoning else None, tools)

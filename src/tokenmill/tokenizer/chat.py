@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -50,3 +51,26 @@ def _validate_message(i: int, message: Any) -> None:
                 f"messages[{i}]['content'][{j}] must be a dict with a 'type', "
                 "e.g. {'type': 'text', 'text': 'Hi'}"
             )
+
+
+def with_tool_arguments(message: Any) -> Any:
+    """An assistant message's ``tool_calls[].function.arguments`` as a dict, as chat
+    templates expect (OpenAI clients send them as JSON text; a template would print that
+    text as a quoted string)."""
+    calls = message.get("tool_calls") if isinstance(message, Mapping) else None
+    if not isinstance(calls, list):
+        return message
+    fixed = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
+            try:
+                args = json.loads(fn["arguments"])
+            except json.JSONDecodeError as e:
+                raise InvalidRequestError(
+                    f"a tool call's arguments are not JSON ({e}); send them as a JSON object "
+                    "in a string, as the OpenAI API does"
+                ) from e
+            call = {**call, "function": {**fn, "arguments": args}}
+        fixed.append(call)
+    return {**message, "tool_calls": fixed}

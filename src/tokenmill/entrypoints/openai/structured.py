@@ -7,7 +7,6 @@ One guide per request, from exactly one of: OpenAI ``response_format``, vLLM's
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ from tokenmill.entrypoints.openai.tool_parsers.forced import (
 )
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured_output import StructuredOutputsParams
+from tokenmill.tokenizer import chat
 
 _GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                   "guided_grammar": "grammar"}
@@ -148,22 +148,11 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
 
 
 def with_tool_arguments(message: Any) -> Any:
-    """An assistant message's ``tool_calls[].function.arguments`` as a dict, as chat
-    templates expect (OpenAI sends JSON text)."""
-    calls = message.get("tool_calls") if isinstance(message, dict) else None
-    if not isinstance(calls, list):
-        return message
-    fixed = []
-    for call in calls:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-            try:
-                args = json.loads(fn["arguments"])
-            except json.JSONDecodeError as e:
-                raise bad_request(f"a tool call's arguments are not JSON: {e}", "messages") from e
-            call = {**call, "function": {**fn, "arguments": args}}
-        fixed.append(call)
-    return {**message, "tool_calls": fixed}
+    """``tokenizer.chat.with_tool_arguments``, its error as a 400 on ``messages``."""
+    try:
+        return chat.with_tool_arguments(message)
+    except InvalidRequestError as e:
+        raise bad_request(str(e), "messages") from e
 
 
 def keeps_special_tokens(tokenizer, reasoning, tools: ToolParser | None) -> bool:

@@ -1,8 +1,8 @@
 """Tool-call parsers by name (lazy imports), and the choice of one for a chat template.
 
 ``--tool-call-parser NAME`` picks one; ``auto`` (the default) looks for a parser's
-markers in the model's chat template and falls back to ``json`` (a bare or fenced
-JSON call naming a declared tool).
+markers in the model's chat template, and reads an answer without the template's calls
+with ``json`` (a bare or fenced JSON call naming a declared tool; see ``tolerant``).
 """
 
 from __future__ import annotations
@@ -41,11 +41,14 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 
 
 def resolve_tool_parser(name: str | None, chat_template: str | None) -> type[ToolParser]:
-    """The parser called ``name``; auto/None: detected from the chat template."""
+    """The parser called ``name``; auto/None: the one detected from the chat template, with
+    the JSON fallback behind it, or the JSON fallback alone."""
     if name not in (None, "", "auto"):
         return get_tool_parser(name)  # type: ignore[arg-type]
+    from tokenmill.entrypoints.openai.tool_parsers.tolerant import tolerant
+
     for candidate in _DETECTION_ORDER:
         parser = get_tool_parser(candidate)
         if chat_template and any(h in chat_template for h in parser.template_hints):
-            return parser
+            return tolerant(parser)
     return get_tool_parser(FALLBACK)
