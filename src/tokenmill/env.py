@@ -57,6 +57,18 @@ TOKENMILL_CACHE_DIR: EnvVar[Path] = _declare(
 )
 
 
+TOKENMILL_NUM_THREADS: EnvVar[int] = _declare(
+    EnvVar(
+        "TOKENMILL_NUM_THREADS",
+        default="0",
+        parse=int,
+        doc="CPU threads for the model's kernels. 0 (the default): PyTorch's own choice "
+        "(OMP_NUM_THREADS when set), lowered to the CPUs this process may run on, so a "
+        "container's CPU set is never oversubscribed.",
+    )
+)
+
+
 def cache_dir() -> Path:
     """Root folder of tokenmill's caches (``$TOKENMILL_CACHE_DIR``, default ~/.cache/tokenmill)."""
     return TOKENMILL_CACHE_DIR.get()

@@ -21,6 +21,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.state import StepResult
+from tokenmill.threads import configure_threads
 from tokenmill.worker.model_runner import allocate_kv_caches, make_runner
 
 logger = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
+        configure_threads()  # before loading: repacking quantized weights uses the pool
         self.loaded = loaded or load_model(config)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
