@@ -63,6 +63,14 @@ def test_auto_on_cuda_is_triton_when_installed():
     assert resolve_backend_name("auto", CUDA) == "triton"
 
 
+def test_only_triton_is_capturable():
+    pytest.importorskip("triton")
+    # no env change here: it would turn the kernels interpreted on a CUDA machine
+    device = CUDA if torch.cuda.is_available() else CPU  # conftest: interpreted on CPU
+    assert select_backend("triton", device).supports_cuda_graphs
+    assert not REFERENCE.supports_cuda_graphs
+
+
 def test_cli_flag_matches_the_registry():
     (flag,) = [f for f in ENGINE_FLAGS if f.dest == "attention_backend"]
     assert flag.choices == BACKEND_CHOICES and flag.default == EngineConfig.attention_backend

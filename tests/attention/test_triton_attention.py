@@ -91,3 +91,22 @@ def test_metadata_without_query_start_loc_tensor(device):
     want, _ = reference(case)
     tol = 1e-5 if device.type == "cpu" else 2e-2
     torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+
+
+def test_int32_index_tensors(device):
+    import dataclasses
+
+    case = make_case([1, 3], [9, 7], device=device, dtype=_dtype(device))
+    i32 = lambda t: t.to(torch.int32)
+    meta = case.meta
+    meta = dataclasses.replace(
+        meta,
+        slot_mapping=i32(meta.slot_mapping),
+        block_tables=i32(meta.block_tables),
+        seq_lens_tensor=i32(meta.seq_lens_tensor),
+    )
+    out, cache = run(_backend(device), case, meta=meta)
+    want, want_cache = reference(case)
+    tol = 1e-5 if device.type == "cpu" else 2e-2
+    torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol)
+    assert torch.equal(cache.float(), want_cache)

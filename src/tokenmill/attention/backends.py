@@ -29,6 +29,11 @@ class AttentionBackend(ABC):
     """Paged attention of one layer. Stateless: one instance serves every layer."""
 
     name: str
+    supports_cuda_graphs: bool = False
+    """True when an all-decode ``forward`` reads the batch only from tensors (slot_mapping,
+    block_tables, seq_lens_tensor) and never from the Python-side lengths, so one capture
+    replays for any values. Padding rows (slot -1, seq_len 0) must store nothing and give
+    zeros."""
 
     @abstractmethod
     def forward(

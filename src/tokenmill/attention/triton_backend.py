@@ -19,6 +19,7 @@ class TritonBackend(AttentionBackend):
     """
 
     name = "triton"
+    supports_cuda_graphs = True
 
     def forward(
         self,

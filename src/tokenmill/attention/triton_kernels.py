@@ -28,7 +28,7 @@ def _store_kv_kernel(
     K (which = 0) or V (1) cache. A negative slot (a padding row) stores nothing."""
     t = tl.program_id(0)
     which = tl.program_id(1)
-    slot = tl.load(slot_ptr + t)
+    slot = tl.load(slot_ptr + t).to(tl.int64)  # slot * ROW may pass 2**31 in a big cache
     i = tl.arange(0, ROW_PAD)
     ok = i < tl.where(slot >= 0, ROW, 0)  # (not `& (slot >= 0)`: the interpreter mistypes it)
     x = tl.load(kv_ptr + t * stride_kv_t + which * stride_kv_2 + i, mask=ok)
@@ -104,6 +104,7 @@ def _paged_attention_kernel(
         k_pos = start + tl.arange(0, BLOCK_N)
         k_ok = k_pos < hi
         block = tl.load(block_tables_ptr + b * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+        block = block.to(tl.int64)  # int64 offsets: a layer's cache may pass 2**31 elements
         kv_off = block * stride_c_b + (k_pos % BLOCK_SIZE) * stride_c_s + kvh * stride_c_h  # [N]
         k = tl.load(
             cache_ptr + kv_off[None, :] + d[:, None], mask=k_ok[None, :] & d_ok[:, None], other=0.0
@@ -161,8 +162,9 @@ def paged_attention(
         out = torch.empty((tokens, heads, d), dtype=q.dtype, device=q.device)
     batch = seq_lens.shape[0]
     decode = query_start_loc is None
-    block_m = max(16, triton.next_power_of_2(group)) if decode else 64
-    block_n = 64 if d <= 128 else 32  # bounds the K/V tile in registers at head_dim 256
+    # Tiles sized so the fp32 accumulator [BLOCK_M, D] and a K/V tile fit in registers.
+    block_m = max(16, triton.next_power_of_2(group)) if decode else (64 if d <= 128 else 32)
+    block_n = 64 if d <= 128 else 32
     grid = (batch, triton.cdiv(max_query_len * group, block_m), kvh)
     if batch == 0 or grid[1] == 0:
         return out
@@ -176,5 +178,6 @@ def paged_attention(
         GROUP=group, HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         DECODE=decode, USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
+        num_warps=4 if d <= 128 else 8,
     )  # fmt: skip
     return out
