@@ -53,6 +53,8 @@ def test_metrics_are_prometheus_text(http):
     b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}',
     b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}',
     b'{"messages": [{"role": "user", "content": "x"}], "n": 1.5}',
+    b'{"messages": [{"role": "user", "content": "x"}], "n": 0}',
+    b'{"messages": [{"role": "user", "content": "x"}], "n": 100000}',
     b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
     b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}',
     b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}',
@@ -105,3 +107,10 @@ def test_server_keeps_serving_after_errors(http):
         assert http.post("/v1/completions", json={"prompt": [10**7]}).status_code == 400
     r = http.post("/v1/chat/completions", json=chat_body(max_tokens=2))
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_n_above_the_limit_names_the_field(http):
+    for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                        ("/v1/completions", {"prompt": "x"})):
+        r = http.post(route, json={**body, "n": 129, "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text

@@ -94,8 +94,15 @@ def _pick(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
+MAX_N = 128
+"""Most choices one request may ask for (OpenAI's limit): one client can not fill the
+engine's queue with a single request."""
+
+
 def check_common(req: SamplingRequest) -> None:
-    """Refuse what the stream options need but the request does not set."""
+    """Refuse what the stream options need but the request does not set, and too large n."""
+    if req.n > MAX_N:
+        raise bad_request(f"n must be at most {MAX_N}, got {req.n}", "n")
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
 
