@@ -222,3 +222,24 @@ def test_buffers_are_rewritten_between_buckets(llm):
     assert v.slots.tolist() == [50 * BS + 1, 61 * BS + 0] and v.seq_lens.tolist() == [2, 5]
     assert v.tables[:, :2].tolist() == [[50, 0], [60, 61]]
     assert decode.bucket_for(3) == 4 and decode.bucket_for(8) == 8 and decode.bucket_for(9) is None
+
+
+def test_failed_capture_falls_back_to_eager(llm, monkeypatch):
+    """A capture that raises (here: no CUDA at all) logs, runs that step eagerly through
+    the padded buffers, and turns the padded path off for later steps."""
+    old = llm.engine.runner
+    eager = generate(llm)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    backend = PadSkippingBackend()
+    decode = PaddedDecode(old.model, old.kv_caches, BS, MAX_MODEL_LEN, 8, old.device, backend,
+                          capture=True)  # fmt: skip
+    sizes = count_runs(decode, monkeypatch)
+    llm.engine.runner = ModelRunner(
+        old.model, old.kv_caches, BS, old.device, old.sampler, backend, decode
+    )
+    try:
+        padded = generate(llm)
+    finally:
+        llm.engine.runner = old
+    assert_same(padded, eager)
+    assert decode.disabled and not decode.graphs and sizes == [5]  # then unpadded

@@ -1,0 +1,140 @@
+"""CUDA graphs and pinned transfers on a GPU (marked ``gpu``; skipped without CUDA).
+
+The model folder is made here (a tiny random Llama and a word-level tokenizer), so the
+tests need no downloaded tokenizer on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.worker.cuda_graphs import PaddedDecode
+from tokenmill.worker.inputs import HostIds, PinnedStaging
+from tokenmill.worker.model_runner import ModelRunner
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+VOCAB, MAX_MODEL_LEN, BS = 256, 128, 16
+
+
+def write_tiny_llama(folder: Path) -> Path:
+    """2-layer Llama with weights scaled up (clear-cut greedy choices), word tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=False, initializer_range=0.2)  # fmt: skip
+    LlamaForCausalLM(cfg).eval().save_pretrained(folder)
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(VOCAB)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                   eos_token="t2")  # fmt: skip
+    fast.save_pretrained(folder)
+    assert json.loads((folder / "config.json").read_text())["vocab_size"] == VOCAB
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama-gpu"))
+
+
+def make_llm(model_dir: Path, **overrides) -> LLM:
+    pytest.importorskip("triton")
+    opts = dict(device="cuda", dtype="float32", attention_backend="triton",
+                max_model_len=MAX_MODEL_LEN, num_kv_blocks=128, block_size=BS,
+                enable_prefix_caching=False, max_num_seqs=8)  # fmt: skip
+    return LLM(str(model_dir), **(opts | overrides))
+
+
+PROMPTS = [[5, 9, 14, 3], [7] * 11, [21, 22, 23, 24, 25, 26], [40], [33, 2, 8, 19, 4, 4, 4]]
+PARAMS = [SamplingParams(max_tokens=n, temperature=0, logprobs=2, ignore_eos=True)
+          for n in (3, 12, 7, 9, 5)]  # fmt: skip
+
+
+def generate(llm: LLM):
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
+    return [o.outputs[0] for o in outs]
+
+
+def assert_same(got, want):
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        for lg, lw in zip(g.logprobs, w.logprobs):
+            tok = next(iter(lw))  # the sampled token
+            assert lg[tok].logprob == pytest.approx(lw[tok].logprob, abs=1e-3)
+
+
+def test_pinned_staging_and_host_ids():
+    cuda = torch.device("cuda")
+    staging = PinnedStaging(cuda)
+    first = staging.upload(list(range(10)))
+    second = staging.upload([7] * 5000)  # grows the pinned buffer
+    assert first.device.type == "cuda" and first.tolist() == list(range(10))
+    assert second.tolist() == [7] * 5000
+    out = torch.zeros(3, dtype=torch.int64, device=cuda)
+    staging.upload([4, 5, 6], out=out)
+    assert out.tolist() == [4, 5, 6]
+    ids = torch.tensor([9, 8, 7], device=cuda)
+    assert HostIds(cuda).fetch(ids) == [9, 8, 7]
+
+
+def test_graph_replay_matches_eager(model_dir):
+    llm = make_llm(model_dir, enforce_eager=True)
+    try:
+        assert llm.engine.runner.decode is None
+        eager = generate(llm)
+        old = llm.engine.runner
+        decode = PaddedDecode(old.model, old.kv_caches, BS, MAX_MODEL_LEN, 8, old.device,
+                              old.backend, capture=True)  # fmt: skip
+        llm.engine.runner = ModelRunner(
+            old.model, old.kv_caches, BS, old.device, old.sampler, old.backend, decode
+        )
+        graphed = generate(llm)  # decode batches 5, 4, 3, 2, 1: buckets 8, 4, 4, 2, 1
+        again = generate(llm)  # replays only
+    finally:
+        llm.close()
+    assert not decode.disabled
+    assert set(decode.graphs) == {8, 4, 2, 1}
+    assert_same(graphed, eager)
+    assert_same(again, eager)
+
+
+def test_engine_captures_graphs_for_a_capturable_backend(model_dir):
+    llm = make_llm(model_dir)
+    try:
+        runner = llm.engine.runner
+        if not getattr(runner.backend, "supports_cuda_graphs", False):
+            pytest.skip(f"backend {runner.backend.name} does not declare supports_cuda_graphs")
+        assert runner.decode is not None and set(runner.decode.graphs) == {1, 2, 4, 8}
+        graphed = generate(llm)
+    finally:
+        llm.close()
+    eager_llm = make_llm(model_dir, enforce_eager=True)
+    try:
+        assert eager_llm.engine.runner.decode is None
+        assert_same(graphed, generate(eager_llm))
+    finally:
+        eager_llm.close()
+
+
+def test_bf16_model_is_built_on_the_device(model_dir):
+    llm = make_llm(model_dir, dtype="auto", enforce_eager=True)
+    try:
+        params = list(llm.engine.loaded.model.parameters())
+        assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in params)
+        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4))
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.close()
