@@ -78,11 +78,18 @@ class Run:
             where[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()
+            self.save()
             return None
         if isinstance(out, dict):
             where[name] = out
             print(f"[{name}] {time.perf_counter() - start:.1f} s: {_short(out)}", flush=True)
+        self.save()
         return out
+
+    def save(self) -> None:
+        """Write what is measured so far (a later kill or crash keeps it)."""
+        if self.args.out:
+            self.args.out.write_text(json.dumps(self.results, indent=2, default=str))
 
 
 def _short(d: dict) -> str:
@@ -310,7 +317,8 @@ def run_shape(run: Run, name: str, rates: dict, res: dict) -> None:
                 try:
                     return tm_decode_b1(run, eager, shape, rates)
                 finally:
-                    free(eager)
+                    del eager
+                    free()
 
             run.stage(res, "tm_decode_b1_eager", eager_b1)
         run.stage(res, "tm_prefill", tm_prefill, run, engine, shape, rates)
@@ -319,13 +327,14 @@ def run_shape(run: Run, name: str, rates: dict, res: dict) -> None:
             run.stage(
                 res, f"tm_offline_{n}x{p}+{o}", tm_offline, run, engine, shape, rates, n, p, o
             )
-        free(engine)
         engine = None
+        free()  # the KV cache and tokenmill's weights, before transformers allocates its cache
     if hf is not None:
         run.stage(res, "hf_decode_b1", hf_decode_b1, run, hf, shape)
         for n, p, o in s.offline:
             run.stage(res, f"hf_offline_{n}x{p}+{o}", hf_offline, run, hf, shape, n, p, o)
-    free(hf)
+    hf = None
+    free()
     tmp.cleanup()
 
 
@@ -408,8 +417,9 @@ def main() -> None:
     sizes = QUICK if args.quick else Sizes()
     shapes = ["tiny"] if args.quick else [s.strip() for s in args.shape.split(",") if s.strip()]
     run = Run(args, device, sizes, time.perf_counter() + args.time_budget)
-    results = {"env": env_info(device), "args": {k: str(v) for k, v in vars(args).items()},
-               "hardware": {}, "shapes": {}}  # fmt: skip
+    results = run.results
+    results |= {"env": env_info(device), "args": {k: str(v) for k, v in vars(args).items()},
+                "hardware": {}, "shapes": {}}  # fmt: skip
     print(json.dumps(results["env"]), flush=True)
     hw = results["hardware"]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -421,11 +431,9 @@ def main() -> None:
         shape_res: dict = {}
         results["shapes"][name] = shape_res
         run.stage(shape_res, "run", run_shape, run, name, rates, shape_res)
-        if args.out:  # partial results survive a later crash or kill
-            args.out.write_text(json.dumps(results, indent=2, default=str))
     print(report(results), flush=True)
+    run.save()
     if args.out:
-        args.out.write_text(json.dumps(results, indent=2, default=str))
         print(f"results in {args.out}")
 
 
