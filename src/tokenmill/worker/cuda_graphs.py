@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardContext
+from tokenmill.attention.backends import AttentionBackend
 from tokenmill.models.base import CausalLM
 from tokenmill.scheduler import ScheduledSeq
 from tokenmill.worker.inputs import PinnedStaging
@@ -73,7 +74,7 @@ class PaddedDecode:
         max_model_len: int,
         max_num_seqs: int,
         device: torch.device,
-        backend: object | None = None,
+        backend: AttentionBackend | None = None,
         capture: bool = True,
     ) -> None:
         self.model = model
@@ -158,9 +159,6 @@ class PaddedDecode:
 
     def _ctx(self, views: _Views, seq_lens: tuple[int, ...]) -> ForwardContext:
         n = views.input_ids.numel()
-        extra = {}
-        if "query_start_loc_tensor" in AttentionMetadata.__dataclass_fields__:
-            extra["query_start_loc_tensor"] = views.qsl.to(torch.int32)
         meta = AttentionMetadata(
             slot_mapping=views.slots,
             query_start_loc=tuple(range(n + 1)),
@@ -168,11 +166,11 @@ class PaddedDecode:
             block_tables=views.tables,
             block_size=self.block_size,
             seq_lens_tensor=views.seq_lens,
-            **extra,
+            query_start_loc_tensor=views.qsl.to(torch.int32),
         )
         if self.backend is None:
             return ForwardContext(meta, self.kv_caches)
-        return ForwardContext(meta, self.kv_caches, self.backend)  # type: ignore[call-arg]
+        return ForwardContext(meta, self.kv_caches, self.backend)
 
     def _capture(self, n: int) -> torch.cuda.CUDAGraph | None:
         """Record bucket n's forward; on failure log it and turn the padded path off."""

@@ -119,7 +119,7 @@ def build_step_inputs(
         first_block_if_contiguous=tuple(
             first_if_contiguous(s.block_table, -(-s.end // block_size)) for s in seqs
         ),
-        **_qsl_field(qsl_d),
+        query_start_loc_tensor=qsl_d.to(torch.int32),  # a device-side cast
     )
     return StepInputs(ids_d, pos_d, meta)
 
@@ -130,10 +130,3 @@ def first_if_contiguous(table: tuple[int, ...], used: int) -> int | None:
     if used == 0 or table[used - 1] - table[0] != used - 1:
         return None
     return table[0] if all(b == table[0] + j for j, b in enumerate(table[:used])) else None
-
-
-def _qsl_field(qsl: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``query_start_loc_tensor`` [B+1] int32 (a device-side cast), where the metadata has it."""
-    if "query_start_loc_tensor" in AttentionMetadata.__dataclass_fields__:
-        return {"query_start_loc_tensor": qsl.to(torch.int32)}
-    return {}

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardContext
-from tokenmill.attention.backends import select_backend
+from tokenmill.attention.backends import AttentionBackend, select_backend
 from tokenmill.config import EngineConfig
 from tokenmill.models.base import CausalLM
 from tokenmill.sampling import LogprobsTensors, RowState, Sampler, compute_logprobs
@@ -63,7 +63,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         sampler: Sampler,
-        backend: object | None = None,
+        backend: AttentionBackend | None = None,
         decode: PaddedDecode | None = None,
     ) -> None:
         self.model = model
@@ -102,7 +102,7 @@ class ModelRunner:
     def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
         if self.backend is None:
             return ForwardContext(meta, self.kv_caches)
-        return ForwardContext(meta, self.kv_caches, self.backend)  # type: ignore[call-arg]
+        return ForwardContext(meta, self.kv_caches, self.backend)
 
     def _prompt_logprobs(
         self, seqs: tuple[ScheduledSeq, ...], qsl: tuple[int, ...], hidden: torch.Tensor
