@@ -134,7 +134,9 @@ def test_bf16_model_is_built_on_the_device(model_dir):
     try:
         params = list(llm.engine.loaded.model.parameters())
         assert all(p.device.type == "cuda" and p.dtype == torch.bfloat16 for p in params)
-        out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4))
+        out = llm.generate(
+            [{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=4, ignore_eos=True)
+        )
         assert len(out[0].outputs[0].token_ids) == 4
     finally:
         llm.close()
