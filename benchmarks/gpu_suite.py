@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import sys
 import tempfile
@@ -413,6 +414,8 @@ def main() -> None:
     )
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
     args = ap.parse_args()
+    logging.basicConfig(format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("tokenmill").setLevel(logging.INFO)  # load and graph capture times
     device = torch.device(args.device)
     sizes = QUICK if args.quick else Sizes()
     shapes = ["tiny"] if args.quick else [s.strip() for s in args.shape.split(",") if s.strip()]
