@@ -5,6 +5,9 @@
 #   3. benchmarks/gpu_suite.py on the Llama 3.2 1B and 3.1 8B shapes.
 # Logs and the suite's JSON go to $OUT (default ./gpu-results). Packages missing there
 # (gguf) travel as wheels in .whl/ (carry it): they are installed into /tmp/site first.
+# Before the device call, here:
+#   pip download --no-deps gguf==0.19.0 -d .whl && echo /.whl/ >> .git/info/exclude
+# then: run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=600)
 set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
