@@ -123,3 +123,28 @@ def test_chat_renders_template(tiny_llm):
     assert out.prompt_token_ids == tiny_llm.tokenizer.apply_chat_template(msgs)
     two = tiny_llm.chat([msgs, msgs], SamplingParams(temperature=0, max_tokens=2))
     assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"stop_token_ids": "pick"}, {"stop_token_ids": "pick", "include_stop_str_in_output": True},
+    {"skip_special_tokens": False, "logit_bias": "eos"},
+])
+def test_final_text_decoded_once_equals_the_streamed_text(tiny_llm, extra):
+    """Final-only outputs without stop strings decode their text once at the end: it must be
+    the text the incremental detokenizer streams, stop tokens left out alike."""
+    base = dict(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["Once upon a time", "日本語のテキスト", [5, 17, 300, 4000]]
+    kwargs = dict(extra)
+    if kwargs.get("stop_token_ids") == "pick":
+        ids = tiny_llm.generate(prompts[0], SamplingParams(**base))[0].outputs[0].token_ids
+        kwargs["stop_token_ids"] = [ids[5]]
+    if kwargs.get("logit_bias") == "eos":  # the EOS text itself, when special tokens show
+        eos = sorted(tiny_llm.tokenizer.eos_token_ids)[0]
+        kwargs.update(logit_bias={eos: 5.0}, ignore_eos=False)
+        base.pop("ignore_eos")
+    final = SamplingParams(**base, **kwargs)
+    streamed = SamplingParams(**base, **kwargs, output_kind=RequestOutputKind.CUMULATIVE)
+    for prompt in prompts:
+        a = tiny_llm.generate(prompt, final)[0].outputs[0]
+        b = [o for o in tiny_llm.generate_stream(prompt, streamed)][-1].outputs[0]
+        assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
