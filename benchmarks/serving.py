@@ -88,11 +88,11 @@ def start_tokenmill(model: str, port: int) -> subprocess.Popen:
 
 
 def start_llama_cpp(model: str, port: int, n_ctx: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", model, "--port", str(port),
-           "--host", "127.0.0.1", "--n_ctx", str(n_ctx), "--n_threads", str(os.cpu_count())]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_healthy(f"http://127.0.0.1:{port}/v1/models", proc)
-    return proc
+    """llama-cpp-python's server as vs_llamacpp.py starts it: concurrent requests queue
+    (by default a new one cuts the running one short) and no AMX repack buffers."""
+    from vs_llamacpp import start_llama_cpp as start
+
+    return start(model, port, n_ctx, os.cpu_count() or 1, extra_bufts=False)
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -22,7 +22,7 @@ from tokenmill.tokenizer.chat import with_tool_arguments
 logger = logging.getLogger(__name__)
 
 # vLLM options accepted for compatibility that have no effect here.
-_IGNORED_VLLM_OPTIONS = {"trust_remote_code", "enforce_eager", "gpu_memory_utilization",
+_IGNORED_VLLM_OPTIONS = {"trust_remote_code", "gpu_memory_utilization",
                          "tensor_parallel_size", "disable_log_stats", "swap_space"}
 
 
