@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import UnsupportedModelError
+from tokenmill.layers.fused import fused_ops
 
 # HF activation name -> elementwise function applied to the gate half.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -32,6 +33,10 @@ class GatedActivation(nn.Module):
         self.act = _ACTIVATIONS[name]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops(x) if self.act is F.silu else None  # CUDA: one Triton kernel
+        out = ops.silu_and_mul(x) if ops else None
+        if out is not None:
+            return out
         gate, up = x.chunk(2, dim=-1)
         return self.act(gate) * up
 

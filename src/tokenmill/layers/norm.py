@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from tokenmill import native
+from tokenmill.layers.fused import fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -36,7 +37,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., dim] -> [..., dim], same dtype."""
-        if not self.exact or (x.dtype != torch.float32 and not self.unit_offset):
+        if self._takes_fast(x):
             return self._fast(x)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -48,10 +49,18 @@ class RMSNorm(nn.Module):
         """x / max(||x||, sqrt(dim * eps)) * (w * sqrt(dim)): HF's x * rsqrt(mean(x^2) + eps)
         * w except that eps only guards tiny rows (far below bfloat16 resolution for real
         hidden states, and 0 stays 0); the norm accumulates in float32, one rounding."""
+        ops = fused_ops(x)  # CUDA: one Triton kernel (None: a layout it does not take)
+        out = ops.rms_norm(x, self._scaled_weight(), self._min_norm) if ops else None
+        if out is not None:
+            return out
         if self._native(x):
             return native.add_rms_norm(None, x, self._scaled_weight(), self._min_norm)
         norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(self._min_norm)
         return torch.div(x, norm).mul_(self._scaled_weight())
+
+    def _takes_fast(self, x: torch.Tensor) -> bool:
+        """Not HF's exact rounding: ``exact=False``, or a Llama norm below float32."""
+        return not self.exact or (x.dtype != torch.float32 and not self.unit_offset)
 
     def _native(self, x: torch.Tensor) -> bool:
         """Rows of float32 in one native call (quantized models: ``exact=False``)."""
@@ -69,6 +78,11 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add ``x`` to the residual stream (in place), then normalize: (normed, residual)."""
+        ops = fused_ops(residual) if self._takes_fast(residual) else None
+        if ops is not None:  # CUDA: add and norm in one Triton kernel
+            fused = ops.add_rms_norm(x, residual, self._scaled_weight(), self._min_norm)
+            if fused is not None:
+                return fused
         if self._native(residual) and x.shape == residual.shape and native.takes(x):
             normed = native.add_rms_norm(x, residual, self._scaled_weight(), self._min_norm)
             return normed, residual

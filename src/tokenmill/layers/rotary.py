@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenmill.layers.fused import fused_ops
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -111,6 +113,9 @@ class RotaryEmbedding(nn.Module):
         x * [cos|cos] + [x2|x1] * [-sin|sin]: each product and the sum rounded once, in
         x's dtype, bit-identical to HF's ``x * cos + rotate_half(x) * sin``.
         """
+        ops = fused_ops(x)  # CUDA: one Triton kernel, the same roundings
+        if ops and ops.rotate_(x, tables.cos, tables.sin) is not None:
+            return x
         t, heads, d = x.shape
         swapped = x.reshape(t, heads, 2, d // 2).flip(2).view(t, heads, d)  # a copy
         return x.mul_(tables.cos).add_(swapped.mul_(tables.sin))

@@ -1,0 +1,92 @@
+"""A tiny random Llama generates the same greedy tokens with the fused layer ops (interpreted
+on CPU, float32) as with the PyTorch/native paths.
+
+Dense float32 norms take HF's exact rounding, which the fused kernel does not replace, so
+every RMSNorm here is switched to the fast form (``exact=False``, as quantized models build
+them) in both runs: the comparison is fused kernels vs the fast form they replace.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tokenmill.attention import AttentionMetadata, ForwardContext  # noqa: E402
+from tokenmill.layers import triton_ops  # noqa: E402
+from tokenmill.layers.fused import force_fused  # noqa: E402
+from tokenmill.layers.norm import RMSNorm  # noqa: E402
+from tokenmill.models import resolve_model_class  # noqa: E402
+
+BLOCK_SIZE = 4
+
+
+def _tiny_llama():
+    """2 layers; hidden 96, head_dim 48 and intermediate 160 are not powers of two; weights
+    at std 0.2 so that greedy choices are clear-cut."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
+        tie_word_embeddings=False, initializer_range=0.2,
+    )  # fmt: skip
+    hf = LlamaForCausalLM(config).eval()
+    model = resolve_model_class(["LlamaForCausalLM"])(config.to_dict(), torch.float32)
+    model.load_weights(hf.state_dict().items())
+    for module in model.modules():
+        if isinstance(module, RMSNorm):
+            module.exact = False
+    return model.eval()
+
+
+@torch.no_grad()
+def _generate(model, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list]:
+    """Both prompts prefilled in one step, then batched greedy decodes (reference attention,
+    sequence i in blocks i * 16 ...). Returns (tokens per prompt, every step's logits)."""
+    shape = (2, 32, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+    caches = [torch.zeros(shape) for _ in range(model.num_layers)]
+    tables = [list(range(i * 16, i * 16 + 16)) for i in range(len(prompts))]
+    seqs, new, logits_seen = [list(p) for p in prompts], [list(p) for p in prompts], []
+    for _ in range(steps):
+        lens = [len(s) for s in seqs]
+        meta = AttentionMetadata.build([len(n) for n in new], lens, tables, BLOCK_SIZE)
+        ids = torch.tensor([t for n in new for t in n])
+        positions = torch.tensor([p for n, s in zip(new, lens) for p in range(s - len(n), s)])
+        hidden = model(ids, positions, ForwardContext(meta, caches))
+        logits = model.compute_logits(hidden[[meta.query_start_loc[i + 1] - 1 for i in (0, 1)]])
+        logits_seen.append(logits)
+        new = [[int(t)] for t in logits.argmax(-1)]
+        for s, n in zip(seqs, new):
+            s += n
+    return [s[len(p) :] for s, p in zip(seqs, prompts)], logits_seen
+
+
+def test_greedy_tokens_match_without_fused_ops(device, monkeypatch):
+    if device.type != "cpu":
+        pytest.skip("the model runs in float32 on CPU here")
+    model = _tiny_llama()
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 14)]
+    with force_fused(False):
+        want, want_logits = _generate(model, prompts, 16)
+
+    calls = dict.fromkeys(("add_rms_norm", "rms_norm", "silu_and_mul", "rotate_"), 0)
+    for name in calls:  # count the launches, so that the fused path is known to have run
+        op = getattr(triton_ops, name)
+
+        def counted(*args, _op=op, _name=name):
+            calls[_name] += 1
+            return _op(*args)
+
+        monkeypatch.setattr(triton_ops, name, counted)
+    with force_fused(True):
+        got, got_logits = _generate(model, prompts, 16)
+
+    assert got == want
+    for a, b in zip(got_logits, want_logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # Per step and layer: 2 norms (1 alone in layer 0) + final norm, 1 SiLU, 1 rotary.
+    assert calls == {"add_rms_norm": 16 * 4, "rms_norm": 16, "silu_and_mul": 32, "rotate_": 32}
