@@ -12,9 +12,9 @@ set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
-SUITE_TIMEOUT=${SUITE_TIMEOUT:-390}
-SUITE_BUDGET=${SUITE_BUDGET:-300}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-380}
+SUITE_BUDGET=${SUITE_BUDGET:-290}
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
