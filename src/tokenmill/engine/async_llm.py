@@ -32,21 +32,18 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.prompts import PromptInput, normalize_prompts
 from tokenmill.engine.request import RequestOptions
+from tokenmill.engine.request_stream import ACCEPTED, RequestStream
 from tokenmill.errors import DrainingError, EngineDeadError, QueueFullError, QueueTimeoutError
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-_ACCEPTED = object()
-"""First item of a stream: the engine queued the request."""
-
 
 @dataclass
 class _Add:
@@ -157,7 +154,7 @@ class AsyncLLM:
         stream = RequestStream(rid, self, asyncio.get_running_loop(), params.output_kind)
         self._commands.put(_Add(stream, list(prompt_token_ids), engine_params, prompt, options))
         try:
-            await stream._wait_accepted()
+            await stream.wait_accepted()
         except asyncio.CancelledError:
             self.abort(rid)
             raise
@@ -291,7 +288,7 @@ class AsyncLLM:
             self._send(stream, exc)
             return
         self._live[stream.request_id] = _Live(stream, stream.arrival)
-        self._send(stream, _ACCEPTED)
+        self._send(stream, ACCEPTED)
 
     def _abort(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -366,96 +363,4 @@ def _run_call(cmd: _Call, engine: LLMEngine) -> None:
 
 def _deliver(items: list[tuple[RequestStream, object]]) -> None:
     for stream, item in items:
-        stream._queue.put_nowait(item)
-
-
-class RequestStream:
-    """One request's outputs, in the ``output_kind`` the caller asked for.
-
-    An async iterator that ends after the finished output. Engine errors that end
-    the request (``QueueTimeoutError``, ``EngineDeadError``) are raised from it.
-    ``close()`` before the end aborts the request.
-    """
-
-    def __init__(
-        self,
-        request_id: str,
-        owner: AsyncLLM,
-        loop: asyncio.AbstractEventLoop,
-        kind: RequestOutputKind,
-    ) -> None:
-        self.request_id = request_id
-        self.loop = loop
-        self.kind = kind
-        self.arrival = time.monotonic()
-        self.finished = False
-        self._owner = owner
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._acc = _Accumulator()
-
-    async def _wait_accepted(self) -> None:
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        assert item is _ACCEPTED
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        while not self.finished:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self.finished = True
-                raise item
-            assert isinstance(item, RequestOutput)
-            self.finished = item.finished
-            out = self._convert(item)
-            if out is not None:
-                return out
-        raise StopAsyncIteration
-
-    def _convert(self, delta: RequestOutput) -> RequestOutput | None:
-        if self.kind is RequestOutputKind.DELTA:
-            return delta
-        merged = self._acc.add(delta)
-        if self.kind is RequestOutputKind.CUMULATIVE:
-            return _copy_output(merged)
-        return merged if merged.finished else None
-
-    def close(self) -> None:
-        """Abort the request unless it already finished (idempotent)."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
-
-    async def aclose(self) -> None:
-        self.close()
-
-
-@dataclass
-class _Accumulator:
-    """Folds DELTA outputs into one cumulative ``RequestOutput``."""
-
-    out: RequestOutput | None = None
-    comps: dict[int, CompletionOutput] = field(default_factory=dict)
-
-    def add(self, delta: RequestOutput) -> RequestOutput:
-        for d in delta.outputs:
-            comp = self.comps.setdefault(d.index, CompletionOutput(d.index, "", []))
-            comp.text += d.text
-            comp.token_ids = [*comp.token_ids, *d.token_ids]
-            if d.logprobs is not None:
-                comp.logprobs = [*(comp.logprobs or []), *d.logprobs]
-            comp.cumulative_logprob = d.cumulative_logprob
-            comp.finish_reason = d.finish_reason
-            comp.stop_reason = d.stop_reason
-        outputs = [self.comps[i] for i in sorted(self.comps)]
-        self.out = replace(delta, outputs=outputs,
-                           prompt_logprobs=delta.prompt_logprobs or (self.out and self.out.prompt_logprobs))
-        return self.out
-
-
-def _copy_output(out: RequestOutput) -> RequestOutput:
-    return replace(out, outputs=[replace(c, token_ids=list(c.token_ids)) for c in out.outputs])
+        stream.put(item)
