@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenmill.sampling.argmax import argmax_rows
 from tokenmill.sampling.logits_processors import (
     DEFAULT_PROCESSORS,
     LogitsProcessor,
@@ -140,10 +141,10 @@ class Sampler:
     def _pick(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
         random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not random_idx:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         if len(random_idx) == len(rows):
             return self._sample(logits, rows)
-        token_ids = logits.argmax(dim=-1)  # [N]; random rows overwritten below
+        token_ids = argmax_rows(logits)  # [N]; random rows overwritten below
         index = torch.tensor(random_idx, dtype=torch.int64, device=logits.device)
         token_ids[index] = self._sample(logits[index], [rows[i] for i in random_idx])
         return token_ids
@@ -162,7 +163,7 @@ class Sampler:
         if top_k is not None or top_p is not None:
             logits = apply_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)  # [S, V]
-        return probs.div_(self._exponential(probs, rows)).argmax(dim=-1)
+        return argmax_rows(probs.div_(self._exponential(probs, rows)))
 
     def _exponential(self, probs: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
         """q [S, V] ~ Exp(1): seeded rows from their own generator, others from the default."""
