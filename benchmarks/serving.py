@@ -21,6 +21,7 @@ import asyncio
 import importlib.util
 import os
 import random
+import shlex
 import socket
 import statistics
 import subprocess
@@ -79,9 +80,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None
     raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
-def start_tokenmill(model: str, port: int) -> subprocess.Popen:
+def start_tokenmill(model: str, port: int, extra: list[str] = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", model, "--port",
-           str(port), "--log-level", "warning", "--max-queued-requests", "4096"]
+           str(port), "--log-level", "warning", "--max-queued-requests", "4096", *extra]
     proc = subprocess.Popen(cmd)
     wait_healthy(f"http://127.0.0.1:{port}/health", proc)
     return proc
@@ -210,6 +211,9 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenmill-args", default="",
+                        help="extra `tokenmill serve` flags, e.g. '--max-num-batched-tokens 512'")
+    parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp's server")
     args = parser.parse_args()
 
     from tokenmill.loader.resolve import default_model_path
@@ -225,7 +229,7 @@ def main() -> int:
 
     results: dict[str, dict[int, Level]] = {}
     port = free_port()
-    proc = start_tokenmill(model, port)
+    proc = start_tokenmill(model, port, shlex.split(args.tokenmill_args))
     try:
         name = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
         target = Target("tokenmill", f"http://127.0.0.1:{port}/v1", name,
@@ -234,7 +238,9 @@ def main() -> int:
     finally:
         stop(proc)
 
-    if importlib.util.find_spec("llama_cpp") is None:
+    if args.no_peer:
+        pass
+    elif importlib.util.find_spec("llama_cpp") is None:
         print("\nllama.cpp: skipped (llama-cpp-python[server] is not installed; "
               "`pip install 'llama-cpp-python[server]'` to compare on the same GGUF)")
     else:
