@@ -64,7 +64,11 @@ def _version() -> str:
 def _make_llm(args: argparse.Namespace):
     from tokenmill import LLM
 
-    return LLM(args.model, **engine_options(args))
+    llm = LLM(args.model, **engine_options(args))
+    # Loaded: from here the answer streams to the terminal, and the engine's per-request
+    # INFO lines (a server log's business) would land in the middle of it.
+    logging.getLogger("tokenmill.engine").setLevel(max(logging.WARNING, logging.root.level))
+    return llm
 
 
 def _params(llm, args: argparse.Namespace):
