@@ -7,7 +7,29 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from tiny_models import make_tiny_llama
+
+# Triton kernels (tests/attention, tests/layer_kernels, tests/worker) run on CPU tensors
+# under Triton's interpreter when there is no CUDA device. ``@triton.jit`` chooses
+# interpreted or compiled when triton is first imported, so the switch is set here, before
+# any test module can import it; with CUDA the kernels compile and the ``gpu`` variants run.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> torch.device:
+    """For Triton kernel tests. cpu: interpreted, float32 (tight tolerance); cuda: compiled,
+    bfloat16."""
+    pytest.importorskip("triton")
+    from tokenmill.attention.backends import triton_interpreted
+
+    if request.param == "cpu" and not triton_interpreted():
+        pytest.skip("CPU runs of the Triton kernels need TRITON_INTERPRET=1")
+    if request.param == "cuda" and (not torch.cuda.is_available() or triton_interpreted()):
+        pytest.skip("needs a CUDA device and compiled (not interpreted) Triton kernels")
+    return torch.device(request.param)
 
 
 def package_file(dist: str, relative: str) -> Path:

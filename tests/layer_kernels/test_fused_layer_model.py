@@ -13,13 +13,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from tokenmill.attention import AttentionMetadata, ForwardContext  # noqa: E402
+from paged_runner import PagedRunner, build_ours  # noqa: E402
+
 from tokenmill.layers import triton_ops  # noqa: E402
 from tokenmill.layers.fused import force_fused  # noqa: E402
 from tokenmill.layers.norm import RMSNorm  # noqa: E402
-from tokenmill.models import resolve_model_class  # noqa: E402
-
-BLOCK_SIZE = 4
 
 
 def _tiny_llama():
@@ -33,35 +31,27 @@ def _tiny_llama():
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
         tie_word_embeddings=False, initializer_range=0.2,
     )  # fmt: skip
-    hf = LlamaForCausalLM(config).eval()
-    model = resolve_model_class(["LlamaForCausalLM"])(config.to_dict(), torch.float32)
-    model.load_weights(hf.state_dict().items())
+    model = build_ours(LlamaForCausalLM(config).eval())
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.exact = False
-    return model.eval()
+    return model
 
 
-@torch.no_grad()
 def _generate(model, prompts: list[list[int]], steps: int) -> tuple[list[list[int]], list]:
-    """Both prompts prefilled in one step, then batched greedy decodes (reference attention,
-    sequence i in blocks i * 16 ...). Returns (tokens per prompt, every step's logits)."""
-    shape = (2, 32, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
-    caches = [torch.zeros(shape) for _ in range(model.num_layers)]
-    tables = [list(range(i * 16, i * 16 + 16)) for i in range(len(prompts))]
-    seqs, new, logits_seen = [list(p) for p in prompts], [list(p) for p in prompts], []
+    """Both prompts prefilled in one step, then batched greedy decodes (reference attention).
+    Returns (tokens per prompt, every step's last-token logits)."""
+    runner = PagedRunner(model)
+    out: list[list[int]] = [[], []]
+    new = [list(p) for p in prompts]
+    logits_seen = []
     for _ in range(steps):
-        lens = [len(s) for s in seqs]
-        meta = AttentionMetadata.build([len(n) for n in new], lens, tables, BLOCK_SIZE)
-        ids = torch.tensor([t for n in new for t in n])
-        positions = torch.tensor([p for n, s in zip(new, lens) for p in range(s - len(n), s)])
-        hidden = model(ids, positions, ForwardContext(meta, caches))
-        logits = model.compute_logits(hidden[[meta.query_start_loc[i + 1] - 1 for i in (0, 1)]])
+        logits = torch.stack(runner.last([(str(i), n) for i, n in enumerate(new)]))
         logits_seen.append(logits)
         new = [[int(t)] for t in logits.argmax(-1)]
-        for s, n in zip(seqs, new):
-            s += n
-    return [s[len(p) :] for s, p in zip(seqs, prompts)], logits_seen
+        for o, n in zip(out, new):
+            o += n
+    return out, logits_seen
 
 
 def test_greedy_tokens_match_without_fused_ops(device, monkeypatch):

@@ -1,20 +1,14 @@
-"""Tiny random-weight Hugging Face models and a paged-KV runner for our models."""
+"""Tiny random-weight Hugging Face models of each family (our paged runner: ``paged_runner``)."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 
 import torch
 import transformers
 from transformers import PreTrainedModel
 
-from tokenmill.attention import AttentionMetadata, ForwardContext
-from tokenmill.models import resolve_model_class
-from tokenmill.models.base import CausalLM
-
 VOCAB = 512
-BLOCK_SIZE = 4
 _COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
@@ -106,56 +100,6 @@ def build_hf(family: str, seed: int = 0, std: float = 0.2) -> PreTrainedModel:
             model.get_input_embeddings().weight.div_(config.hidden_size**0.5)
     model.generation_config.eos_token_id = None
     return model
-
-
-def build_ours(hf_model: PreTrainedModel) -> CausalLM:
-    """Our model for ``hf_model``, built from its config dict and loaded from its state dict."""
-    config = hf_model.config.to_dict()
-    model = resolve_model_class([type(hf_model).__name__])(config, torch.float32)
-    model.load_weights(hf_model.state_dict().items())
-    return model.eval()
-
-
-class PagedRunner:
-    """Drives a model over a paged KV cache with deliberately scattered block ids."""
-
-    def __init__(self, model: CausalLM, num_blocks: int = 96, seed: int = 0) -> None:
-        self.model = model
-        shape = (2, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
-        self.kv_caches = [torch.zeros(shape) for _ in range(model.num_layers)]
-        self.free = list(range(1, num_blocks))  # block 0 stays unused: padding in block tables
-        random.Random(seed).shuffle(self.free)
-        self.tables: dict[str, list[int]] = {}
-        self.lens: dict[str, int] = {}
-
-    @torch.no_grad()
-    def step(self, chunks: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
-        """One flattened forward: each (seq, new token ids) -> its logits [len(ids), vocab]."""
-        query_lens, seq_lens, tables, ids, positions = [], [], [], [], []
-        for seq, new in chunks:
-            start = self.lens.get(seq, 0)
-            end = start + len(new)
-            table = self.tables.setdefault(seq, [])
-            while len(table) * BLOCK_SIZE < end:
-                table.append(self.free.pop())
-            self.lens[seq] = end
-            query_lens.append(len(new))
-            seq_lens.append(end)
-            tables.append(list(table))
-            ids += new
-            positions += range(start, end)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
-        ctx = ForwardContext(meta, self.kv_caches)
-        hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)
-        logits = self.model.compute_logits(hidden)
-        return list(logits.split(query_lens))
-
-    def greedy(self, seq: str, prompt: list[int], steps: int) -> list[int]:
-        """Prefill ``prompt`` then decode token by token; returns the ``steps`` new tokens."""
-        out = [int(self.step([(seq, prompt)])[0][-1].argmax())]
-        while len(out) < steps:
-            out.append(int(self.step([(seq, [out[-1]])])[0][-1].argmax()))
-        return out
 
 
 @torch.no_grad()

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _helpers import FAMILIES, PagedRunner, build_hf, build_ours, hf_logits, prompt
+from _helpers import FAMILIES, build_hf, hf_logits, prompt
+from paged_runner import PagedRunner, build_ours
 
 ATOL = 1e-4
 RTOL = 1e-4

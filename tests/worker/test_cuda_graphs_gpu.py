@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_padded_decode import generate
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.worker.cuda_graphs import PaddedDecode
@@ -56,16 +57,6 @@ def make_llm(model_dir: Path, **overrides) -> LLM:
                 max_model_len=MAX_MODEL_LEN, num_kv_blocks=128, block_size=BS,
                 enable_prefix_caching=False, max_num_seqs=8)  # fmt: skip
     return LLM(str(model_dir), **(opts | overrides))
-
-
-PROMPTS = [[5, 9, 14, 3], [7] * 11, [21, 22, 23, 24, 25, 26], [40], [33, 2, 8, 19, 4, 4, 4]]
-PARAMS = [SamplingParams(max_tokens=n, temperature=0, logprobs=2, ignore_eos=True)
-          for n in (3, 12, 7, 9, 5)]  # fmt: skip
-
-
-def generate(llm: LLM):
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
-    return [o.outputs[0] for o in outs]
 
 
 def assert_same(got, want):

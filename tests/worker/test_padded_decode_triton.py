@@ -3,19 +3,15 @@ rows (slot -1, seq_len 0) store nothing and change no real row, as graphs need."
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # before triton is imported: see tests/attention/conftest.py
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-pytest.importorskip("triton")
+pytest.importorskip("triton")  # interpreted on CPU: see tests/conftest.py
 
 from test_padded_decode import PARAMS, PROMPTS, assert_same, count_runs  # noqa: E402
 
 from tokenmill import LLM  # noqa: E402
+from tokenmill.attention.backends import triton_interpreted  # noqa: E402
 from tokenmill.worker.cuda_graphs import PaddedDecode  # noqa: E402
 from tokenmill.worker.model_runner import ModelRunner  # noqa: E402
 
@@ -23,9 +19,7 @@ MAX_MODEL_LEN, BS = 64, 4
 
 
 def test_padded_decode_with_triton_kernels(tiny_llama_dir, monkeypatch):
-    import triton
-
-    if torch.cuda.is_available() or not triton.knobs.runtime.interpret:
+    if torch.cuda.is_available() or not triton_interpreted():
         pytest.skip("CPU run of the Triton kernels under TRITON_INTERPRET=1")
     with LLM(str(tiny_llama_dir), dtype="float32", device="cpu", attention_backend="triton",
              max_model_len=MAX_MODEL_LEN, num_kv_blocks=96, block_size=BS,

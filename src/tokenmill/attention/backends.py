@@ -105,6 +105,14 @@ def _triton_version() -> str | None:
     return triton.__version__
 
 
+def triton_interpreted() -> bool:
+    """Whether Triton kernels run under its interpreter (``TRITON_INTERPRET=1``, read by
+    triton when it is imported): on CPU tensors, with numpy, for tests."""
+    import triton
+
+    return bool(triton.knobs.runtime.interpret)
+
+
 def _check_triton(device: torch.device) -> None:
     if _triton_version() is None:
         raise InvalidRequestError(
@@ -113,9 +121,7 @@ def _check_triton(device: torch.device) -> None:
         )
     if device.type == "cuda":
         return
-    import triton
-
-    if device.type == "cpu" and triton.knobs.runtime.interpret:
+    if device.type == "cpu" and triton_interpreted():
         return  # the interpreter runs the kernels with numpy (tests only: slow)
     raise InvalidRequestError(
         f"attention_backend='triton' runs on CUDA, not on {device.type}: use "

@@ -15,6 +15,8 @@ from types import ModuleType
 
 import torch
 
+from tokenmill.attention.backends import triton_interpreted
+
 _forced: bool | None = None  # tests only: set by force_fused()
 
 
@@ -41,16 +43,10 @@ def force_fused(enabled: bool) -> Iterator[None]:
     interpreter: ``TRITON_INTERPRET=1`` set before triton was imported); False keeps every
     tensor, CUDA too, on the PyTorch path (the reference the kernels are checked against)."""
     global _forced
-    if enabled and not torch.cuda.is_available() and not _interpreted():
+    if enabled and not torch.cuda.is_available() and not triton_interpreted():
         raise RuntimeError("force_fused(True) on CPU needs TRITON_INTERPRET=1 set before triton")
     _forced = enabled
     try:
         yield
     finally:
         _forced = None
-
-
-def _interpreted() -> bool:
-    import triton
-
-    return bool(triton.knobs.runtime.interpret)
