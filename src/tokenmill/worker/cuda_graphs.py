@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardContext
-from tokenmill.attention.backends import AttentionBackend
+from tokenmill.attention.backends import REFERENCE, AttentionBackend
 from tokenmill.models.base import CausalLM
 from tokenmill.scheduler import ScheduledSeq
 from tokenmill.worker.inputs import PinnedStaging
@@ -83,7 +83,7 @@ class PaddedDecode:
         self.max_model_len = max_model_len
         self.width = -(-max_model_len // block_size)
         self.buckets = decode_buckets(max_num_seqs)
-        self.backend = backend
+        self.backend = backend or REFERENCE
         self.capture = capture
         self.staging = PinnedStaging(device)
         n = self.buckets[-1]
@@ -166,10 +166,8 @@ class PaddedDecode:
             block_tables=views.tables,
             block_size=self.block_size,
             seq_lens_tensor=views.seq_lens,
-            query_start_loc_tensor=views.qsl.to(torch.int32),
+            query_start_loc_tensor=views.qsl,
         )
-        if self.backend is None:
-            return ForwardContext(meta, self.kv_caches)
         return ForwardContext(meta, self.kv_caches, self.backend)
 
     def _capture(self, n: int) -> torch.cuda.CUDAGraph | None:

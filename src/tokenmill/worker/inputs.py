@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import AttentionMetadata
+from tokenmill.attention.metadata import first_if_contiguous
 from tokenmill.scheduler import ScheduledSeq
 
 
@@ -119,14 +120,6 @@ def build_step_inputs(
         first_block_if_contiguous=tuple(
             first_if_contiguous(s.block_table, -(-s.end // block_size)) for s in seqs
         ),
-        query_start_loc_tensor=qsl_d.to(torch.int32),  # a device-side cast
+        query_start_loc_tensor=qsl_d,  # a view of the packed copy: no extra op
     )
     return StepInputs(ids_d, pos_d, meta)
-
-
-def first_if_contiguous(table: tuple[int, ...], used: int) -> int | None:
-    """The first block id when blocks 0..used-1 are consecutive ids (the context is then a
-    view of the cache), else None."""
-    if used == 0 or table[used - 1] - table[0] != used - 1:
-        return None
-    return table[0] if all(b == table[0] + j for j, b in enumerate(table[:used])) else None

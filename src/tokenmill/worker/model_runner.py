@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardContext
-from tokenmill.attention.backends import AttentionBackend, select_backend
+from tokenmill.attention.backends import REFERENCE, AttentionBackend, select_backend
 from tokenmill.config import EngineConfig
 from tokenmill.models.base import CausalLM
 from tokenmill.sampling import LogprobsTensors, RowState, Sampler, compute_logprobs
@@ -52,7 +52,7 @@ def allocate_kv_caches(
 
 
 class ModelRunner:
-    """Runs scheduled steps. ``backend`` (None: ``ForwardContext``'s default) does the
+    """Runs scheduled steps. ``backend`` (None: the reference) does the
     attention; ``decode`` (CUDA graphs, ``cuda_graphs.PaddedDecode``) takes the all-decode
     steps that fit one of its buckets, every other step runs eagerly here."""
 
@@ -71,7 +71,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
-        self.backend = backend
+        self.backend = backend or REFERENCE
         self.decode = decode
         self.staging = PinnedStaging(device)
         self.host_ids = HostIds(device)
@@ -100,8 +100,6 @@ class ModelRunner:
         return _to_host(sample_seqs, token_list, lp, prompt_lp)
 
     def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
-        if self.backend is None:
-            return ForwardContext(meta, self.kv_caches)
         return ForwardContext(meta, self.kv_caches, self.backend)
 
     def _prompt_logprobs(
