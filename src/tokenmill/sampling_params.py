@@ -93,7 +93,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     """What each streamed output carries; see ``RequestOutputKind``."""
     detokenize: bool = True
-    """Produce text (stop strings need it)."""
+    """Produce text; False leaves every output's ``text`` empty (token ids only, no
+    detokenization cost) and allows no stop strings."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output (JSON schema, regex, choice, grammar...); an empty guide = None."""
 
@@ -170,6 +171,8 @@ class SamplingParams:
                    f"stop must contain only non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check(t >= 0, f"stop_token_ids must be >= 0, got {t}")
+        _check(self.detokenize or not self.stop,
+               "stop strings need detokenize=True (use stop_token_ids to stop on token ids)")
         _check(isinstance(self.output_kind, RequestOutputKind),
                f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
 

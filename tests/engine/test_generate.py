@@ -148,3 +148,25 @@ def test_final_text_decoded_once_equals_the_streamed_text(tiny_llm, extra):
         a = tiny_llm.generate(prompt, final)[0].outputs[0]
         b = [o for o in tiny_llm.generate_stream(prompt, streamed)][-1].outputs[0]
         assert (a.text, a.token_ids, a.finish_reason) == (b.text, b.token_ids, b.finish_reason)
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE])
+def test_detokenize_false_gives_token_ids_only(tiny_llm, kind):
+    """detokenize=False: the same tokens, no text; a stop token id still stops and is the
+    stop_reason."""
+    with_text = tiny_llm.generate("Once upon a time", GREEDY)[0].outputs[0]
+    stop_id = with_text.token_ids[5]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, detokenize=False,
+                            output_kind=kind)
+    out = tiny_llm.generate("Once upon a time", params)[0].outputs[0]
+    assert out.token_ids == with_text.token_ids and out.text == ""
+    params.stop_token_ids = [stop_id]
+    out = tiny_llm.generate("Once upon a time", params)[0].outputs[0]
+    first = with_text.token_ids.index(stop_id)
+    assert out.token_ids == with_text.token_ids[: first + 1] and out.text == ""
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+
+
+def test_detokenize_false_rejects_stop_strings():
+    with pytest.raises(ValueError, match="stop strings need detokenize=True"):
+        SamplingParams(stop=["\n"], detokenize=False)

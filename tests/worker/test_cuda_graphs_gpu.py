@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from test_padded_decode import generate
+from test_step_inputs import upload
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.worker.cuda_graphs import PaddedDecode
@@ -70,12 +71,12 @@ def assert_same(got, want):
 def test_pinned_staging_and_host_ids():
     cuda = torch.device("cuda")
     staging = PinnedStaging(cuda)
-    first = staging.upload(list(range(10)))
-    second = staging.upload([7] * 5000)  # grows the pinned buffer
+    first = upload(staging, list(range(10)))
+    second = upload(staging, [7] * 5000)  # grows the pinned buffer
     assert first.device.type == "cuda" and first.tolist() == list(range(10))
     assert second.tolist() == [7] * 5000
     out = torch.zeros(3, dtype=torch.int64, device=cuda)
-    staging.upload([4, 5, 6], out=out)
+    upload(staging, [4, 5, 6], out=out)
     assert out.tolist() == [4, 5, 6]
     ids = torch.tensor([9, 8, 7], device=cuda)
     assert HostIds(cuda).fetch(ids) == [9, 8, 7]

@@ -86,9 +86,9 @@ def count_runs(decode: PaddedDecode, monkeypatch) -> list[int]:
     sizes: list[int] = []
     run = decode.run
 
-    def spy(seqs):
+    def spy(seqs, tables=None):
         sizes.append(len(seqs))
-        return run(seqs)
+        return run(seqs, tables)
 
     monkeypatch.setattr(decode, "run", spy)
     return sizes

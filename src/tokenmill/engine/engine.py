@@ -35,7 +35,10 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
         num_blocks = kv_cache_blocks(config, self.loaded)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, config.enable_prefix_caching,
+            max_blocks_per_seq=-(-self.max_model_len // config.block_size),
+        )  # fmt: skip
         budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
         self.scheduler = Scheduler(
             SchedulerConfig(

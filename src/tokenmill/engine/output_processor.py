@@ -36,7 +36,8 @@ class ParentState:
 class ChildState:
     parent: ParentState
     index: int
-    detok: IncrementalDetokenizer
+    detok: IncrementalDetokenizer | None
+    """None with ``detokenize=False``: token ids only, the text stays empty."""
     stops: StopStringMatcher
     deferred: bool = False
     """Text decoded once when the child finishes, not token by token: nobody sees partial
@@ -61,9 +62,11 @@ class OutputProcessor:
     def add(self, parent: ParentState, child_ids: list[str], requests: list[Request]) -> None:
         for index, (cid, req) in enumerate(zip(child_ids, requests)):
             params = req.params
-            detok = IncrementalDetokenizer(
-                self.tokenizer, req.prompt_token_ids, params.skip_special_tokens
-            )
+            detok = None
+            if params.detokenize:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, req.prompt_token_ids, params.skip_special_tokens
+                )
             stops = StopStringMatcher(list(params.stop or []), params.include_stop_str_in_output)
             deferred = parent.kind is RequestOutputKind.FINAL_ONLY and not params.stop
             self.children[cid] = ChildState(parent, index, detok, stops, deferred)
@@ -88,7 +91,7 @@ class OutputProcessor:
         hidden_stop = req.is_finished and req.status is RequestStatus.FINISHED_STOPPED and not (
             req.params.include_stop_str_in_output
         )
-        if child.deferred:
+        if child.deferred or child.detok is None:
             child.hidden_last = hidden_stop
             child.completion.token_ids = req.output_token_ids
             return None
@@ -106,12 +109,10 @@ class OutputProcessor:
         if child is None:
             return None
         comp = child.completion
-        if child.deferred:
-            shown = req.output_token_ids[: len(req.output_token_ids) - child.hidden_last]
-            comp.text = child.detok.append(shown) + child.detok.flush()
-        if comp.stop_reason is None or isinstance(comp.stop_reason, int):
-            comp.text += child.stops.feed(child.detok.flush())[0] + child.stops.flush()
-            comp.stop_reason = comp.stop_reason if comp.stop_reason is not None else req.stop_reason
+        if child.detok is not None:
+            _finish_text(child, req)
+        if comp.stop_reason is None:
+            comp.stop_reason = req.stop_reason  # a stop token id, or None
         comp.token_ids = list(req.output_token_ids)
         comp.finish_reason = req.status.value
         child.parent.num_unfinished -= 1
@@ -181,6 +182,17 @@ class OutputProcessor:
             decoded_token=tok.decode([token_id], skip_special_tokens=False),
             bytes=tok.token_bytes(token_id),
         )
+
+
+def _finish_text(child: ChildState, req: Request) -> None:
+    """The text's last part: all of it when deferred, else what the detokenizer and the
+    stop-string matcher still hold back (nothing after a matched stop string)."""
+    comp, detok = child.completion, child.detok
+    if child.deferred:
+        shown = req.output_token_ids[: len(req.output_token_ids) - child.hidden_last]
+        comp.text = detok.append(shown) + detok.flush()
+    if not isinstance(comp.stop_reason, str):
+        comp.text += child.stops.feed(detok.flush())[0] + child.stops.flush()
 
 
 def _copy(c: CompletionOutput) -> CompletionOutput:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tokenmill.kv_cache.block_pool import BlockPool, CachedBlock
+from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.kv_cache.prefix import extend_hashes
 
 
@@ -29,6 +30,8 @@ class PrefixCacheStats:
 
 @dataclass
 class _Seq:
+    row: int
+    """This request's row of ``KVCacheManager.tables`` (the same ids as ``table``)."""
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)
     committed: int = 0
@@ -43,10 +46,18 @@ class KVCacheManager:
     of token position p is ``table[p // block_size] * block_size + p % block_size``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        max_blocks_per_seq: int = 16,
+    ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.tables = BlockTableArray(width=max_blocks_per_seq)
+        """Every table also as a row of one host array (the runner's step input)."""
         self.stats = PrefixCacheStats()
         self._seqs: dict[str, _Seq] = {}
 
@@ -71,7 +82,7 @@ class KVCacheManager:
         Returns the number of tokens whose KV is already there. At least one
         token is always left to compute (its logits give the next token).
         """
-        seq = self._seqs.setdefault(request_id, _Seq())
+        seq = self._seq(request_id)
         assert not seq.table, "prefix lookup for a request that already holds blocks"
         if not self.enable_prefix_caching:
             return 0
@@ -92,6 +103,7 @@ class KVCacheManager:
             seq.table.pop()
         for b in seq.table:
             self.pool.touch(b)
+        self.tables.write(seq.row, 0, seq.table)
         seq.committed = len(seq.table)
         reused = len(seq.table) * bs
         self.stats.matched_tokens += matched
@@ -104,13 +116,15 @@ class KVCacheManager:
 
         All or nothing: returns False, changing nothing, when too few blocks are free.
         """
-        seq = self._seqs.setdefault(request_id, _Seq())
+        seq = self._seqs.get(request_id) or self._seq(request_id)
         need = blocks_needed(num_tokens, self.block_size) - len(seq.table)
         if need <= 0:
             return True
         if need > self.pool.num_free:
             return False
-        seq.table.extend(self.pool.allocate(need))
+        new = self.pool.allocate(need)
+        self.tables.write(seq.row, len(seq.table), new)
+        seq.table.extend(new)
         return True
 
     def commit(self, request_id: str, token_ids: list[int], num_computed: int, extra_key: bytes = b"") -> None:
@@ -136,8 +150,20 @@ class KVCacheManager:
         seq.committed = full
 
     def block_table(self, request_id: str) -> list[int]:
+        """The request's block ids (the live list: read it, do not keep it)."""
         seq = self._seqs.get(request_id)
         return seq.table if seq else []
+
+    def table_row(self, request_id: str) -> int:
+        """The request's row of ``tables``, -1 when it holds nothing."""
+        seq = self._seqs.get(request_id)
+        return seq.row if seq else -1
+
+    def _seq(self, request_id: str) -> _Seq:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            seq = self._seqs[request_id] = _Seq(self.tables.acquire())
+        return seq
 
     def free(self, request_id: str) -> None:
         """Return every block of the request to the pool (no-op if it holds none).
@@ -145,7 +171,10 @@ class KVCacheManager:
         Committed blocks stay findable until the pool reuses them.
         """
         seq = self._seqs.pop(request_id, None)
-        if seq and seq.table:
+        if seq is None:
+            return
+        self.tables.release(seq.row)
+        if seq.table:
             self.pool.release(seq.table)
 
     def reset_prefix_cache(self) -> int:
@@ -160,6 +189,10 @@ class KVCacheManager:
         for seq in self._seqs.values():
             for b in seq.table:
                 holders[b] += 1
+            row = self.tables.array[seq.row]
+            assert row[: len(seq.table)].tolist() == seq.table and not row[len(seq.table) :].any(), (
+                f"table row {seq.row} disagrees with its list"
+            )
         free = set(pool.free_block_ids())
         assert len(free) == pool.num_free, "a block is in the free queue twice"
         for b, (count, ref) in enumerate(zip(holders, pool.ref_counts)):

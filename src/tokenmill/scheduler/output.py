@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.engine.request import Request
+from tokenmill.kv_cache.block_table import BlockTableArray
 
 
 @dataclass(frozen=True)
@@ -15,9 +17,12 @@ class ScheduledSeq:
     start: int
     """Position of the first new token (= num_computed_tokens before this step)."""
     num_new_tokens: int
-    block_table: tuple[int, ...]
+    block_table: Sequence[int]
+    """The request's block ids (the KV manager's live list: valid for this step)."""
     samples: bool
     """True when this chunk reaches the request's last known token: sample the next."""
+    table_row: int = -1
+    """The same table as row ``table_row`` of ``SchedulerOutput.tables`` (-1: none)."""
 
     @property
     def end(self) -> int:
@@ -28,6 +33,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     seqs: tuple[ScheduledSeq, ...]
     preempted: tuple[str, ...] = ()
+    tables: BlockTableArray | None = None
+    """Every block table as a row of one array: the runner gathers the step's rows."""
 
     @property
     def num_tokens(self) -> int:

@@ -82,17 +82,16 @@ class Scheduler:
             budget -= n
         if not preempted:
             self._admit_waiting(budget, chosen, preempted)
-        seqs = tuple(
-            ScheduledSeq(
-                request=req,
-                start=req.num_computed_tokens,
-                num_new_tokens=n,
-                block_table=tuple(self.kv.block_table(req.request_id)),
-                samples=req.num_computed_tokens + n == req.num_tokens,
-            )
-            for req, n in chosen
-        )
-        return SchedulerOutput(seqs=seqs, preempted=tuple(preempted))
+        seqs = tuple(self._scheduled(req, n) for req, n in chosen)
+        return SchedulerOutput(seqs, tuple(preempted), self.kv.tables)
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+        start = req.num_computed_tokens
+        rid = req.request_id
+        return ScheduledSeq(
+            req, start, n, self.kv.block_table(rid), start + n == len(req.all_token_ids),
+            self.kv.table_row(rid),
+        )  # fmt: skip
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)

@@ -18,13 +18,15 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardContext
 from tokenmill.attention.backends import REFERENCE, AttentionBackend
+from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.models.base import CausalLM
 from tokenmill.scheduler import ScheduledSeq
-from tokenmill.worker.inputs import PinnedStaging
+from tokenmill.worker.inputs import PinnedStaging, fill_block_tables
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +110,17 @@ class PaddedDecode:
         """An all-decode step (one new token per sequence) that fits a bucket."""
         return all(s.num_new_tokens == 1 for s in seqs) and self.bucket_for(len(seqs)) is not None
 
-    def run(self, seqs: tuple[ScheduledSeq, ...]) -> torch.Tensor:
-        """Hidden states [B, hidden] of the step's B one-token sequences (``takes`` holds)."""
+    def run(
+        self, seqs: tuple[ScheduledSeq, ...], tables: BlockTableArray | None = None
+    ) -> torch.Tensor:
+        """Hidden states [B, hidden] of the step's B one-token sequences (``takes`` holds);
+        ``tables``: the scheduler's block-table array (None: the sequences' lists)."""
         n = self.bucket_for(len(seqs))
         assert n is not None and all(s.num_new_tokens == 1 for s in seqs)
         # Capture first: it fills the buffers with padding rows of its own.
         graph = (self.graphs.get(n) or self._capture(n)) if self.capture else None
         views = self._views(n)
-        self.staging.upload(self._host_values(seqs, n), out=self.flat[: views.numel])
+        self._upload(seqs, n, tables)
         if graph is None:  # eager through the same buffers (also after a failed capture)
             seq_lens = tuple(s.end for s in seqs) + (0,) * (n - len(seqs))
             hidden = self.model(views.input_ids, views.positions, self._ctx(views, seq_lens))
@@ -137,19 +142,24 @@ class PaddedDecode:
         )  # fmt: skip
         return total
 
-    def _host_values(self, seqs: tuple[ScheduledSeq, ...], n: int) -> list[int]:
-        """The packed host vector of bucket n: real rows, then padding rows."""
-        bs, pad = self.block_size, n - len(seqs)
-        ids = [s.request.all_token_ids[s.start] for s in seqs] + [0] * pad
-        pos = [s.start for s in seqs] + [0] * pad
-        slots = [s.block_table[s.start // bs] * bs + s.start % bs for s in seqs]
-        lens = [s.end for s in seqs] + [0] * pad
-        tables: list[int] = []
-        for s in seqs:
-            tables.extend(s.block_table)
-            tables.extend([0] * (self.width - len(s.block_table)))
-        tables.extend([0] * (pad * self.width))
-        return ids + pos + slots + [PAD_SLOT] * pad + lens + list(range(n + 1)) + tables
+    def _upload(
+        self, seqs: tuple[ScheduledSeq, ...], n: int, tables: BlockTableArray | None
+    ) -> None:
+        """Bucket n's packed inputs to the static buffer: real rows, then padding rows."""
+        b, w, bs = len(seqs), self.width, self.block_size
+        host = self.staging.host(n * (5 + w) + 1)
+        ids, pos, slots, lens, qsl, flat_tables = np.split(host, np.cumsum([n, n, n, n, n + 1]))
+        host[: 4 * n] = 0  # ids, positions, slots, lengths of the padding rows
+        ids[:b] = [s.request.all_token_ids[s.start] for s in seqs]
+        pos[:b] = np.fromiter((s.start for s in seqs), np.int64, b)
+        lens[:b] = pos[:b] + 1
+        qsl[:] = np.arange(n + 1)
+        table = flat_tables.reshape(n, w)
+        fill_block_tables(seqs, tables, table[:b])
+        table[b:] = 0
+        slots[:b] = table[np.arange(b), pos[:b] // bs] * bs + pos[:b] % bs
+        slots[b:] = PAD_SLOT
+        self.staging.send(host, out=self.flat[: host.shape[0]])
 
     def _views(self, n: int) -> _Views:
         w = self.width
@@ -175,7 +185,7 @@ class PaddedDecode:
         start = time.perf_counter()
         views = self._views(n)
         # Every row is padding while warming up and capturing: nothing reaches the cache.
-        self.staging.upload(self._host_values((), n), out=self.flat[: views.numel])
+        self._upload((), n, None)
         # Python-side lengths are placeholders here: a captured backend reads only tensors.
         ctx = self._ctx(views, (self.max_model_len,) * n)
         try:

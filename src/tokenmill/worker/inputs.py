@@ -9,20 +9,25 @@ tensors, exactly as before.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from tokenmill.attention import AttentionMetadata
-from tokenmill.attention.metadata import first_if_contiguous
+from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.scheduler import ScheduledSeq
 
 
 class PinnedStaging:
     """A reusable int64 host buffer (pinned on CUDA) for one host-to-device copy at a time.
 
-    Before the buffer is rewritten, the event of its previous copy is waited on, so a copy
-    still in flight (say from a step that raised) never reads half-new values.
+    ``host(n)`` hands out the array to fill, ``send`` copies it to the device. Before the
+    buffer is handed out again, the event of its previous copy is waited on, so a copy
+    still in flight (say from a step that raised) never reads half-new values. On CPU
+    each ``host`` is a fresh array and ``send`` wraps it without a copy.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -31,24 +36,43 @@ class PinnedStaging:
         self._host = torch.empty(0, dtype=torch.int64)
         self._done: torch.cuda.Event | None = None
 
-    def upload(self, values: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
-        """values -> int64 [len(values)] on the device; into ``out`` (same length) if given."""
+    def host(self, n: int) -> np.ndarray:
+        """An int64 [n] host array to fill, then pass to ``send``."""
         if not self.pinned:
-            host = torch.tensor(values, dtype=torch.int64)
-            return host if out is None else out.copy_(host)
-        n = len(values)
+            return np.empty(n, dtype=np.int64)
         if self._done is not None:
             self._done.synchronize()
         if n > self._host.numel():
             size = max(n, 2 * self._host.numel(), 4096)
             self._host = torch.empty(size, dtype=torch.int64, pin_memory=True)
-        self._host.numpy()[:n] = values
+        return self._host.numpy()[:n]
+
+    def send(self, host: np.ndarray, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``host`` (from ``host``) -> int64 [n] on the device; into ``out`` if given."""
+        if not self.pinned:
+            tensor = torch.from_numpy(host)
+            return tensor if out is None else out.copy_(tensor)
+        n = host.shape[0]
         if out is None:
             out = torch.empty(n, dtype=torch.int64, device=self.device)
         out.copy_(self._host[:n], non_blocking=True)
         self._done = torch.cuda.Event()
         self._done.record()
         return out
+
+
+def fill_block_tables(
+    seqs: Sequence[ScheduledSeq], tables: BlockTableArray | None, out: np.ndarray
+) -> None:
+    """out [B, W] := each sequence's block table, 0-padded. One gather from the KV
+    manager's array when the scheduler passed it; else (steps built by hand, in tests)
+    from the per-sequence lists."""
+    if tables is not None and all(s.table_row >= 0 for s in seqs):
+        tables.gather([s.table_row for s in seqs], out)
+        return
+    out[:] = 0
+    for i, s in enumerate(seqs):
+        out[i, : len(s.block_table)] = s.block_table
 
 
 class HostIds:
@@ -86,40 +110,55 @@ class StepInputs:
 
 
 def build_step_inputs(
-    seqs: tuple[ScheduledSeq, ...], block_size: int, staging: PinnedStaging
+    seqs: tuple[ScheduledSeq, ...],
+    block_size: int,
+    staging: PinnedStaging,
+    tables: BlockTableArray | None = None,
 ) -> StepInputs:
     """Flatten the scheduled tokens; every integer tensor of the step comes from one copy of
     the packed host vector [ids T | positions T | slots T | seq_lens B | qsl B+1 | tables B*W]
-    (block tables padded with 0 to the longest, W >= 1)."""
-    ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
-    qsl = [0]
-    for s in seqs:
-        ids.extend(s.request.all_token_ids[s.start : s.end])
-        pos.extend(range(s.start, s.end))
-        table = s.block_table
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in pos[qsl[-1] :])
-        qsl.append(qsl[-1] + s.num_new_tokens)
-    seq_lens = [s.end for s in seqs]
+    (block tables padded with 0 to the longest, W >= 1), filled with numpy."""
+    b = len(seqs)
+    new = np.fromiter((s.num_new_tokens for s in seqs), np.int64, b)
+    starts = np.fromiter((s.start for s in seqs), np.int64, b)
+    t = int(new.sum())
     width = max((len(s.block_table) for s in seqs), default=1) or 1
-    tables: list[int] = []
-    for s in seqs:
-        tables.extend(s.block_table)
-        tables.extend([0] * (width - len(s.block_table)))
-    packed = staging.upload(ids + pos + slots + seq_lens + qsl + tables)
-    t, b = len(ids), len(seqs)
+    host = staging.host(3 * t + 2 * b + 1 + b * width)
+    ids, pos, slots, lens, qsl, flat_tables = np.split(host, np.cumsum([t, t, t, b, b + 1]))
+    if t == b:  # all decode: one token each
+        ids[:] = [s.request.all_token_ids[s.start] for s in seqs]
+    else:
+        ids[:] = list(chain.from_iterable(s.request.all_token_ids[s.start : s.end] for s in seqs))
+    qsl[0] = 0
+    np.cumsum(new, out=qsl[1:])
+    owner = np.repeat(np.arange(b), new)  # [T]: the sequence of each token
+    pos[:] = np.arange(t) - qsl[owner] + starts[owner]
+    table = flat_tables.reshape(b, width)
+    fill_block_tables(seqs, tables, table)
+    slots[:] = table[owner, pos // block_size] * block_size + pos % block_size
+    lens[:] = starts + new
+    packed = staging.send(host)
     ids_d, pos_d, slots_d, lens_d, qsl_d, tables_d = packed.split([t, t, t, b, b + 1, b * width])
     meta = AttentionMetadata(
         slot_mapping=slots_d,
-        query_start_loc=tuple(qsl),
-        seq_lens=tuple(seq_lens),
+        query_start_loc=tuple(qsl.tolist()),
+        seq_lens=tuple(lens.tolist()),
         block_tables=tables_d.view(b, width),
         block_size=block_size,
         seq_lens_tensor=lens_d,
-        first_block_if_contiguous=tuple(
-            first_if_contiguous(s.block_table, -(-s.end // block_size)) for s in seqs
-        ),
+        first_block_if_contiguous=_first_if_contiguous(table, lens, block_size),
         query_start_loc_tensor=qsl_d,  # a view of the packed copy: no extra op
     )
     return StepInputs(ids_d, pos_d, meta)
+
+
+def _first_if_contiguous(
+    table: np.ndarray, lens: np.ndarray, block_size: int
+) -> tuple[int | None, ...]:
+    """Per row of table [B, W]: its first block id when the blocks its lens[i] tokens use
+    are consecutive ids, else None (``attention.metadata.first_if_contiguous``, batched)."""
+    used = -(-lens // block_size)  # [B]
+    j = np.arange(table.shape[1])
+    beyond = j[None, :] >= used[:, None]
+    ok = ((table == table[:, :1] + j) | beyond).all(axis=1) & (used > 0)
+    return tuple(first if o else None for first, o in zip(table[:, 0].tolist(), ok.tolist()))

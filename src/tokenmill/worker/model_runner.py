@@ -80,10 +80,10 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         seqs = sched.seqs
         if self.decode is not None and self.decode.takes(seqs):
-            hidden = self.decode.run(seqs)  # [B, hidden]: row i is sequence i
+            hidden = self.decode.run(seqs, sched.tables)  # [B, hidden]: row i is sequence i
             qsl: tuple[int, ...] = tuple(range(len(seqs) + 1))
         else:
-            inputs = build_step_inputs(seqs, self.block_size, self.staging)
+            inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables)
             hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(inputs.meta))
             qsl = inputs.meta.query_start_loc
         sample_seqs = [s for s in seqs if s.samples]
