@@ -64,6 +64,6 @@ def test_manager_keeps_rows_equal_to_lists_under_random_traffic():
             del live[rid]
         kv.check_integrity()
         for rid in live:
-            row = kv.tables.array[kv.table_row(rid)]
-            assert row[: len(kv.block_table(rid))].tolist() == kv.block_table(rid)
+            table, row = kv.table_and_row(rid)
+            assert kv.tables.array[row][: len(table)].tolist() == table
     assert kv.tables.width > 2  # tables outgrew the initial width

@@ -2,7 +2,7 @@
 
 Two kinds live here:
 
-* row processors (``LogitsProcessor``) read each row's ``RowState`` and edit the
+* row processors (``LogitsProcessor``) read each row's ``SamplingRow`` and edit the
   whole batch in place: logit bias, min-tokens suppression, penalties. The
   sampler runs them in order for every row, greedy or random;
 * filters for the random rows only, driven by per-row parameter tensors:
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from tokenmill.sampling.sampler import RowState
+    from tokenmill.sampling.sampler import SamplingRow
 
 _NEG_INF = float("-inf")
 
@@ -33,13 +33,13 @@ class LogitsProcessor(Protocol):
     Must be row-local and must not synchronize with the device (no ``.item()``).
     """
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[RowState]) -> None: ...
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None: ...
 
 
 # ---- row processors -------------------------------------------------------------
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """logits[i, t] += params.logit_bias[t] (ids were checked by ``verify_for_vocab``)."""
     row_idx: list[int] = []
     tok_idx: list[int] = []
@@ -55,7 +55,7 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
     logits.index_put_(index, _float(values, logits), accumulate=True)
 
 
-def apply_min_tokens(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """Forbid EOS and stop_token_ids while fewer than min_tokens tokens were generated."""
     row_idx: list[int] = []
     tok_idx: list[int] = []
@@ -69,7 +69,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
         logits[_long(row_idx, logits), _long(tok_idx, logits)] = _NEG_INF
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """Repetition (HF), then frequency and presence (OpenAI) penalties.
 
     repetition: for tokens seen in prompt or output, l > 0 -> l / r, l <= 0 -> l * r.

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -36,6 +36,18 @@ from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.structured_output.state import StructuredRequest
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of one row: ``RowState``'s fields. The engine's ``Request``
+    has them under the same names and is passed as is (no per-row object per step)."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None
+    eos_token_ids: frozenset[int]
+    structured: StructuredRequest | None
 
 
 @dataclass
@@ -126,9 +138,9 @@ class Sampler:
         self.default_generator = default_generator
         self.processors = tuple(processors) + tuple(extra_processors)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[RowState]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """logits [N, V] (float32, left untouched), rows: N row states -> SamplerOutput."""
-        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one RowState per logits row"
+        assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row state per logits row"
         k = _max_logprobs(rows)
         raw_logprobs = None if k is None else torch.log_softmax(logits.float(), dim=-1)
         logits = logits.to(torch.float32, copy=True)  # [N, V] working copy
@@ -138,7 +150,7 @@ class Sampler:
         logprobs = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, k, token_ids)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
-    def _pick(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+    def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
         if not random_idx:
             return argmax_rows(logits)
@@ -149,7 +161,7 @@ class Sampler:
         token_ids[index] = self._sample(logits[index], [rows[i] for i in random_idx])
         return token_ids
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """logits [S, V] of random rows (modified in place) -> [S] int64 sampled ids."""
         params = [row.params for row in rows]
         if any(p.temperature != 1.0 for p in params):
@@ -165,7 +177,7 @@ class Sampler:
         probs = logits.softmax(dim=-1)  # [S, V]
         return argmax_rows(probs.div_(self._exponential(probs, rows)))
 
-    def _exponential(self, probs: torch.Tensor, rows: Sequence[RowState]) -> torch.Tensor:
+    def _exponential(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """q [S, V] ~ Exp(1): seeded rows from their own generator, others from the default."""
         q = torch.empty_like(probs)
         unseeded = [i for i, row in enumerate(rows) if row.generator is None]
@@ -183,7 +195,7 @@ class Sampler:
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
 
-def _max_logprobs(rows: Sequence[RowState]) -> int | None:
+def _max_logprobs(rows: Sequence[SamplingRow]) -> int | None:
     asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
     return max(asked) if asked else None
 

@@ -73,7 +73,7 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req not in self.running:  # preempted earlier in this loop
+            if preempted and req.request_id in preempted:  # preempted earlier in this loop
                 continue
             n = self._chunk(req, budget)
             if not self._allocate_or_preempt(req, n, preempted):
@@ -87,11 +87,8 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         start = req.num_computed_tokens
-        rid = req.request_id
-        return ScheduledSeq(
-            req, start, n, self.kv.block_table(rid), start + n == len(req.all_token_ids),
-            self.kv.table_row(rid),
-        )  # fmt: skip
+        table, row = self.kv.table_and_row(req.request_id)
+        return ScheduledSeq(req, start, n, table, start + n == len(req.all_token_ids), row)
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_tokens - req.num_computed_tokens, budget)

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.engine.request import Request
     from tokenmill.entrypoints.openai.reasoning_parsers import ReasoningParser
-    from tokenmill.sampling.sampler import RowState
+    from tokenmill.sampling.sampler import SamplingRow
     from tokenmill.scheduler.output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -183,7 +183,7 @@ class StructuredOutputManager:
                 bitmask[j, extra // 32] |= _bit(extra % 32)
         return bitmask
 
-    def mask_logits(self, logits: torch.Tensor, rows: Sequence[RowState]) -> None:
+    def mask_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """Sampler row processor: -inf on the tokens each constrained row may not take."""
         constrained = [
             (i, row.structured) for i, row in enumerate(rows)

@@ -14,7 +14,7 @@ from tokenmill.attention import AttentionMetadata, ForwardContext
 from tokenmill.attention.backends import REFERENCE, AttentionBackend, select_backend
 from tokenmill.config import EngineConfig
 from tokenmill.models.base import CausalLM
-from tokenmill.sampling import LogprobsTensors, RowState, Sampler, compute_logprobs
+from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.worker.cuda_graphs import PaddedDecode, wants_cuda_graphs
 from tokenmill.worker.inputs import HostIds, PinnedStaging, build_step_inputs
@@ -93,7 +93,7 @@ class ModelRunner:
             # Every row samples (a decode step): no gather, hence no index copy.
             rows = hidden if len(sampled_rows) == hidden.shape[0] else hidden[sampled_rows]
             logits = self.model.compute_logits(rows)
-            out = self.sampler(logits, [_row_state(s) for s in sample_seqs])
+            out = self.sampler(logits, [s.request for s in sample_seqs])  # requests are rows
             sampled, lp = out.token_ids, out.logprobs
         prompt_lp = self._prompt_logprobs(seqs, qsl, hidden)
         token_list = self.host_ids.fetch(sampled) if sampled is not None else []
@@ -110,8 +110,10 @@ class ModelRunner:
         for i, s in enumerate(seqs):
             req = s.request
             k = req.params.prompt_logprobs
+            if k is None:
+                continue
             last = min(s.end, req.num_prompt_tokens - 1)  # positions predicting a prompt token
-            if k is None or s.start >= last:
+            if s.start >= last:
                 continue
             row0 = qsl[i]
             logits = self.model.compute_logits(hidden[row0 : row0 + last - s.start])
@@ -142,18 +144,6 @@ def make_runner(
         with torch.inference_mode():
             decode.capture_all()
     return ModelRunner(model, kv_caches, config.block_size, device, sampler, backend, decode)
-
-
-def _row_state(s: ScheduledSeq) -> RowState:
-    req = s.request
-    return RowState(
-        params=req.params,
-        prompt_token_ids=req.prompt_token_ids,
-        output_token_ids=req.output_token_ids,
-        generator=req.generator,
-        eos_token_ids=req.eos_token_ids,
-        structured=req.structured,
-    )
 
 
 def _entries(lp, token_ids: list[int]) -> list[TokenLogprobs]:
