@@ -19,6 +19,7 @@ DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     "fp16": torch.float16,
 }
+ASYNC_SCHEDULING = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,12 @@ class EngineConfig:
     """Never use CUDA graphs (vLLM's name). By default an all-decode step on CUDA replays a
     graph captured per batch-size bucket when the attention backend supports capture;
     graphs are captured once at start-up and cut the per-kernel launch cost of decoding."""
+    async_scheduling: str = "auto"
+    """Schedule and launch each step while the previous one still runs on the device, so
+    the host's per-step work (scheduling, inputs, outputs) hides behind the GPU's: on,
+    off, or auto (on for CUDA). Steps of requests whose sampling reads the tokens so far
+    (structured output, penalties, min_tokens) run synchronously. Outputs are the same
+    either way; a request that stops early costs one discarded token of compute."""
     check_kv_integrity: bool = False
     """Debug: verify the KV block bookkeeping after every step (slow)."""
     structured_outputs_backend: str = "auto"
@@ -85,6 +92,11 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)
+        if self.async_scheduling not in ASYNC_SCHEDULING:
+            raise InvalidRequestError(
+                f"async_scheduling={self.async_scheduling!r} is unknown; use one of "
+                f"{', '.join(ASYNC_SCHEDULING)}"
+            )
         if self.structured_outputs_backend not in BACKEND_CHOICES:
             raise InvalidRequestError(
                 f"structured_outputs_backend={self.structured_outputs_backend!r} is unknown; "
@@ -113,6 +125,12 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
+
+    def overlaps_steps(self) -> bool:
+        """Whether ``async_scheduling`` is on for this device."""
+        if self.async_scheduling == "auto":
+            return self.torch_device().type == "cuda"
+        return self.async_scheduling == "on"
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

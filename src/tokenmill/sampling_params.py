@@ -201,6 +201,12 @@ class SamplingParams:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Picking a token reads the tokens generated so far (penalties, min_tokens, a
+        grammar): the step cannot be scheduled before the previous token is known."""
+        return self.uses_penalties or self.min_tokens > 0 or self.structured_outputs is not None
+
     def clone(self) -> SamplingParams:
         """A deep copy (parameters are mutable; each request should own its copy)."""
         return copy.deepcopy(self)

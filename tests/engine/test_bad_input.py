@@ -68,7 +68,7 @@ def test_wrong_number_of_params(tiny_llm):
 
 def test_a_failing_step_fails_only_its_requests(tiny_llm, monkeypatch):
     runner = tiny_llm.engine.runner
-    real = runner.execute
+    real = runner.launch
     calls = {"n": 0}
 
     def flaky(sched):
@@ -77,10 +77,10 @@ def test_a_failing_step_fails_only_its_requests(tiny_llm, monkeypatch):
             raise RuntimeError("boom")
         return real(sched)
 
-    monkeypatch.setattr(runner, "execute", flaky)
+    monkeypatch.setattr(runner, "launch", flaky)
     out = tiny_llm.generate("will fail", OK)[0]
     assert out.outputs[0].finish_reason == "error" and "boom" in out.error
-    monkeypatch.setattr(runner, "execute", real)
+    monkeypatch.setattr(runner, "launch", real)
     still_serves(tiny_llm)
 
 

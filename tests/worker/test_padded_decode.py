@@ -86,9 +86,9 @@ def count_runs(decode: PaddedDecode, monkeypatch) -> list[int]:
     sizes: list[int] = []
     run = decode.run
 
-    def spy(seqs, tables=None):
+    def spy(seqs, tables=None, pending=None):
         sizes.append(len(seqs))
-        return run(seqs, tables)
+        return run(seqs, tables, pending)
 
     monkeypatch.setattr(decode, "run", spy)
     return sizes
@@ -149,6 +149,29 @@ def test_padded_decode_matches_eager(llm, monkeypatch):
     padded_rows = {rows for rows, real in backend.seen if rows != real}
     assert padded_rows == {8, 4}
     assert (sum(len(p) for p in PROMPTS), sum(len(p) for p in PROMPTS)) in backend.seen
+
+
+def test_padded_decode_takes_pending_tokens_with_async_scheduling(llm, monkeypatch):
+    """Asynchronous scheduling: each decode step's input tokens are the previous step's
+    sampled ids, filled in on the device after the packed copy; same outputs."""
+    old = llm.engine.runner
+    eager = generate(llm)
+    monkeypatch.setattr(llm.engine, "overlap", True)
+    try:
+        decode, _ = install_padded_runner(llm, max_num_seqs=8)
+        pending = []
+        run = decode.run
+
+        def spy(seqs, tables=None, p=None):
+            pending.append(0 if p is None else len(p.seqs))
+            return run(seqs, tables, p)
+
+        monkeypatch.setattr(decode, "run", spy)
+        padded = generate(llm)
+    finally:
+        llm.engine.runner = old
+    assert_same(padded, eager)
+    assert max(pending) == 5  # the 5-row steps took all their inputs from the device
 
 
 def test_batches_over_the_largest_bucket_run_eagerly(llm, monkeypatch):

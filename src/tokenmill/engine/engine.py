@@ -18,11 +18,11 @@ from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import Sampler, make_generator
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.state import StepResult
 from tokenmill.threads import configure_threads
-from tokenmill.worker.model_runner import allocate_kv_caches, make_runner
+from tokenmill.worker.model_runner import LaunchedStep, allocate_kv_caches, make_runner
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,11 @@ class LLMEngine:
             config, self.loaded.model, caches, self.loaded.device, sampler, self.max_model_len
         )
         self.processor = OutputProcessor(self.tokenizer)
+        self.overlap = config.overlaps_steps()
+        """Asynchronous scheduling: launch step N+1 before waiting for step N."""
+        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
+        self._sync_only: set[str] = set()
+        """Live requests whose sampling reads their tokens so far: steps wait meanwhile."""
         self._children: dict[str, list[str]] = {}
         self._parent_of: dict[str, str] = {}
         self.stats = EngineStats()
@@ -96,6 +101,8 @@ class LLMEngine:
             completions=[CompletionOutput(i, "", []) for i in range(params.n)],
         )
         self.processor.add(parent, [c.request_id for c in children], children)
+        if params.reads_output_tokens:
+            self._sync_only.update(c.request_id for c in children)
         self._children[request_id] = [c.request_id for c in children]
         self._parent_of.update((c.request_id, request_id) for c in children)
         for child in children:  # a child whose grammar still compiles waits in self.structured
@@ -131,7 +138,11 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self.structured.has_waiting
+        return (
+            self.scheduler.has_unfinished()
+            or self.structured.has_waiting
+            or self._in_flight is not None
+        )
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (running requests keep theirs). Returns how many."""
@@ -151,21 +162,50 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        failed = self._admit_compiled()
+        """Schedule and launch one step; return the outputs of the step that finished.
+
+        Synchronously that is this step. With ``overlap`` the step is launched first and
+        the previous one (in flight since the last call) is waited for and processed while
+        this one runs on the device; its requests' next tokens are taken from the device.
+        """
+        outputs = self._admit_compiled()
+        overlap = self.overlap and not self._sync_only
+        if not overlap:
+            outputs += self._collect()  # the scheduler must see the last tokens first
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            self.structured.wait(timeout=0.05)  # idle but for compiles: wait for one
-            return failed
+            outputs += self._collect()
+            if not outputs:
+                self.structured.wait(timeout=0.05)  # idle but for compiles: wait for one
+            return outputs
         self.stats.on_scheduled(sched)
         self.structured.prepare(sched)  # grammar masks compute while the model runs
         try:
-            result = self.runner.execute(sched)
+            launched = self.runner.launch(sched)
         except Exception as exc:  # a broken step fails its requests, not the engine
+            logger.exception("model step failed")
+            outputs += self._collect()
+            return outputs + self._fail([s.request for s in sched.seqs], f"{type(exc).__name__}: {exc}")
+        outputs += self._collect()
+        self._in_flight = (sched, launched)
+        if not overlap or not self.scheduler.has_unfinished():  # nobody waits for it: drain
+            outputs += self._collect()
+        return outputs
+
+    def _collect(self) -> list[RequestOutput]:
+        """Wait for the step in flight, if any, and turn its tokens into outputs."""
+        if self._in_flight is None:
+            return []
+        sched, launched = self._in_flight
+        self._in_flight = None
+        try:
+            result = self.runner.collect(launched)
+        except Exception as exc:
             logger.exception("model step failed")
             return self._fail([s.request for s in sched.seqs], f"{type(exc).__name__}: {exc}")
         for rid, (start, entries) in result.prompt_logprobs.items():
             self.processor.record_prompt_logprobs(rid, start, entries)
-        outputs: list[RequestOutput] = failed
+        outputs: list[RequestOutput] = []
         progressed = self.scheduler.update(sched, result.sampled)
         self.stats.on_tokens(progressed)
         for req in progressed:
@@ -226,6 +266,8 @@ class LLMEngine:
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
         outputs = []
         for req in requests:
+            if req.is_finished:  # ended by the step before (async scheduling)
+                continue
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
             out = self.processor.finish(req, error=message)
             self._forget(req.request_id)
@@ -236,6 +278,7 @@ class LLMEngine:
     def _forget(self, child_id: str) -> None:
         """Drop the parent entry once none of its children is live."""
         self.stats.on_finished(child_id)
+        self._sync_only.discard(child_id)
         parent_id = self._parent_of.pop(child_id)
         kids = self._children[parent_id]
         if all(k not in self._parent_of for k in kids):

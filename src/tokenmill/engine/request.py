@@ -69,6 +69,10 @@ class Request:
     """Admission order tiebreak, set by the scheduler."""
     structured: StructuredRequest | None = None
     """Grammar state when params.structured_outputs is set (``structured_output/``)."""
+    num_pending: int = 0
+    """Tokens scheduled steps sample that are not appended yet. 0 or 1 between steps;
+    2 for a moment with asynchronous scheduling, which schedules (and launches) the next
+    step before the one in flight has returned its token."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -80,6 +84,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Known tokens plus those a step in flight is sampling: what the KV cache will
+        hold once all of them are computed."""
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -100,8 +110,10 @@ class Request:
         return self.status.is_finished
 
     def append_token(self, token_id: int) -> None:
+        """A sampled token has arrived (it was pending)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        self.num_pending -= 1
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions after appending a token (stop strings come later)."""

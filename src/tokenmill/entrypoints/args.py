@@ -46,6 +46,7 @@ ENGINE_FLAGS = (
     Flag("--kv-cache-memory", "kv_cache_memory_bytes", memory_size, "memory for the KV cache, e.g. 2GiB (default 1GiB, or enough for one max-model-len sequence)"),
     Flag("--num-kv-blocks", "num_kv_blocks", int, "exact number of KV cache blocks (overrides --kv-cache-memory)"),
     Flag("--enforce-eager", "enforce_eager", None, "never capture or replay CUDA graphs (decode steps on CUDA otherwise replay one graph per batch-size bucket)", False, action="store_true"),
+    Flag("--async-scheduling", "async_scheduling", str, "schedule each step while the previous one runs on the device, hiding the host's per-step work: auto (on for CUDA), on, off; requests with structured output, penalties or min_tokens still step synchronously", "auto", choices=("auto", "on", "off")),
     Flag("--seed", "seed", int, "seed for requests that do not set their own", 0),
     Flag("--served-model-name", "served_model_name", str, "model name reported to clients"),
     Flag("--structured-outputs-backend", "structured_outputs_backend", str, "grammar backend of structured output: auto or guidance (llguidance)", "auto"),

@@ -75,6 +75,8 @@ class Scheduler:
                 break
             if preempted and req.request_id in preempted:  # preempted earlier in this loop
                 continue
+            if self._ends_with_pending(req):
+                continue
             n = self._chunk(req, budget)
             if not self._allocate_or_preempt(req, n, preempted):
                 continue
@@ -86,12 +88,25 @@ class Scheduler:
         return SchedulerOutput(seqs, tuple(preempted), self.kv.tables)
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
+        """Record the chunk as computed now (the model runs it before anything reads the
+        count again) and, when it reaches the last token, one more token as pending."""
         start = req.num_computed_tokens
+        samples = start + n == req.num_tokens_with_pending
+        req.num_computed_tokens = start + n
+        req.num_pending += samples
         table, row = self.kv.table_and_row(req.request_id)
-        return ScheduledSeq(req, start, n, table, start + n == len(req.all_token_ids), row)
+        return ScheduledSeq(req, start, n, table, samples, row)
+
+    def _ends_with_pending(self, req: Request) -> bool:
+        """The token in flight will end the request by length whatever it is: nothing to
+        schedule (only with asynchronous scheduling is a token pending here)."""
+        return req.num_pending > 0 and (
+            req.num_output_tokens + req.num_pending >= req.max_tokens
+            or req.num_tokens_with_pending >= self.config.max_model_len
+        )
 
     def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens - req.num_computed_tokens, budget)
+        n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
         cap = self.config.long_prefill_token_threshold
         return min(n, cap) if cap else n
 
@@ -139,6 +154,7 @@ class Scheduler:
         A better-priority request may preempt worse running ones that were not
         scheduled in this step. All or nothing: on failure it holds no blocks.
         """
+        assert req.num_pending == 0, "a preempted request comes back once its token landed"
         reuse = req.reuse_context and req.params.prompt_logprobs is None
         req.num_computed_tokens = self.kv.get_computed_blocks(
             req.request_id, req.all_token_ids, req.cache_key, reuse
@@ -156,14 +172,13 @@ class Scheduler:
 
     # -- after the model ran ---------------------------------------------------
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance computed counts, cache full blocks, append sampled tokens, and
-        finish on token-level stops. Returns the requests that got a new token."""
+        """After the step ran: cache full blocks, append sampled tokens, and finish on
+        token-level stops. Returns the requests that got a new token."""
         progressed: list[Request] = []
         for seq in out.seqs:
             req = seq.request
-            if req.is_finished:  # aborted between schedule and update
+            if req.is_finished:  # aborted, or ended by the step before (async scheduling)
                 continue
-            req.num_computed_tokens = seq.end
             self.kv.commit(req.request_id, req.cacheable_tokens, seq.end, req.cache_key)
             token = sampled.get(req.request_id)
             if token is None:

@@ -26,7 +26,7 @@ from tokenmill.attention.backends import REFERENCE, AttentionBackend
 from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.models.base import CausalLM
 from tokenmill.scheduler import ScheduledSeq
-from tokenmill.worker.inputs import PinnedStaging, fill_block_tables
+from tokenmill.worker.inputs import PendingTokens, PinnedStaging, fill_block_tables, known_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +90,9 @@ class PaddedDecode:
         self.staging = PinnedStaging(device)
         n = self.buckets[-1]
         # [ids N | pos N | slots N | seq_lens N | qsl N+1 | tables N*W] for the largest N;
-        # smaller buckets use a prefix laid out the same way.
-        self.flat = torch.zeros(n * (5 + self.width) + 1, dtype=torch.int64, device=device)
+        # smaller buckets use a prefix laid out the same way, followed by the rows of the
+        # pending tokens and their sources (2 x at most N, read before the replay).
+        self.flat = torch.zeros(n * (7 + self.width) + 1, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         """Bucket -> the graph's hidden output [N, hidden] (rewritten by every replay)."""
@@ -111,16 +112,20 @@ class PaddedDecode:
         return all(s.num_new_tokens == 1 for s in seqs) and self.bucket_for(len(seqs)) is not None
 
     def run(
-        self, seqs: tuple[ScheduledSeq, ...], tables: BlockTableArray | None = None
+        self,
+        seqs: tuple[ScheduledSeq, ...],
+        tables: BlockTableArray | None = None,
+        pending: PendingTokens | None = None,
     ) -> torch.Tensor:
         """Hidden states [B, hidden] of the step's B one-token sequences (``takes`` holds);
-        ``tables``: the scheduler's block-table array (None: the sequences' lists)."""
+        ``tables``: the scheduler's block-table array (None: the sequences' lists);
+        ``pending``: input tokens still on the device (asynchronous scheduling)."""
         n = self.bucket_for(len(seqs))
         assert n is not None and all(s.num_new_tokens == 1 for s in seqs)
         # Capture first: it fills the buffers with padding rows of its own.
         graph = (self.graphs.get(n) or self._capture(n)) if self.capture else None
         views = self._views(n)
-        self._upload(seqs, n, tables)
+        self._upload(seqs, n, tables, pending)
         if graph is None:  # eager through the same buffers (also after a failed capture)
             seq_lens = tuple(s.end for s in seqs) + (0,) * (n - len(seqs))
             hidden = self.model(views.input_ids, views.positions, self._ctx(views, seq_lens))
@@ -143,14 +148,22 @@ class PaddedDecode:
         return total
 
     def _upload(
-        self, seqs: tuple[ScheduledSeq, ...], n: int, tables: BlockTableArray | None
+        self,
+        seqs: tuple[ScheduledSeq, ...],
+        n: int,
+        tables: BlockTableArray | None,
+        pending: PendingTokens | None,
     ) -> None:
-        """Bucket n's packed inputs to the static buffer: real rows, then padding rows."""
+        """Bucket n's packed inputs to the static buffer: real rows, then padding rows;
+        pending input tokens are filled in on the device, before the replay."""
         b, w, bs = len(seqs), self.width, self.block_size
-        host = self.staging.host(n * (5 + w) + 1)
-        ids, pos, slots, lens, qsl, flat_tables = np.split(host, np.cumsum([n, n, n, n, n + 1]))
+        k = len(pending.seqs) if pending is not None else 0
+        numel = n * (5 + w) + 1
+        host = self.staging.host(numel + 2 * k)
+        parts = np.split(host, np.cumsum([n, n, n, n, n + 1, n * w, k]))
+        ids, pos, slots, lens, qsl, flat_tables, token_rows, src_rows = parts
         host[: 4 * n] = 0  # ids, positions, slots, lengths of the padding rows
-        ids[:b] = [s.request.all_token_ids[s.start] for s in seqs]
+        ids[:b] = [known_tokens(s)[0] for s in seqs]
         pos[:b] = np.fromiter((s.start for s in seqs), np.int64, b)
         lens[:b] = pos[:b] + 1
         qsl[:] = np.arange(n + 1)
@@ -159,7 +172,12 @@ class PaddedDecode:
         table[b:] = 0
         slots[:b] = table[np.arange(b), pos[:b] // bs] * bs + pos[:b] % bs
         slots[b:] = PAD_SLOT
-        self.staging.send(host, out=self.flat[: host.shape[0]])
+        if pending is not None:
+            token_rows[:] = pending.seqs  # one token per row: the row is the sequence
+            src_rows[:] = pending.rows
+        flat = self.staging.send(host, out=self.flat[: numel + 2 * k])
+        if pending is not None:
+            pending.fill(flat[:n], flat[numel : numel + k], flat[numel + k :])
 
     def _views(self, n: int) -> _Views:
         w = self.width
@@ -185,7 +203,7 @@ class PaddedDecode:
         start = time.perf_counter()
         views = self._views(n)
         # Every row is padding while warming up and capturing: nothing reaches the cache.
-        self._upload((), n, None)
+        self._upload((), n, None, None)
         # Python-side lengths are placeholders here: a captured backend reads only tensors.
         ctx = self._ctx(views, (self.max_model_len,) * n)
         try:

@@ -76,26 +76,60 @@ def fill_block_tables(
 
 
 class HostIds:
-    """The step's device-to-host point: sampled ids [N] int64 -> list[int].
+    """The step's device-to-host point: sampled ids [N] int64 -> list[int], in two halves.
 
-    On CUDA the copy goes into a pinned buffer with ``non_blocking`` and one stream
-    synchronize waits for it (and for everything queued before: the whole step).
+    ``start`` queues the copy (on CUDA into one of two pinned buffers, non-blocking, and
+    records an event); ``wait`` waits for that event only, so a step launched after it
+    keeps the device busy meanwhile. Two buffers: the copy of the step in flight never
+    overwrites the one being read.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.pinned = device.type == "cuda"
-        self._host = torch.empty(0, dtype=torch.int64)
+        self._hosts = [torch.empty(0, dtype=torch.int64) for _ in range(2)]
+        self._turn = 0
+
+    def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        if not self.pinned:
+            return ids, None
+        n = ids.numel()
+        self._turn ^= 1
+        if n > self._hosts[self._turn].numel():
+            self._hosts[self._turn] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
+        host = self._hosts[self._turn][:n]
+        host.copy_(ids, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return host, done
+
+    @staticmethod
+    def wait(started: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[int]:
+        host, done = started
+        if done is not None:
+            done.synchronize()
+        return host.tolist()
 
     def fetch(self, ids: torch.Tensor) -> list[int]:
-        if not self.pinned:
-            return ids.tolist()
-        n = ids.numel()
-        if n > self._host.numel():
-            self._host = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
-        host = self._host[:n]
-        host.copy_(ids, non_blocking=True)
-        torch.cuda.current_stream(ids.device).synchronize()
-        return host.tolist()
+        """``start`` then ``wait``."""
+        return self.wait(self.start(ids))
+
+
+@dataclass(frozen=True)
+class PendingTokens:
+    """Input tokens known only on the device: sampled by the step still in flight
+    (asynchronous scheduling). Each is the last new token of its sequence."""
+
+    source: torch.Tensor
+    """[S] int64: the previous step's sampled ids (device)."""
+    seqs: tuple[int, ...]
+    """Indices (in this step) of the sequences whose last input token is pending."""
+    rows: tuple[int, ...]
+    """Their rows in ``source``."""
+
+    def fill(self, input_ids: torch.Tensor, token_rows: torch.Tensor, src_rows: torch.Tensor) -> None:
+        """input_ids[token_rows] := source[src_rows] (device ops only; the index vectors
+        came with the step's packed copy)."""
+        input_ids[token_rows] = self.source[src_rows]
 
 
 @dataclass(frozen=True)
@@ -114,21 +148,22 @@ def build_step_inputs(
     block_size: int,
     staging: PinnedStaging,
     tables: BlockTableArray | None = None,
+    pending: PendingTokens | None = None,
 ) -> StepInputs:
     """Flatten the scheduled tokens; every integer tensor of the step comes from one copy of
-    the packed host vector [ids T | positions T | slots T | seq_lens B | qsl B+1 | tables B*W]
-    (block tables padded with 0 to the longest, W >= 1), filled with numpy."""
+    the packed host vector [ids T | positions T | slots T | seq_lens B | qsl B+1 | tables B*W
+    | pending rows K | their source rows K] (block tables padded with 0 to the longest,
+    W >= 1), filled with numpy. Pending tokens go in as 0 and are filled on the device."""
     b = len(seqs)
     new = np.fromiter((s.num_new_tokens for s in seqs), np.int64, b)
     starts = np.fromiter((s.start for s in seqs), np.int64, b)
     t = int(new.sum())
     width = max((len(s.block_table) for s in seqs), default=1) or 1
-    host = staging.host(3 * t + 2 * b + 1 + b * width)
-    ids, pos, slots, lens, qsl, flat_tables = np.split(host, np.cumsum([t, t, t, b, b + 1]))
-    if t == b:  # all decode: one token each
-        ids[:] = [s.request.all_token_ids[s.start] for s in seqs]
-    else:
-        ids[:] = list(chain.from_iterable(s.request.all_token_ids[s.start : s.end] for s in seqs))
+    k = len(pending.seqs) if pending is not None else 0
+    host = staging.host(3 * t + 2 * b + 1 + b * width + 2 * k)
+    sizes = [t, t, t, b, b + 1, b * width, k]
+    ids, pos, slots, lens, qsl, flat_tables, token_rows, src_rows = np.split(host, np.cumsum(sizes))
+    ids[:] = list(chain.from_iterable(known_tokens(s) for s in seqs))
     qsl[0] = 0
     np.cumsum(new, out=qsl[1:])
     owner = np.repeat(np.arange(b), new)  # [T]: the sequence of each token
@@ -137,8 +172,13 @@ def build_step_inputs(
     fill_block_tables(seqs, tables, table)
     slots[:] = table[owner, pos // block_size] * block_size + pos % block_size
     lens[:] = starts + new
+    if pending is not None:
+        token_rows[:] = qsl[1:][list(pending.seqs)] - 1  # a pending token ends its chunk
+        src_rows[:] = pending.rows
     packed = staging.send(host)
-    ids_d, pos_d, slots_d, lens_d, qsl_d, tables_d = packed.split([t, t, t, b, b + 1, b * width])
+    ids_d, pos_d, slots_d, lens_d, qsl_d, tables_d, rows_d, src_d = packed.split([*sizes, k])
+    if pending is not None:
+        pending.fill(ids_d, rows_d, src_d)
     meta = AttentionMetadata(
         slot_mapping=slots_d,
         query_start_loc=tuple(qsl.tolist()),
@@ -150,6 +190,16 @@ def build_step_inputs(
         query_start_loc_tensor=qsl_d,  # a view of the packed copy: no extra op
     )
     return StepInputs(ids_d, pos_d, meta)
+
+
+def known_tokens(s: ScheduledSeq) -> list[int]:
+    """The chunk's input tokens on the host, 0 for the last one when it is pending
+    (``PendingTokens``: still on the device)."""
+    tokens = s.request.all_token_ids[s.start : s.end]
+    if len(tokens) == s.num_new_tokens:
+        return tokens
+    assert len(tokens) == s.num_new_tokens - 1, "only the last input token can be pending"
+    return [*tokens, 0]
 
 
 def _first_if_contiguous(

@@ -1,7 +1,9 @@
 """One step on one device: inputs -> model -> logits (only where needed) -> tokens.
 
 Every integer input of a step goes to the device in one copy (``inputs.py``); the one
-device-to-host wait is ``HostIds.fetch`` of the sampled ids.
+device-to-host wait is for the sampled ids. ``launch`` queues a step, ``collect`` waits
+for it: with asynchronous scheduling the engine launches the next step in between, its
+input tokens then taken on the device from this step's sampled ids (``PendingTokens``).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from tokenmill.models.base import CausalLM
 from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.worker.cuda_graphs import PaddedDecode, wants_cuda_graphs
-from tokenmill.worker.inputs import HostIds, PinnedStaging, build_step_inputs
+from tokenmill.worker.inputs import HostIds, PendingTokens, PinnedStaging, build_step_inputs
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,17 @@ class TokenLogprobs:
     logprob: float
     rank: int
     top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class LaunchedStep:
+    """A step queued on the device (``ModelRunner.launch``), not yet waited for."""
+
+    sample_seqs: list[ScheduledSeq]
+    ids: tuple[torch.Tensor, torch.cuda.Event | None] | None
+    """The sampled ids' copy to the host in flight (``HostIds.start``); None: no sampling."""
+    logprobs: LogprobsTensors | None
+    prompt_logprobs: dict[str, tuple[int, list[int], LogprobsTensors]]
 
 
 @dataclass(frozen=True)
@@ -75,15 +88,24 @@ class ModelRunner:
         self.decode = decode
         self.staging = PinnedStaging(device)
         self.host_ids = HostIds(device)
+        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
+        """The latest launched step's sampled ids [S] (device) and request id -> row."""
+
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run a step and wait for it: ``launch`` then ``collect``."""
+        return self.collect(self.launch(sched))
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        """Queue the step's forward pass and sampling on the device and the copy of the
+        sampled ids back; returns without waiting (on CUDA) for any of it."""
         seqs = sched.seqs
+        pending = self._pending_tokens(seqs)
         if self.decode is not None and self.decode.takes(seqs):
-            hidden = self.decode.run(seqs, sched.tables)  # [B, hidden]: row i is sequence i
+            hidden = self.decode.run(seqs, sched.tables, pending)  # [B, hidden]: row i = seq i
             qsl: tuple[int, ...] = tuple(range(len(seqs) + 1))
         else:
-            inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables)
+            inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending)
             hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(inputs.meta))
             qsl = inputs.meta.query_start_loc
         sample_seqs = [s for s in seqs if s.samples]
@@ -96,8 +118,26 @@ class ModelRunner:
             out = self.sampler(logits, [s.request for s in sample_seqs])  # requests are rows
             sampled, lp = out.token_ids, out.logprobs
         prompt_lp = self._prompt_logprobs(seqs, qsl, hidden)
-        token_list = self.host_ids.fetch(sampled) if sampled is not None else []
-        return _to_host(sample_seqs, token_list, lp, prompt_lp)
+        self._last_sampled = None
+        if sampled is not None:
+            self._last_sampled = (sampled, {s.request.request_id: i for i, s in enumerate(sample_seqs)})
+        ids = self.host_ids.start(sampled) if sampled is not None else None
+        return LaunchedStep(sample_seqs, ids, lp, prompt_lp)
+
+    def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step's sampled ids (the step's one synchronisation)."""
+        token_list = self.host_ids.wait(step.ids) if step.ids is not None else []
+        return _to_host(step.sample_seqs, token_list, step.logprobs, step.prompt_logprobs)
+
+    def _pending_tokens(self, seqs: tuple[ScheduledSeq, ...]) -> PendingTokens | None:
+        """The step's input tokens that the previous step is still sampling."""
+        waiting = [i for i, s in enumerate(seqs) if s.end > len(s.request.all_token_ids)]
+        if not waiting:
+            return None
+        assert self._last_sampled is not None, "a pending token without a step in flight"
+        source, row_of = self._last_sampled
+        rows = tuple(row_of[seqs[i].request.request_id] for i in waiting)
+        return PendingTokens(source, tuple(waiting), rows)
 
     def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
         return ForwardContext(meta, self.kv_caches, self.backend)
@@ -161,7 +201,7 @@ def _entries(lp, token_ids: list[int]) -> list[TokenLogprobs]:
 
 
 def _to_host(sample_seqs, token_list: list[int], lp, prompt_lp) -> ModelRunnerOutput:
-    """Host-side outputs once the sampled ids are on the host (``HostIds.fetch``, the step's
+    """Host-side outputs once the sampled ids are on the host (``HostIds.wait``, the step's
     synchronisation point); logprob tensors, when asked for, are read after it."""
     ids = [s.request.request_id for s in sample_seqs]
     logprobs: dict[str, TokenLogprobs] = {}

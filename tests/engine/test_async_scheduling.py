@@ -1,0 +1,190 @@
+"""Asynchronous scheduling (step N+1 launched before step N is waited for) gives exactly
+the outputs of synchronous stepping: early stops, preemption, aborts, sampling, logprobs,
+and the requests that force synchronous steps. (The padded decode path with pending
+tokens: tests/worker/test_padded_decode.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.request import RequestStatus
+from tokenmill.structured_output.params import StructuredOutputsParams
+
+PROMPTS = [[(7 * i + j) % 4000 + 10 for j in range(3 + (i * 5) % 23)] for i in range(12)]
+
+
+def make(model_dir, mode: str, **kw) -> LLM:
+    opts = dict(dtype="float32", max_model_len=64, num_kv_blocks=80, block_size=4,
+                max_num_batched_tokens=48, check_kv_integrity=True)  # fmt: skip
+    return LLM(str(model_dir), async_scheduling=mode, **(opts | kw))
+
+
+def count_pending(llm: LLM, monkeypatch) -> list[int]:
+    """How many input tokens each step took from the device (the overlap happening);
+    none may while a request that needs synchronous steps is live."""
+    counts: list[int] = []
+    runner = llm.engine.runner
+    real = runner._pending_tokens
+
+    def spy(seqs):
+        pending = real(seqs)
+        counts.append(0 if pending is None else len(pending.seqs))
+        assert pending is None or not llm.engine._sync_only
+        return pending
+
+    monkeypatch.setattr(runner, "_pending_tokens", spy)
+    return counts
+
+
+def run_both(model_dir, prompts, params, monkeypatch, **kw):
+    """(sync outputs, async outputs, pending counts of the async run)."""
+    with make(model_dir, "off", **kw) as sync:
+        assert not sync.engine.overlap
+        expected = sync.generate([{"prompt_token_ids": p} for p in prompts], params)
+    with make(model_dir, "on", **kw) as llm:
+        assert llm.engine.overlap
+        counts = count_pending(llm, monkeypatch)
+        got = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        engine = llm.engine
+        assert not engine.has_unfinished() and engine.kv.num_free_blocks == engine.kv.num_blocks
+    return expected, got, counts
+
+
+def assert_same(expected, got) -> None:
+    for e, g in zip(expected, got, strict=True):
+        for a, b in zip(e.outputs, g.outputs, strict=True):
+            assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (
+                a.token_ids, a.text, a.finish_reason, a.stop_reason
+            )
+
+
+def test_greedy_batch_with_preemption_matches_sync(tiny_llama_dir, monkeypatch):
+    params = [SamplingParams(temperature=0, max_tokens=12 + i % 9, ignore_eos=True) for i in range(12)]
+    expected, got, counts = run_both(tiny_llama_dir, PROMPTS, params, monkeypatch, num_kv_blocks=40)
+    assert_same(expected, got)
+    assert max(counts) >= 6, "the steps never overlapped"
+
+
+def test_early_stops_match_sync(tiny_llama_dir, monkeypatch):
+    """EOS-like stop tokens and stop strings end requests while their next step is already
+    in flight: that step's token is dropped, the outputs are unchanged."""
+    with make(tiny_llama_dir, "off") as probe:
+        free = probe.generate([{"prompt_token_ids": p} for p in PROMPTS[:6]],
+                              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))  # fmt: skip
+    params = []
+    for i, out in enumerate(free):
+        ids, text = out.outputs[0].token_ids, out.outputs[0].text
+        if i % 2:
+            params.append(SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[ids[3 + i]]))
+        else:
+            params.append(SamplingParams(temperature=0, max_tokens=20, stop=[text[5:8]]))
+    expected, got, _ = run_both(tiny_llama_dir, PROMPTS[:6], params, monkeypatch)
+    assert_same(expected, got)
+    assert all(o.outputs[0].finish_reason == "stop" for o in got)
+
+
+def test_seeded_sampling_logprobs_and_n_match_sync(tiny_llama_dir, monkeypatch):
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=10, logprobs=3,
+                       n=1 + i % 2, ignore_eos=True)  # fmt: skip
+        for i in range(8)
+    ]
+    expected, got, counts = run_both(tiny_llama_dir, PROMPTS[:8], params, monkeypatch)
+    assert_same(expected, got)
+    for e, g in zip(expected, got):
+        for a, b in zip(e.outputs, g.outputs):
+            assert [sorted(p) for p in b.logprobs] == [sorted(p) for p in a.logprobs]
+            assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-5)
+    assert max(counts) > 0
+
+
+def test_history_reading_requests_step_synchronously(tiny_llama_dir, monkeypatch):
+    """While a request with penalties, min_tokens or a grammar is live, no step takes its
+    input tokens from the device (``count_pending`` asserts it); the outputs are unchanged."""
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    params = [
+        plain,
+        SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=8, min_tokens=4),
+        SamplingParams(temperature=0, max_tokens=8,
+                       structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),  # fmt: skip
+    ]
+    for special in params[1:]:
+        expected, got, counts = run_both(
+            tiny_llama_dir, PROMPTS[:3], [plain, special, plain], monkeypatch
+        )
+        assert_same(expected, got)
+        assert counts[:3] == [0, 0, 0]
+
+
+def test_abort_while_a_step_is_in_flight(tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with make(tiny_llama_dir, "off") as sync:
+        expected = sync.generate({"prompt_token_ids": PROMPTS[1]}, params)[0].outputs[0].token_ids
+    with make(tiny_llama_dir, "on") as llm:
+        engine = llm.engine
+        keep = engine.add_request(PROMPTS[1], params)
+        drop = engine.add_request(PROMPTS[2], params)
+        finals = {}
+        for _ in range(4):
+            for out in engine.step():
+                finals[out.request_id] = out
+        assert engine._in_flight is not None
+        aborted = engine.abort(drop)
+        assert aborted is not None and aborted.outputs[0].finish_reason == "cancelled"
+        while engine.has_unfinished():
+            for out in engine.step():
+                finals[out.request_id] = out
+        assert finals[keep].outputs[0].token_ids == expected
+        assert drop not in finals or finals[drop].finished is False
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_a_failing_launch_with_a_step_in_flight(tiny_llama_dir, monkeypatch):
+    """The step in flight is still collected (its tokens delivered), the failing step's
+    requests end with an error, and the engine serves the next request."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with make(tiny_llama_dir, "on") as llm:
+        runner = llm.engine.runner
+        real = runner.launch
+        calls = {"n": 0}
+
+        def flaky(sched):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise RuntimeError("boom")
+            return real(sched)
+
+        monkeypatch.setattr(runner, "launch", flaky)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params)
+        for out in outs:
+            assert out.outputs[0].finish_reason == "error" and "boom" in out.error
+            assert len(out.outputs[0].token_ids) == 2  # the steps before the failure
+        again = llm.generate({"prompt_token_ids": PROMPTS[0]}, params)[0].outputs[0]
+        assert again.finish_reason == "length" and len(again.token_ids) == 8
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_async_scheduling_option(tiny_llama_dir):
+    with pytest.raises(ValueError, match="async_scheduling='sometimes' is unknown"):
+        make(tiny_llama_dir, "sometimes")
+    with make(tiny_llama_dir, "auto") as llm:
+        assert not llm.engine.overlap  # CPU: nothing to overlap with
+
+
+def test_no_step_past_the_length_limit(tiny_llama_dir, monkeypatch):
+    """A request whose pending token is its last (max_tokens) is not scheduled again: its
+    3 tokens take exactly 3 launches (prefill, 2 decodes), and nothing stays pending."""
+    with make(tiny_llama_dir, "on") as llm:
+        engine = llm.engine
+        launches = []
+        real = engine.runner.launch
+        monkeypatch.setattr(engine.runner, "launch", lambda s: launches.append(len(s.seqs)) or real(s))
+        rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        req = engine.scheduler.requests[rid]
+        while engine.has_unfinished():
+            engine.step()
+    assert launches == [1, 1, 1]
+    assert req.status is RequestStatus.FINISHED_LENGTH
+    assert req.num_pending == 0 and req.num_output_tokens == 3
