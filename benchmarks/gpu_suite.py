@@ -8,7 +8,8 @@ Measures the copy bandwidth and the bf16 matmul rate, then per shape (random wei
 made on the device, same weights for both engines): decode latency at batch 1 against the
 bandwidth limit (weights + KV read per step), prefill tokens/s against the FLOP/s limit,
 offline throughput of 64 x (512 in, 128 out) and 256 x (512 in, 256 out) with ignore_eos
-against transformers ``generate`` (bf16, sdpa) and the roofline time, the CUDA graph
+against transformers ``generate`` (bf16, sdpa) and the roofline time (the larger one
+also with asynchronous scheduling off, ``_sync``), the CUDA graph
 capture time, and the load time from safetensors (1B). Every stage reports its error and
 the run goes on; ``--time-budget`` skips what would start after it.
 """
@@ -152,6 +153,7 @@ def engine_config(run: Run, folder: Path, shape: Shape, enforce_eager: bool, kv_
         kv_cache_memory_bytes=int(kv_tokens * shape.kv_bytes_per_token * 1.1),
         enable_prefix_caching=False,
         enforce_eager=enforce_eager or run.args.enforce_eager,
+        async_scheduling=run.args.async_scheduling,
     )
 
 
@@ -328,6 +330,16 @@ def run_shape(run: Run, name: str, rates: dict, res: dict) -> None:
             run.stage(
                 res, f"tm_offline_{n}x{p}+{o}", tm_offline, run, engine, shape, rates, n, p, o
             )
+        if engine.overlap:  # the largest workload once more with synchronous steps
+
+            def offline_sync(n: int, p: int, o: int) -> dict:
+                engine.overlap = False
+                try:
+                    return tm_offline(run, engine, shape, rates, n, p, o)
+                finally:
+                    engine.overlap = True
+
+            run.stage(res, "tm_offline_{}x{}+{}_sync".format(*s.offline[-1]), offline_sync, *s.offline[-1])
         engine = None
         free()  # the KV cache and tokenmill's weights, before transformers allocates its cache
     if hf is not None:
@@ -404,6 +416,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="tokenmill dtype (auto: bf16 on CUDA)")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                    help="tokenmill's asynchronous scheduling (auto: on for CUDA)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument(

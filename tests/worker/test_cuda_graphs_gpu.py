@@ -121,6 +121,32 @@ def test_engine_captures_graphs_for_a_capturable_backend(model_dir):
         eager_llm.close()
 
 
+def test_async_scheduling_matches_sync_on_cuda(model_dir):
+    """auto = on for CUDA: with graphs, greedy + logprobs and seeded sampling give what
+    synchronous steps give, and the runner did take input tokens from the device."""
+    prompts = [{"prompt_token_ids": [5 + i, 9, 14 + i, 3]} for i in range(6)]
+    seeded = [SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=6 + i, ignore_eos=True)
+              for i in range(6)]  # fmt: skip
+    sync_llm = make_llm(model_dir, async_scheduling="off")
+    try:
+        assert not sync_llm.engine.overlap
+        want = generate(sync_llm), sync_llm.generate(prompts, seeded)
+    finally:
+        sync_llm.close()
+    llm = make_llm(model_dir)
+    try:
+        assert llm.engine.overlap
+        runner, taken = llm.engine.runner, []
+        real = runner._pending_tokens
+        runner._pending_tokens = lambda seqs: taken.append(real(seqs)) or taken[-1]
+        got = generate(llm), llm.generate(prompts, seeded)
+    finally:
+        llm.close()
+    assert_same(got[0], want[0])
+    assert [o.outputs[0].token_ids for o in got[1]] == [o.outputs[0].token_ids for o in want[1]]
+    assert any(p is not None for p in taken)
+
+
 def test_bf16_model_is_built_on_the_device(model_dir):
     llm = make_llm(model_dir, dtype="auto", enforce_eager=True)
     try:

@@ -142,12 +142,21 @@ def apply_top_k_top_p(
 # ---- helpers ---------------------------------------------------------------------
 
 
+def upload(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without waiting for the device: on CUDA
+    through pinned memory and a non-blocking copy (a pageable copy synchronizes the
+    stream, which would stall the step queued behind it with asynchronous scheduling)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 def _long(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int64, device=like.device)
+    return upload(values, torch.int64, like.device)
 
 
 def _float(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)
+    return upload(values, like.dtype, like.device)
 
 
 def _padded_ids(

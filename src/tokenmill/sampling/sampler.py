@@ -31,6 +31,7 @@ from tokenmill.sampling.logits_processors import (
     apply_min_p,
     apply_temperature,
     apply_top_k_top_p,
+    upload,
 )
 from tokenmill.sampling_params import SamplingParams
 
@@ -157,7 +158,7 @@ class Sampler:
         if len(random_idx) == len(rows):
             return self._sample(logits, rows)
         token_ids = argmax_rows(logits)  # [N]; random rows overwritten below
-        index = torch.tensor(random_idx, dtype=torch.int64, device=logits.device)
+        index = upload(random_idx, torch.int64, logits.device)
         token_ids[index] = self._sample(logits[index], [rows[i] for i in random_idx])
         return token_ids
 
@@ -184,7 +185,7 @@ class Sampler:
         if len(unseeded) == len(rows):
             q.exponential_(generator=self.default_generator)
         elif unseeded:
-            index = torch.tensor(unseeded, dtype=torch.int64, device=probs.device)
+            index = upload(unseeded, torch.int64, probs.device)
             draw = probs.new_empty(len(unseeded), probs.shape[1])
             q[index] = draw.exponential_(generator=self.default_generator)
         for i, row in enumerate(rows):
@@ -201,7 +202,7 @@ def _max_logprobs(rows: Sequence[SamplingRow]) -> int | None:
 
 
 def _param_tensor(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=like.dtype, device=like.device)
+    return upload(values, like.dtype, like.device)
 
 
 def _top_k_tensor(params: Sequence[SamplingParams], logits: torch.Tensor) -> torch.Tensor | None:
@@ -210,4 +211,4 @@ def _top_k_tensor(params: Sequence[SamplingParams], logits: torch.Tensor) -> tor
     if not any(0 < p.top_k < vocab for p in params):
         return None
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    return torch.tensor(ks, dtype=torch.int64, device=logits.device)
+    return upload(ks, torch.int64, logits.device)

@@ -17,6 +17,7 @@ from tokenmill.attention.backends import REFERENCE, AttentionBackend, select_bac
 from tokenmill.config import EngineConfig
 from tokenmill.models.base import CausalLM
 from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
+from tokenmill.sampling.logits_processors import upload
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.worker.cuda_graphs import PaddedDecode, wants_cuda_graphs
 from tokenmill.worker.inputs import HostIds, PendingTokens, PinnedStaging, build_step_inputs
@@ -113,7 +114,9 @@ class ModelRunner:
         sampled = lp = None
         if sample_seqs:
             # Every row samples (a decode step): no gather, hence no index copy.
-            rows = hidden if len(sampled_rows) == hidden.shape[0] else hidden[sampled_rows]
+            rows = hidden
+            if len(sampled_rows) != hidden.shape[0]:
+                rows = hidden.index_select(0, upload(sampled_rows, torch.int64, hidden.device))
             logits = self.model.compute_logits(rows)
             out = self.sampler(logits, [s.request for s in sample_seqs])  # requests are rows
             sampled, lp = out.token_ids, out.logprobs
@@ -157,9 +160,7 @@ class ModelRunner:
                 continue
             row0 = qsl[i]
             logits = self.model.compute_logits(hidden[row0 : row0 + last - s.start])
-            targets = torch.tensor(
-                req.prompt_token_ids[s.start + 1 : last + 1], dtype=torch.int64, device=self.device
-            )
+            targets = upload(req.prompt_token_ids[s.start + 1 : last + 1], torch.int64, self.device)
             lp = compute_logprobs(logits, k, targets)
             result[req.request_id] = (s.start, req.prompt_token_ids[s.start + 1 : last + 1], lp)
         return result
