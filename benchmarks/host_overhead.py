@@ -100,7 +100,8 @@ def instrument(engine) -> Phases:
     phases = Phases()
     phases.wrap(engine.scheduler, "schedule", "schedule")
     phases.wrap(engine.scheduler, "update", "update (scheduler)")
-    phases.wrap(engine.runner, "execute", "execute (runner)")
+    phases.wrap(engine.runner, "launch", "launch (runner)")
+    phases.wrap(engine.runner, "collect", "collect (runner)")
     phases.wrap(engine.runner, "sampler", "  sampler")
     phases.wrap(engine.runner.model, "forward", "  model (null)")
     if engine.runner.decode is not None:
