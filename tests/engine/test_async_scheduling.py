@@ -6,6 +6,7 @@ tokens: tests/worker/test_padded_decode.py.)"""
 from __future__ import annotations
 
 import pytest
+from faults import fail_launch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.request import RequestStatus
@@ -146,17 +147,7 @@ def test_a_failing_launch_with_a_step_in_flight(tiny_llama_dir, monkeypatch):
     requests end with an error, and the engine serves the next request."""
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     with make(tiny_llama_dir, "on") as llm:
-        runner = llm.engine.runner
-        real = runner.launch
-        calls = {"n": 0}
-
-        def flaky(sched):
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("boom")
-            return real(sched)
-
-        monkeypatch.setattr(runner, "launch", flaky)
+        fail_launch(monkeypatch, llm.engine.runner, call=3)
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params)
         for out in outs:
             assert out.outputs[0].finish_reason == "error" and "boom" in out.error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from faults import fail_launch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import ContextLengthError, ModelLoadError, UnsupportedModelError
@@ -67,20 +68,10 @@ def test_wrong_number_of_params(tiny_llm):
 
 
 def test_a_failing_step_fails_only_its_requests(tiny_llm, monkeypatch):
-    runner = tiny_llm.engine.runner
-    real = runner.launch
-    calls = {"n": 0}
-
-    def flaky(sched):
-        calls["n"] += 1
-        if calls["n"] == 1:
-            raise RuntimeError("boom")
-        return real(sched)
-
-    monkeypatch.setattr(runner, "launch", flaky)
+    fail_launch(monkeypatch, tiny_llm.engine.runner, call=1)
     out = tiny_llm.generate("will fail", OK)[0]
     assert out.outputs[0].finish_reason == "error" and "boom" in out.error
-    monkeypatch.setattr(runner, "launch", real)
+    monkeypatch.undo()
     still_serves(tiny_llm)
 
 
