@@ -121,6 +121,9 @@ class ModelRunner:
             out = self.sampler(logits, [s.request for s in sample_seqs])  # requests are rows
             sampled, lp = out.token_ids, out.logprobs
         prompt_lp = self._prompt_logprobs(seqs, qsl, hidden)
+        if self.host_ids.pinned:  # queued before the ids' event, so collect's wait covers them
+            lp = _copy_to_host(lp)
+            prompt_lp = {r: (a, t, _copy_to_host(x)) for r, (a, t, x) in prompt_lp.items()}
         self._last_sampled = None
         if sampled is not None:
             self._last_sampled = (sampled, {s.request.request_id: i for i, s in enumerate(sample_seqs)})
@@ -199,6 +202,17 @@ def _entries(lp, token_ids: list[int]) -> list[TokenLogprobs]:
             lp.top_logprobs.tolist(),
         )
     ]
+
+
+def _copy_to_host(lp: LogprobsTensors | None) -> LogprobsTensors | None:
+    """Queue the copies of logprob tensors to (pinned) host memory without waiting: read
+    once the step's event has passed, they cost no stream synchronize."""
+    if lp is None:
+        return None
+    return LogprobsTensors(
+        *(t.to("cpu", non_blocking=True)
+          for t in (lp.sampled_logprob, lp.sampled_rank, lp.top_ids, lp.top_logprobs))
+    )  # fmt: skip
 
 
 def _to_host(sample_seqs, token_list: list[int], lp, prompt_lp) -> ModelRunnerOutput:
