@@ -57,7 +57,11 @@ class Phases:
         self.seconds: dict[str, float] = defaultdict(float)
 
     def wrap(self, obj: object, attr: str, name: str) -> None:
-        fn = getattr(obj, attr)
+        """Time obj.attr under ``name``; skipped where obj has no such attribute (an older
+        tree, measured side by side with PYTHONPATH=old/src)."""
+        fn = getattr(obj, attr, None)
+        if fn is None:
+            return
 
         def timed(*a, **kw):
             start = time.perf_counter()
@@ -100,12 +104,14 @@ def instrument(engine) -> Phases:
     phases = Phases()
     phases.wrap(engine.scheduler, "schedule", "schedule")
     phases.wrap(engine.scheduler, "update", "update (scheduler)")
+    phases.wrap(engine.runner, "execute", "execute (runner, older trees)")
     phases.wrap(engine.runner, "launch", "launch (runner)")
     phases.wrap(engine.runner, "collect", "collect (runner)")
     phases.wrap(engine.runner, "sampler", "  sampler")
     phases.wrap(engine.runner.model, "forward", "  model (null)")
     if engine.runner.decode is not None:
         phases.wrap(engine.runner.decode, "_upload", "  inputs (padded)")
+        phases.wrap(engine.runner.decode, "_host_values", "  inputs (padded)")
     else:
         import tokenmill.worker.model_runner as mr
 

@@ -208,17 +208,18 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         progressed = self.scheduler.update(sched, result.sampled)
         self.stats.on_tokens(progressed)
+        logprobs = result.logprobs
         for req in progressed:
-            stop = self.processor.process_token(req, result.logprobs.get(req.request_id))
+            stop = self.processor.process_token(req, logprobs.get(req.request_id) if logprobs else None)
             if stop is not None and not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             error = self._advance_grammar(req) if req.structured is not None else None
             if req.is_finished:
                 self._log_reuse(req)
-            out = (self.processor.finish(req, error) if req.is_finished
-                   else self.processor.progress(req))
-            if req.is_finished:
+                out = self.processor.finish(req, error)
                 self._forget(req.request_id)
+            else:
+                out = self.processor.progress(req)
             if out is not None:
                 outputs.append(out)
         if self.config.check_kv_integrity:

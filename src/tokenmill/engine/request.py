@@ -30,6 +30,9 @@ class RequestStatus(enum.Enum):
         return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
 
 
+_WAITING, _RUNNING = RequestStatus.WAITING, RequestStatus.RUNNING
+
+
 @dataclass(eq=False)
 class Request:
     """Progress is counted in tokens: ``num_computed_tokens`` catches up to ``num_tokens``.
@@ -107,7 +110,8 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        status = self.status
+        return status is not _WAITING and status is not _RUNNING  # RequestStatus.is_finished
 
     def append_token(self, token_id: int) -> None:
         """A sampled token has arrived (it was pending)."""
