@@ -142,6 +142,27 @@ def test_abort_while_a_step_is_in_flight(tiny_llama_dir):
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
+def test_ended_requests_leave_nothing_to_wait_for(tiny_llama_dir):
+    """Closing a stream (or aborting) while its step is in flight: the engine has nothing
+    unfinished, frees every block, and drops the stale step on the next one, including
+    the prompt logprobs it computed for the aborted request."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with make(tiny_llama_dir, "on") as llm:
+        engine = llm.engine
+        stream = llm.generate_stream({"prompt_token_ids": PROMPTS[3]}, greedy)
+        next(stream)
+        stream.close()
+        assert not engine.has_unfinished() and engine.kv.num_free_blocks == engine.kv.num_blocks
+        rid = engine.add_request(PROMPTS[4], SamplingParams(max_tokens=5, prompt_logprobs=2))
+        engine.step()  # the prefill (with its prompt logprobs) is launched, not collected
+        assert engine._in_flight is not None
+        engine.abort(rid)
+        assert not engine.has_unfinished()
+        again = llm.generate({"prompt_token_ids": PROMPTS[3]}, greedy)[0].outputs[0]
+    with make(tiny_llama_dir, "off") as sync:
+        assert again.token_ids == sync.generate({"prompt_token_ids": PROMPTS[3]}, greedy)[0].outputs[0].token_ids
+
+
 def test_a_failing_launch_with_a_step_in_flight(tiny_llama_dir, monkeypatch):
     """The step in flight is still collected (its tokens delivered), the failing step's
     requests end with an error, and the engine serves the next request."""

@@ -138,11 +138,9 @@ class LLMEngine:
         return out
 
     def has_unfinished(self) -> bool:
-        return (
-            self.scheduler.has_unfinished()
-            or self.structured.has_waiting
-            or self._in_flight is not None
-        )
+        """Whether a live request waits for steps. (A step in flight whose requests have
+        all ended, say aborted, carries nothing: the next step collects and drops it.)"""
+        return self.scheduler.has_unfinished() or self.structured.has_waiting
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (running requests keep theirs). Returns how many."""

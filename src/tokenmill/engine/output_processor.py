@@ -73,7 +73,10 @@ class OutputProcessor:
         parent.num_unfinished = len(child_ids)
 
     def record_prompt_logprobs(self, request_id: str, start: int, entries: list[TokenLogprobs]) -> None:
-        parent = self.children[request_id].parent
+        child = self.children.get(request_id)
+        if child is None:  # ended (aborted) while its step was in flight
+            return
+        parent = child.parent
         if parent.prompt_logprobs is None:
             parent.prompt_logprobs = [None]
         for j, entry in enumerate(entries):
