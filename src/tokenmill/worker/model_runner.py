@@ -100,35 +100,43 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the step's forward pass and sampling on the device and the copy of the
         sampled ids back; returns without waiting (on CUDA) for any of it."""
-        seqs = sched.seqs
-        pending = self._pending_tokens(seqs)
-        if self.decode is not None and self.decode.takes(seqs):
-            hidden = self.decode.run(seqs, sched.tables, pending)  # [B, hidden]: row i = seq i
-            qsl: tuple[int, ...] = tuple(range(len(seqs) + 1))
-        else:
-            inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending)
-            hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(inputs.meta))
-            qsl = inputs.meta.query_start_loc
-        sample_seqs = [s for s in seqs if s.samples]
-        sampled_rows = [qsl[i + 1] - 1 for i, s in enumerate(seqs) if s.samples]
-        sampled = lp = None
-        if sample_seqs:
-            # Every row samples (a decode step): no gather, hence no index copy.
-            rows = hidden
-            if len(sampled_rows) != hidden.shape[0]:
-                rows = hidden.index_select(0, upload(sampled_rows, torch.int64, hidden.device))
-            logits = self.model.compute_logits(rows)
-            out = self.sampler(logits, [s.request for s in sample_seqs])  # requests are rows
-            sampled, lp = out.token_ids, out.logprobs
-        prompt_lp = self._prompt_logprobs(seqs, qsl, hidden)
+        hidden, qsl = self._forward(sched)
+        sample_seqs = [s for s in sched.seqs if s.samples]
+        sampled, lp = self._sample(sched.seqs, qsl, hidden) if sample_seqs else (None, None)
+        prompt_lp = self._prompt_logprobs(sched.seqs, qsl, hidden)
         if self.host_ids.pinned:  # queued before the ids' event, so collect's wait covers them
             lp = _copy_to_host(lp)
             prompt_lp = {r: (a, t, _copy_to_host(x)) for r, (a, t, x) in prompt_lp.items()}
         self._last_sampled = None
         if sampled is not None:
-            self._last_sampled = (sampled, {s.request.request_id: i for i, s in enumerate(sample_seqs)})
+            rows = {s.request.request_id: i for i, s in enumerate(sample_seqs)}
+            self._last_sampled = (sampled, rows)
         ids = self.host_ids.start(sampled) if sampled is not None else None
         return LaunchedStep(sample_seqs, ids, lp, prompt_lp)
+
+    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """hidden [T, hidden] of the step's tokens and the query offsets (B+1) of its
+        sequences: through the padded decode path (CUDA graphs) when it takes the step."""
+        seqs = sched.seqs
+        pending = self._pending_tokens(seqs)
+        if self.decode is not None and self.decode.takes(seqs):
+            hidden = self.decode.run(seqs, sched.tables, pending)  # [B, hidden]: row i = seq i
+            return hidden, tuple(range(len(seqs) + 1))
+        inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending)
+        hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(inputs.meta))
+        return hidden, inputs.meta.query_start_loc
+
+    def _sample(
+        self, seqs: tuple[ScheduledSeq, ...], qsl: tuple[int, ...], hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, LogprobsTensors | None]:
+        """Logits of the last row of each sampling sequence -> (ids [S], logprobs)."""
+        sampled_rows = [qsl[i + 1] - 1 for i, s in enumerate(seqs) if s.samples]
+        rows = hidden  # every row samples (a decode step): no gather, hence no index copy
+        if len(sampled_rows) != hidden.shape[0]:
+            rows = hidden.index_select(0, upload(sampled_rows, torch.int64, hidden.device))
+        logits = self.model.compute_logits(rows)
+        out = self.sampler(logits, [s.request for s in seqs if s.samples])  # requests are rows
+        return out.token_ids, out.logprobs
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step's sampled ids (the step's one synchronisation)."""
