@@ -2,7 +2,8 @@
 # The one prepared GPU check (issue 7: CUDA speed), run from the repo root on the device
 # machine; about 9 minutes at most:
 #   1. the Python environment (versions, CUDA), 2. the GPU tests (`pytest -m gpu`),
-#   3. benchmarks/gpu_suite.py on the Llama 3.2 1B and 3.1 8B shapes.
+#   3. benchmarks/gpu_suite.py on the Llama 3.2 1B and 3.1 8B shapes, 4. the host's time
+#   per decode step on this machine's CPU (benchmarks/host_overhead.py, null model).
 # Logs and the suite's JSON go to $OUT (default ./gpu-results). Packages missing there
 # (gguf) travel as wheels in .whl/ (carry it): they are installed into /tmp/site first.
 # Before the device call, here:
@@ -12,9 +13,10 @@ set -u -o pipefail
 OUT=${OUT:-$PWD/gpu-results}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-TESTS_TIMEOUT=${TESTS_TIMEOUT:-180}
-SUITE_TIMEOUT=${SUITE_TIMEOUT:-380}
-SUITE_BUDGET=${SUITE_BUDGET:-290}
+TESTS_TIMEOUT=${TESTS_TIMEOUT:-150}
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-360}
+SUITE_BUDGET=${SUITE_BUDGET:-280}
+HOST_TIMEOUT=${HOST_TIMEOUT:-40}
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -53,3 +55,7 @@ echo "== gpu_suite (timeout ${SUITE_TIMEOUT}s, budget ${SUITE_BUDGET}s)"
 timeout "$SUITE_TIMEOUT" $PY benchmarks/gpu_suite.py --shape 1b,8b --time-budget "$SUITE_BUDGET" \
   --out "$OUT/gpu_suite.json" 2>&1 | tee "$OUT/gpu_suite.txt"
 echo "gpu_suite exit code: $?" | tee -a "$OUT/gpu_suite.txt"
+
+echo "== host overhead (timeout ${HOST_TIMEOUT}s)"
+timeout "$HOST_TIMEOUT" $PY benchmarks/host_overhead.py --vocab 512 --out-tokens 32 2>&1 \
+  | tee "$OUT/host_overhead.txt"

@@ -191,6 +191,30 @@ def tm_decode_b1(run: Run, engine, shape: Shape, rates: dict) -> dict:
     return out
 
 
+def profile_decode_b1(run: Run, engine, shape: Shape, top: int = 15) -> dict:
+    """Where a batch-1 decode step's device time goes (torch.profiler, eager engine so
+    every kernel is seen): the top kernels by self device time per step (CPU ops' self
+    time on CPU), and the total per step against the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    p = prompts(1, run.sizes.b1_prompt, shape.vocab, 1)
+    generate(engine, p, 9)  # warm-up
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        wall = timed(run.device, lambda: generate(engine, p, 9))
+    events = list(prof.key_averages())
+    attr = "self_cpu_time_total"  # self times: a parent op does not count its kernels again
+    if run.device.type == "cuda":
+        attr = next(a for a in ("self_device_time_total", "self_cuda_time_total") if hasattr(events[0], a))
+    events.sort(key=lambda e: getattr(e, attr), reverse=True)
+    total_us = sum(getattr(e, attr) for e in events)
+    kernels = [(e.key[:80], e.count, round(getattr(e, attr) / 9, 1)) for e in events[:top]]
+    for name, count, us in kernels:
+        print(f"  {us:9.1f} us/step  x{count:<6} {name}", flush=True)
+    return {"device_us_per_step": total_us / 9, "wall_us_per_step": wall / 9 * 1e6,
+            "top_kernels_us_per_step": kernels}  # fmt: skip
+
+
 def tm_prefill(run: Run, engine, shape: Shape, rates: dict) -> dict:
     n, length = run.sizes.prefill
     batch = prompts(n, length, shape.vocab, 2)
@@ -318,7 +342,9 @@ def run_shape(run: Run, name: str, rates: dict, res: dict) -> None:
                 config = engine_config(run, folder, shape, True, run.args.max_model_len + 64)
                 eager = LLMEngine(config, engine.loaded)
                 try:
-                    return tm_decode_b1(run, eager, shape, rates)
+                    out = tm_decode_b1(run, eager, shape, rates)
+                    run.stage(res, "profile_decode_b1_eager", profile_decode_b1, run, eager, shape)
+                    return out
                 finally:
                     del eager
                     free()
