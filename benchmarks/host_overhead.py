@@ -88,7 +88,7 @@ def build_engine(args):
     config = EngineConfig(
         model=str(folder), dtype="float32", device="cpu", max_model_len=max_len,
         max_num_seqs=args.seqs, max_num_batched_tokens=8192, enable_prefix_caching=args.prefix_caching,
-        kv_cache_memory_bytes=args.seqs * max_len * 2 * 2 * 16 * 4 * 2,
+        num_kv_blocks=args.seqs * -(-max_len // 16) + 1,
     )  # fmt: skip
     engine = LLMEngine(config, loaded)
     runner = engine.runner
