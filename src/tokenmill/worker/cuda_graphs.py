@@ -26,7 +26,13 @@ from tokenmill.attention.backends import REFERENCE, AttentionBackend
 from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.models.base import CausalLM
 from tokenmill.scheduler import ScheduledSeq
-from tokenmill.worker.inputs import PendingTokens, PinnedStaging, fill_block_tables, known_tokens
+from tokenmill.worker.inputs import (
+    PendingTokens,
+    PinnedStaging,
+    fill_block_tables,
+    known_tokens,
+    sections,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +166,7 @@ class PaddedDecode:
         k = len(pending.seqs) if pending is not None else 0
         numel = n * (5 + w) + 1
         host = self.staging.host(numel + 2 * k)
-        parts = np.split(host, np.cumsum([n, n, n, n, n + 1, n * w, k]))
+        parts = sections(host, [n, n, n, n, n + 1, n * w, k])
         ids, pos, slots, lens, qsl, flat_tables, token_rows, src_rows = parts
         host[: 4 * n] = 0  # ids, positions, slots, lengths of the padding rows
         ids[:b] = [known_tokens(s)[0] for s in seqs]
