@@ -1,0 +1,75 @@
+"""The Triton attention kernels compile for an H200 (sm_90), here on CPU.
+
+The interpreted tests check what the kernels compute; these check that Triton's compiler
+takes every variant the wrappers launch: decode (plain and split-KV, with its combine),
+prefill, sliding window, softcap, head dims 64/128/256 and GQA groups 1 to 8, and the
+K/V store, as bf16 on the device. See tests/triton_aot.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from triton_aot import SHARED_MEMORY_SM90, compile_cases, gpu_compiler_missing
+
+BF16 = torch.bfloat16
+
+
+def attention(heads: int, kv_heads: int, head_dim: int, decode: bool, **options) -> None:
+    """One paged_attention call on small CPU tensors (its launches are recorded)."""
+    from tokenmill.attention import triton_kernels
+
+    batch, block_size, blocks = 2, 16, 8
+    q = torch.zeros(batch if decode else 24, heads, head_dim, dtype=BF16)
+    cache = torch.zeros(2, blocks * batch, block_size, kv_heads, head_dim, dtype=BF16)
+    tables = torch.arange(batch * blocks, dtype=torch.int64).view(batch, blocks)
+    lens = torch.tensor([40, 100], dtype=torch.int64)
+    if not decode:
+        options |= {"query_start_loc": torch.tensor([0, 10, 24]), "max_query_len": 14}
+    triton_kernels.paged_attention(q, cache, tables, lens, head_dim**-0.5, **options)
+
+
+def store(kv_heads: int, head_dim: int) -> None:
+    from tokenmill.attention import triton_kernels
+
+    kv = torch.zeros(5, 2, kv_heads, head_dim, dtype=BF16)
+    cache = torch.zeros(2, 4, 16, kv_heads, head_dim, dtype=BF16)
+    triton_kernels.store_kv(cache, kv, torch.tensor([3, 17, -1, 40, 63]))
+
+
+SPLIT = ["_decode_split_kernel", "_combine_splits_kernel"]
+PLAIN = ["_paged_attention_kernel"]
+CASES = {
+    "decode-llama8b": functools.partial(attention, 32, 8, 128, True, num_splits=1),
+    "decode-split-llama8b": functools.partial(attention, 32, 8, 128, True, num_splits=8),
+    "decode-split-gemma": functools.partial(attention, 8, 4, 256, True, num_splits=3,
+                                            sliding_window=512, softcap=50.0),  # fmt: skip
+    "decode-mha-d64-window": functools.partial(attention, 16, 16, 64, True, num_splits=1,
+                                               sliding_window=4),  # fmt: skip
+    "prefill-llama8b": functools.partial(attention, 32, 8, 128, False),
+    "prefill-window-d64": functools.partial(attention, 8, 1, 64, False, sliding_window=7),
+    "prefill-softcap-d256": functools.partial(attention, 8, 4, 256, False, softcap=30.0),
+    "store-kv-d128": functools.partial(store, 8, 128),
+    "store-kv-d256": functools.partial(store, 1, 256),
+}
+EXPECTED = {name: SPLIT if "split" in name else ["_store_kv_kernel"] if "store" in name else PLAIN
+            for name in CASES}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict[str, dict]:
+    missing = gpu_compiler_missing()
+    if missing:
+        pytest.skip(f"triton can not compile for NVIDIA GPUs here: {missing}")
+    return compile_cases(__file__)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_kernels_compile_for_sm90(compiled, case):
+    result = compiled[case]
+    assert "error" not in result, result.get("error")
+    assert result["kernels"] == EXPECTED[case]
+    assert all(n > 0 for n in result["cubin_bytes"])
+    assert all(s <= SHARED_MEMORY_SM90 for s in result["shared"]), result["shared"]

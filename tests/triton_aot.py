@@ -1,0 +1,152 @@
+"""Compile our Triton kernels for a CUDA GPU on a machine without one.
+
+The interpreter (TRITON_INTERPRET=1) checks what the kernels compute, not that Triton can
+compile them: a type mix-up or an op the compiler rejects shows only on a GPU. Triton can
+compile ahead of time for a named target (here sm_90, the H200) down to a cubin with the
+ptxas it ships, no driver needed.
+
+A test module lists ``CASES``: name -> a call of one of our Python wrappers on small CPU
+tensors. ``compile_cases(path)`` runs them in a fresh interpreter-free process (this test
+session imported the kernels interpreted), where each ``kernel[grid](...)`` is recorded
+instead of launched and then compiled, so the compiled variants are exactly those the
+wrappers launch (constexprs, argument types, launch options). Run as a script it is that
+process: ``python triton_aot.py TEST_MODULE.py`` prints one JSON result per case.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SHARED_MEMORY_SM90 = 232_448
+"""Bytes of shared memory one block may use on sm_90."""
+_POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
+            torch.int64: "i64", torch.int32: "i32"}  # fmt: skip
+
+
+@dataclass
+class Launch:
+    kernel: object  # a triton JITFunction
+    args: tuple
+    kwargs: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+@dataclass
+class Recorder:
+    launches: list[Launch] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def record_launches() -> Iterator[Recorder]:
+    """Within: ``kernel[grid](*args, **kwargs)`` records a Launch and runs nothing."""
+    from triton.runtime.jit import KernelInterface
+
+    recorder = Recorder()
+    original = KernelInterface.__getitem__
+
+    def getitem(kernel, grid):
+        return lambda *args, **kwargs: recorder.launches.append(Launch(kernel, args, kwargs))
+
+    KernelInterface.__getitem__ = getitem
+    try:
+        yield recorder
+    finally:
+        KernelInterface.__getitem__ = original
+
+
+def _arg_type(name: str, value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _POINTEE[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"argument {name}={value!r}: no Triton type for it")
+
+
+def compile_for_sm90(launch: Launch):
+    """The launch's kernel compiled for sm_90 (raises what Triton raises)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = launch.kernel
+    bound = dict(zip(kernel.arg_names, launch.args))
+    bound |= {k: v for k, v in launch.kwargs.items() if k in kernel.arg_names}
+    options = {k: v for k, v in launch.kwargs.items() if k not in kernel.arg_names}
+    signature, constexprs = {}, {}
+    for param in kernel.params:
+        value = bound[param.name]
+        if param.is_constexpr:
+            signature[param.name] = "constexpr"
+            constexprs[param.name] = value
+        else:
+            signature[param.name] = _arg_type(param.name, value)
+    source = ASTSource(kernel, signature, constexprs)
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def _run_case(call) -> dict:
+    """{"kernels": [...], "cubin_bytes": [...], "shared": [...]} or {"error": ...}."""
+    try:
+        with record_launches() as rec:
+            call()
+        compiled = [compile_for_sm90(launch) for launch in rec.launches]
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    return {
+        "kernels": [launch.name for launch in rec.launches],
+        "cubin_bytes": [len(c.asm["cubin"]) for c in compiled],
+        "shared": [c.metadata.shared for c in compiled],
+    }
+
+
+def compile_cases(test_file: str, timeout: float = 600) -> dict[str, dict]:
+    """Compile every case of ``test_file``'s CASES in a process without the interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tests = str(Path(__file__).parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, __file__, test_file], env=env, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise RuntimeError(f"the compile process failed:\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def gpu_compiler_missing() -> str | None:
+    """Why Triton can not compile for NVIDIA GPUs here (None when it can)."""
+    try:
+        import triton  # noqa: F401
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _main(test_file: str) -> None:
+    spec = importlib.util.spec_from_file_location("aot_cases", test_file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = {name: _run_case(call) for name, call in module.CASES.items()}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
