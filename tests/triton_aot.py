@@ -3,7 +3,8 @@
 The interpreter (TRITON_INTERPRET=1) checks what the kernels compute, not that Triton can
 compile them: a type mix-up or an op the compiler rejects shows only on a GPU. Triton can
 compile ahead of time for a named target (here sm_90, the H200) down to a cubin with the
-ptxas it ships, no driver needed.
+ptxas it ships, no driver needed; its cuobjdump then tells the registers each thread uses
+and the bytes spilled to local memory (a spill slows a kernel down: the tests forbid them).
 
 A test module lists ``CASES``: name -> a call of one of our Python wrappers on small CPU
 tensors. ``compile_cases(path)`` runs them in a fresh interpreter-free process (this test
@@ -19,8 +20,10 @@ import contextlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -101,8 +104,25 @@ def compile_for_sm90(launch: Launch):
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def resource_usage(cubin: bytes) -> dict[str, int] | None:
+    """Registers per thread and spill stack bytes of a cubin (``cuobjdump -res-usage``,
+    shipped with triton's NVIDIA backend); None without it."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([str(tool), "-res-usage", f.name], capture_output=True, text=True)
+    found = re.search(r"REG:(\d+) STACK:(\d+)", out.stdout)
+    return {"regs": int(found[1]), "stack": int(found[2])} if found else None
+
+
 def _run_case(call) -> dict:
-    """{"kernels": [...], "cubin_bytes": [...], "shared": [...]} or {"error": ...}."""
+    """{"kernels", "cubin_bytes", "shared", "usage"} (lists, one entry per launch) or
+    {"error": ...}."""
     try:
         with record_launches() as rec:
             call()
@@ -113,6 +133,7 @@ def _run_case(call) -> dict:
         "kernels": [launch.name for launch in rec.launches],
         "cubin_bytes": [len(c.asm["cubin"]) for c in compiled],
         "shared": [c.metadata.shared for c in compiled],
+        "usage": [resource_usage(c.asm["cubin"]) for c in compiled],
     }
 
 

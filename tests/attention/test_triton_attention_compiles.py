@@ -46,6 +46,9 @@ CASES = {
     "decode-split-llama8b": functools.partial(attention, 32, 8, 128, True, num_splits=8),
     "decode-split-gemma": functools.partial(attention, 8, 4, 256, True, num_splits=3,
                                             sliding_window=512, softcap=50.0),  # fmt: skip
+    "decode-llama1b": functools.partial(attention, 32, 8, 64, True, num_splits=1),
+    "decode-split-llama1b": functools.partial(attention, 32, 8, 64, True, num_splits=16),
+    "prefill-llama1b": functools.partial(attention, 32, 8, 64, False),
     "decode-mha-d64-window": functools.partial(attention, 16, 16, 64, True, num_splits=1,
                                                sliding_window=4),  # fmt: skip
     "prefill-llama8b": functools.partial(attention, 32, 8, 128, False),
@@ -73,3 +76,5 @@ def test_attention_kernels_compile_for_sm90(compiled, case):
     assert result["kernels"] == EXPECTED[case]
     assert all(n > 0 for n in result["cubin_bytes"])
     assert all(s <= SHARED_MEMORY_SM90 for s in result["shared"]), result["shared"]
+    spills = [u["stack"] for u in result["usage"] if u is not None]
+    assert not any(spills), f"registers spilled: {result['usage']}"

@@ -53,3 +53,5 @@ def test_layer_kernels_compile_for_sm90(compiled, case):
     result = compiled[case]
     assert "error" not in result, result.get("error")
     assert len(result["kernels"]) == 1 and result["cubin_bytes"][0] > 0
+    spills = [u["stack"] for u in result["usage"] if u is not None]
+    assert not any(spills), f"registers spilled: {result['usage']}"

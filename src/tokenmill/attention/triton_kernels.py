@@ -263,6 +263,21 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def _tiles(head_dim: int, group: int, decode: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the attention kernels: the fp32 accumulator
+    [BLOCK_M, D], a K/V tile and its int64 addresses must fit in registers. Chosen so that
+    no variant spills on sm_90 (the compiled build is checked on CPU:
+    tests/attention/test_triton_attention_compiles.py); e.g. D = 128 with 4 warps spilled
+    216 bytes per thread in decode and 512 in prefill."""
+    if decode:  # rows = the GROUP query heads of one KV head (at least 16 for the MMA)
+        block_m = max(16, triton.next_power_of_2(group))
+        block_n = 64 if head_dim == 128 else 32
+    else:
+        block_m = 64 if head_dim <= 128 else 32
+        block_n = 64 if head_dim <= 128 else 32
+    return block_m, block_n, 4 if head_dim <= 64 else 8
+
+
 def paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -296,9 +311,7 @@ def paged_attention(
     if out is None:
         out = torch.empty((tokens, heads, d), dtype=q.dtype, device=q.device)
     batch = seq_lens.shape[0]
-    # Tiles sized so the fp32 accumulator [BLOCK_M, D] and a K/V tile fit in registers.
-    block_m = max(16, triton.next_power_of_2(group)) if decode else (64 if d <= 128 else 32)
-    block_n = 64 if d <= 128 else 32
+    block_m, block_n, num_warps = _tiles(d, group, decode)
     grid = (batch, triton.cdiv(max_query_len * group, block_m), kvh)
     if batch == 0 or grid[1] == 0:
         return out
@@ -307,7 +320,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)),
         BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
         USE_WINDOW=sliding_window is not None, USE_SOFTCAP=softcap is not None,
-        num_warps=4 if d <= 128 else 8,
+        num_warps=num_warps,
     )  # fmt: skip
     if decode:
         context = block_tables.shape[1] * block_size  # the longest any row can be
