@@ -82,6 +82,12 @@ def _arg_type(name: str, value: object) -> str:
     raise TypeError(f"argument {name}={value!r}: no Triton type for it")
 
 
+def _divisible_by_16(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 def compile_for_sm90(launch: Launch):
     """The launch's kernel compiled for sm_90 (raises what Triton raises)."""
     import triton
@@ -92,15 +98,17 @@ def compile_for_sm90(launch: Launch):
     bound = dict(zip(kernel.arg_names, launch.args))
     bound |= {k: v for k, v in launch.kwargs.items() if k in kernel.arg_names}
     options = {k: v for k, v in launch.kwargs.items() if k not in kernel.arg_names}
-    signature, constexprs = {}, {}
-    for param in kernel.params:
+    signature, constexprs, attrs = {}, {}, {}
+    for i, param in enumerate(kernel.params):
         value = bound[param.name]
         if param.is_constexpr:
             signature[param.name] = "constexpr"
             constexprs[param.name] = value
-        else:
-            signature[param.name] = _arg_type(param.name, value)
-    source = ASTSource(kernel, signature, constexprs)
+            continue
+        signature[param.name] = _arg_type(param.name, value)
+        if _divisible_by_16(value):  # as a launch specializes it (aligned, vector loads)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
