@@ -32,6 +32,18 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
+@pytest.fixture(scope="module")
+def sm90_build(request) -> dict[str, dict]:
+    """The test module's ``CASES`` compiled for sm_90 on this machine (tests/triton_aot.py);
+    skipped where triton can not compile for NVIDIA GPUs."""
+    from triton_aot import compile_cases, gpu_compiler_missing
+
+    missing = gpu_compiler_missing()
+    if missing:
+        pytest.skip(f"triton can not compile for NVIDIA GPUs here: {missing}")
+    return compile_cases(request.module.__file__)
+
+
 def package_file(dist: str, relative: str) -> Path:
     """Path of a data file inside an installed distribution, without importing it."""
     from importlib.metadata import distribution

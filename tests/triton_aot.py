@@ -7,7 +7,8 @@ ptxas it ships, no driver needed; its cuobjdump then tells the registers each th
 and the bytes spilled to local memory (a spill slows a kernel down: the tests forbid them).
 
 A test module lists ``CASES``: name -> a call of one of our Python wrappers on small CPU
-tensors. ``compile_cases(path)`` runs them in a fresh interpreter-free process (this test
+tensors, and reads the results from the ``sm90_build`` fixture (tests/conftest.py).
+``compile_cases(path)`` runs them in a fresh interpreter-free process (this test
 session imported the kernels interpreted), where each ``kernel[grid](...)`` is recorded
 instead of launched and then compiled, so the compiled variants are exactly those the
 wrappers launch (constexprs, argument types, launch options). Run as a script it is that
@@ -157,6 +158,17 @@ def compile_cases(test_file: str, timeout: float = 600) -> dict[str, dict]:
     if proc.returncode != 0:
         raise RuntimeError(f"the compile process failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def assert_builds(result: dict, kernels: list[str]) -> None:
+    """A case (one entry of ``compile_cases``) compiled: exactly ``kernels`` launched, each
+    a non-empty cubin within sm_90's shared memory and without register spills."""
+    assert "error" not in result, result.get("error")
+    assert result["kernels"] == kernels
+    assert all(n > 0 for n in result["cubin_bytes"])
+    assert all(s <= SHARED_MEMORY_SM90 for s in result["shared"]), result["shared"]
+    spills = [u["stack"] for u in result["usage"] if u is not None]
+    assert not any(spills), f"registers spilled: {result['usage']}"
 
 
 def gpu_compiler_missing() -> str | None:

@@ -12,7 +12,7 @@ import functools
 
 import pytest
 import torch
-from triton_aot import SHARED_MEMORY_SM90, compile_cases, gpu_compiler_missing
+from triton_aot import assert_builds
 
 BF16 = torch.bfloat16
 
@@ -61,20 +61,6 @@ EXPECTED = {name: SPLIT if "split" in name else ["_store_kv_kernel"] if "store" 
             for name in CASES}  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict[str, dict]:
-    missing = gpu_compiler_missing()
-    if missing:
-        pytest.skip(f"triton can not compile for NVIDIA GPUs here: {missing}")
-    return compile_cases(__file__)
-
-
 @pytest.mark.parametrize("case", CASES)
-def test_attention_kernels_compile_for_sm90(compiled, case):
-    result = compiled[case]
-    assert "error" not in result, result.get("error")
-    assert result["kernels"] == EXPECTED[case]
-    assert all(n > 0 for n in result["cubin_bytes"])
-    assert all(s <= SHARED_MEMORY_SM90 for s in result["shared"]), result["shared"]
-    spills = [u["stack"] for u in result["usage"] if u is not None]
-    assert not any(spills), f"registers spilled: {result['usage']}"
+def test_attention_kernels_compile_for_sm90(sm90_build, case):
+    assert_builds(sm90_build[case], EXPECTED[case])

@@ -136,7 +136,7 @@ def test_long_prefill_does_not_stall_running_decodes(long_llama_dir):
             chunk = {s.request.request_id: s.num_new_tokens for s in out.seqs}
             assert chunk.get("long", 0) <= 128
             assert chunk.get("chat") == 1  # the decode runs in every step of the long prefill
-            result = eng.runner.execute(out)
+            result = eng.runner.collect(eng.runner.launch(out))
             eng.scheduler.update(out, result.sampled)
             assert eng.scheduler.requests["chat"].num_output_tokens == before + 1
             steps += 1

@@ -79,7 +79,8 @@ def test_pinned_staging_and_host_ids():
     upload(staging, [4, 5, 6], out=out)
     assert out.tolist() == [4, 5, 6]
     ids = torch.tensor([9, 8, 7], device=cuda)
-    assert HostIds(cuda).fetch(ids) == [9, 8, 7]
+    host_ids = HostIds(cuda)
+    assert host_ids.wait(host_ids.start(ids)) == [9, 8, 7]
 
 
 def test_graph_replay_matches_eager(model_dir):

@@ -91,4 +91,5 @@ def test_cpu_staging_builds_fresh_tensors():
 
 
 def test_host_ids_on_cpu():
-    assert HostIds(torch.device("cpu")).fetch(torch.tensor([3, 1, 2])) == [3, 1, 2]
+    host_ids = HostIds(torch.device("cpu"))
+    assert host_ids.wait(host_ids.start(torch.tensor([3, 1, 2]))) == [3, 1, 2]

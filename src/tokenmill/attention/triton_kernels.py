@@ -265,17 +265,13 @@ def _sm_count(device: torch.device) -> int:
 
 def _tiles(head_dim: int, group: int, decode: bool) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps) of the attention kernels: the fp32 accumulator
-    [BLOCK_M, D], a K/V tile and its int64 addresses must fit in registers. Chosen so that
-    no variant spills on sm_90 (the compiled build is checked on CPU:
-    tests/attention/test_triton_attention_compiles.py); e.g. D = 128 with 4 warps spilled
-    216 bytes per thread in decode and 512 in prefill."""
-    if decode:  # rows = the GROUP query heads of one KV head (at least 16 for the MMA)
-        block_m = max(16, triton.next_power_of_2(group))
-        block_n = 64 if head_dim == 128 else 32
-    else:
-        block_m = 64 if head_dim <= 128 else 32
-        block_n = 64 if head_dim <= 128 else 32
-    return block_m, block_n, 4 if head_dim <= 64 else 8
+    [BLOCK_M, D] and the K/V tiles must fit in registers and shared memory. Untimed; what is
+    known is that no variant spills registers in the sm_90 build (checked on CPU,
+    tests/attention/test_triton_attention_compiles.py), whereas e.g. BLOCK_M = BLOCK_N = 64
+    with 4 warps at D = 256 spills 312 bytes per thread."""
+    block_m = max(16, triton.next_power_of_2(group)) if decode else (64 if head_dim <= 128 else 32)
+    block_n = 64 if head_dim <= 128 else 32
+    return block_m, block_n, 4 if head_dim <= 128 else 8
 
 
 def paged_attention(

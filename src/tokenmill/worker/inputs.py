@@ -109,10 +109,6 @@ class HostIds:
             done.synchronize()
         return host.tolist()
 
-    def fetch(self, ids: torch.Tensor) -> list[int]:
-        """``start`` then ``wait``."""
-        return self.wait(self.start(ids))
-
 
 @dataclass(frozen=True)
 class PendingTokens:

@@ -89,12 +89,8 @@ class ModelRunner:
         self.decode = decode
         self.staging = PinnedStaging(device)
         self.host_ids = HostIds(device)
-        self._last_sampled: tuple[torch.Tensor, dict[str, int]] | None = None
-        """The latest launched step's sampled ids [S] (device) and request id -> row."""
-
-    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        """Run a step and wait for it: ``launch`` then ``collect``."""
-        return self.collect(self.launch(sched))
+        self._last_sampled: tuple[torch.Tensor, list[ScheduledSeq]] | None = None
+        """The latest launched step's sampled ids [S] (device) and the S sequences."""
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
@@ -102,15 +98,13 @@ class ModelRunner:
         sampled ids back; returns without waiting (on CUDA) for any of it."""
         hidden, qsl = self._forward(sched)
         sample_seqs = [s for s in sched.seqs if s.samples]
-        sampled, lp = self._sample(sched.seqs, qsl, hidden) if sample_seqs else (None, None)
+        sampled_rows = [qsl[i + 1] - 1 for i, s in enumerate(sched.seqs) if s.samples]
+        sampled, lp = self._sample(sample_seqs, sampled_rows, hidden) if sample_seqs else (None, None)
         prompt_lp = self._prompt_logprobs(sched.seqs, qsl, hidden)
         if self.host_ids.pinned:  # queued before the ids' event, so collect's wait covers them
             lp = _copy_to_host(lp)
             prompt_lp = {r: (a, t, _copy_to_host(x)) for r, (a, t, x) in prompt_lp.items()}
-        self._last_sampled = None
-        if sampled is not None:
-            rows = {s.request.request_id: i for i, s in enumerate(sample_seqs)}
-            self._last_sampled = (sampled, rows)
+        self._last_sampled = None if sampled is None else (sampled, sample_seqs)
         ids = self.host_ids.start(sampled) if sampled is not None else None
         return LaunchedStep(sample_seqs, ids, lp, prompt_lp)
 
@@ -127,15 +121,15 @@ class ModelRunner:
         return hidden, inputs.meta.query_start_loc
 
     def _sample(
-        self, seqs: tuple[ScheduledSeq, ...], qsl: tuple[int, ...], hidden: torch.Tensor
+        self, sample_seqs: list[ScheduledSeq], sampled_rows: list[int], hidden: torch.Tensor
     ) -> tuple[torch.Tensor, LogprobsTensors | None]:
-        """Logits of the last row of each sampling sequence -> (ids [S], logprobs)."""
-        sampled_rows = [qsl[i + 1] - 1 for i, s in enumerate(seqs) if s.samples]
+        """Logits of hidden's rows ``sampled_rows`` (each sampling sequence's last token)
+        -> (ids [S], logprobs)."""
         rows = hidden  # every row samples (a decode step): no gather, hence no index copy
         if len(sampled_rows) != hidden.shape[0]:
             rows = hidden.index_select(0, upload(sampled_rows, torch.int64, hidden.device))
         logits = self.model.compute_logits(rows)
-        out = self.sampler(logits, [s.request for s in seqs if s.samples])  # requests are rows
+        out = self.sampler(logits, [s.request for s in sample_seqs])  # requests are rows
         return out.token_ids, out.logprobs
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
@@ -149,7 +143,8 @@ class ModelRunner:
         if not waiting:
             return None
         assert self._last_sampled is not None, "a pending token without a step in flight"
-        source, row_of = self._last_sampled
+        source, sampled_seqs = self._last_sampled
+        row_of = {s.request.request_id: j for j, s in enumerate(sampled_seqs)}  # only when needed
         rows = tuple(row_of[seqs[i].request.request_id] for i in waiting)
         return PendingTokens(source, tuple(waiting), rows)
 
