@@ -47,7 +47,7 @@ class NullModel(nn.Module):
         return self.hidden[: input_ids.shape[0]]
 
     def compute_logits(self, hidden):
-        return self.logits[: hidden.shape[0]]
+        return self.logits[: hidden.shape[0]].clone()  # a new tensor, as a real lm_head makes
 
 
 class Phases:

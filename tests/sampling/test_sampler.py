@@ -216,6 +216,23 @@ def test_logprobs_match_log_softmax_of_raw_logits() -> None:
     assert torch.equal(lp.sampled_rank, ranks)
 
 
+def test_in_place_edits_the_given_logits_and_samples_the_same() -> None:
+    """The runner's mode: processors edit its fresh logits instead of a copy. Same tokens
+    (seeded random rows too) and the same raw logprobs as with the copy."""
+    rows = lambda: [row(temperature=0.0, logit_bias={5: 40}, logprobs=3),  # noqa: E731
+                    row(temperature=0.7, seed=4, top_k=5, logprobs=1),
+                    row(temperature=0.0, output=[1], repetition_penalty=1.5)]
+    logits = rand_logits(3, seed=7)
+    before = logits.clone()
+    copied = sampler()(logits, rows())
+    assert torch.equal(logits, before)
+    in_place = sampler()(logits, rows(), in_place=True)
+    assert torch.equal(in_place.token_ids, copied.token_ids) and in_place.token_ids[0] == 5
+    assert logits[0, 5] == before[0, 5] + 40  # the bias went into the given tensor
+    for a, b in zip(in_place.logprobs.__dict__.values(), copied.logprobs.__dict__.values()):
+        assert torch.equal(a, b)
+
+
 def test_logprobs_zero_and_larger_than_vocab() -> None:
     logits = rand_logits(2, vocab=8)
     out = sampler()(logits, [row(logprobs=0, temperature=0.0), row(temperature=0.0)])

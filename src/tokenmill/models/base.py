@@ -31,7 +31,8 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32."""
+        """hidden [N, hidden_size] -> logits [N, vocab_size] in float32, a new tensor (the
+        runner's sampler edits it in place)."""
 
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -139,12 +139,19 @@ class Sampler:
         self.default_generator = default_generator
         self.processors = tuple(processors) + tuple(extra_processors)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        """logits [N, V] (float32, left untouched), rows: N row states -> SamplerOutput."""
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], in_place: bool = False
+    ) -> SamplerOutput:
+        """logits [N, V] float32, rows: N row states -> SamplerOutput.
+
+        ``logits`` is left untouched unless ``in_place``: then the processors edit it
+        instead of a copy (the runner's fresh logits, which nothing reads afterwards: one
+        [N, V] float32 copy less per step, 131 MB at 256 rows of a 128k vocabulary)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row state per logits row"
         k = _max_logprobs(rows)
         raw_logprobs = None if k is None else torch.log_softmax(logits.float(), dim=-1)
-        logits = logits.to(torch.float32, copy=True)  # [N, V] working copy
+        if not (in_place and logits.dtype == torch.float32):
+            logits = logits.to(torch.float32, copy=True)  # [N, V] working copy
         for process in self.processors:
             process(logits, rows)
         token_ids = self._pick(logits, rows)  # [N]

@@ -9,9 +9,13 @@ from tokenmill.engine.request import Request
 from tokenmill.kv_cache.block_table import BlockTableArray
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ScheduledSeq:
-    """One request's share of a step: tokens [start, start + num_new_tokens) of it."""
+    """One request's share of a step: tokens [start, start + num_new_tokens) of it.
+
+    Read-only by convention, not frozen: one is built per sequence per step, and a frozen
+    dataclass costs ~2 us to build against ~0.4 us (0.4 ms a step at 256 sequences).
+    """
 
     request: Request
     start: int

@@ -129,7 +129,7 @@ class ModelRunner:
         if len(sampled_rows) != hidden.shape[0]:
             rows = hidden.index_select(0, upload(sampled_rows, torch.int64, hidden.device))
         logits = self.model.compute_logits(rows)
-        out = self.sampler(logits, [s.request for s in sample_seqs])  # requests are rows
+        out = self.sampler(logits, [s.request for s in sample_seqs], in_place=True)  # rows: requests
         return out.token_ids, out.logprobs
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
