@@ -159,3 +159,23 @@ def test_bf16_model_is_built_on_the_device(model_dir):
         assert len(out[0].outputs[0].token_ids) == 4
     finally:
         llm.close()
+
+
+def test_prompt_logprobs_of_chunks_that_sample_nothing(model_dir):
+    """A prompt prefilled in chunks: the chunks before the last sample nothing, yet their
+    prompt logprobs come back through non-blocking copies. They equal one-chunk prefill's."""
+    prompt = {"prompt_token_ids": [(7 * j) % 200 + 10 for j in range(40)]}
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2)
+    outs = {}
+    for threshold in (None, 8):
+        llm = make_llm(model_dir, long_prefill_token_threshold=threshold)
+        try:
+            outs[threshold] = llm.generate(prompt, params)[0].prompt_logprobs
+        finally:
+            llm.close()
+    whole, chunked = outs[None], outs[8]
+    assert len(whole) == len(chunked) == 40 and whole[0] is None and chunked[0] is None
+    for w, c in zip(whole[1:], chunked[1:]):
+        assert w.keys() == c.keys()
+        for tok in w:
+            assert c[tok].logprob == pytest.approx(w[tok].logprob, abs=1e-4)

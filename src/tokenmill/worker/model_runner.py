@@ -39,7 +39,8 @@ class LaunchedStep:
 
     sample_seqs: list[ScheduledSeq]
     ids: tuple[torch.Tensor, torch.cuda.Event | None] | None
-    """The sampled ids' copy to the host in flight (``HostIds.start``); None: no sampling."""
+    """The sampled ids' copy to the host in flight (``HostIds.start``), whose event also
+    covers the logprob copies queued before it; None: nothing sampled or copied."""
     logprobs: LogprobsTensors | None
     prompt_logprobs: dict[str, tuple[int, list[int], LogprobsTensors]]
 
@@ -105,6 +106,10 @@ class ModelRunner:
             lp = _copy_to_host(lp)
             prompt_lp = {r: (a, t, _copy_to_host(x)) for r, (a, t, x) in prompt_lp.items()}
         self._last_sampled = None if sampled is None else (sampled, sample_seqs)
+        if sampled is None and prompt_lp and self.host_ids.pinned:
+            # Nothing sampled (prompt chunks only), but prompt logprobs are on their way to
+            # the host: an empty ids copy records the event that collect waits for.
+            sampled = torch.empty(0, dtype=torch.int64, device=hidden.device)
         ids = self.host_ids.start(sampled) if sampled is not None else None
         return LaunchedStep(sample_seqs, ids, lp, prompt_lp)
 
