@@ -12,6 +12,13 @@ against transformers ``generate`` (bf16, sdpa) and the roofline time (the larger
 also with asynchronous scheduling off, ``_sync``), the CUDA graph
 capture time, and the load time from safetensors (1B). Every stage reports its error and
 the run goes on; ``--time-budget`` skips what would start after it.
+
+Before any timed stage an untimed warm-up (``tm_warmup``) runs every kind of step the
+timed workloads meet (prefill-only, mixed prefill + decode with a chunked prompt,
+all-decode; odd and even batch sizes and token counts) through the same engine: on a GPU
+each new Triton kernel variant is a compile of about a second, which must not land inside
+a timed stage. On CUDA each stage also reports ``new_variants``, the Triton kernel
+variants compiled while it ran (after the warm-up, a timed stage should show 0).
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ class Run:
             return None
         print(f"[{name}] ...", flush=True)
         start = time.perf_counter()
+        variants = triton_variants()
         try:
             out = fn(*a, **kw)
         except Exception as e:  # a failing stage must not end the run
@@ -83,6 +91,8 @@ class Run:
             self.save()
             return None
         if isinstance(out, dict):
+            if self.device.type == "cuda" and "new_variants" not in out:
+                out["new_variants"] = triton_variants() - variants
             where[name] = out
             print(f"[{name}] {time.perf_counter() - start:.1f} s: {_short(out)}", flush=True)
         self.save()
@@ -92,6 +102,18 @@ class Run:
         """Write what is measured so far (a later kill or crash keeps it)."""
         if self.args.out:
             self.args.out.write_text(json.dumps(self.results, indent=2, default=str))
+
+
+def triton_variants() -> int:
+    """Kernel variants Triton has compiled so far for tokenmill's kernels in this process
+    (0 where none were: CPU, interpreter, kernels not imported yet)."""
+    total = 0
+    for module in ("tokenmill.attention.triton_kernels", "tokenmill.layers.triton_ops"):
+        for obj in getattr(sys.modules.get(module), "__dict__", {}).values():
+            caches = getattr(obj, "device_caches", None)  # a JITFunction: device -> caches
+            if isinstance(caches, dict):
+                total += sum(len(c[0]) for c in caches.values())  # c[0]: key -> kernel
+    return total
 
 
 def _short(d: dict) -> str:
@@ -174,6 +196,60 @@ def generate(engine, batch: list[list[int]], max_tokens: int) -> int:
             if out.finished:
                 produced += len(out.outputs[0].token_ids)
     return produced
+
+
+def tm_warmup(run: Run, engine, shape: Shape) -> dict:
+    """Untimed, through the engine the timed stages use: every kind of step they meet, so
+    each Triton variant they need is compiled now, not inside a timed stage.
+
+    1. Staggered: one request enters per step (prompt lengths odd and even, one token to a
+       full offline prompt), each decoding a few tokens: steps mix one prefill with the
+       decodes of the earlier requests at batch sizes rising and falling (odd and even),
+       and end with all-decode steps.
+    2. Burst: more prompt tokens at once than a step's budget (max_num_batched_tokens), at
+       the offline prompt length less one: a prefill-only step with a chunked last
+       prompt, then a mixed step (decodes + the rest of it + more prompts), then decodes.
+    Returns the seconds and what ran: steps by kind, batch sizes."""
+    from tokenmill import SamplingParams
+    from tokenmill.sampling_params import RequestOutputKind
+
+    start = time.perf_counter()
+    p = max(p for _, p, _ in run.sizes.offline)
+    params = SamplingParams(
+        temperature=0, max_tokens=4, ignore_eos=True, detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )  # fmt: skip
+    kinds = {"prefill": 0, "mixed": 0, "decode": 0, "chunked": 0}  # chunked: also counted above
+    batches: set[int] = set()
+    launch = engine.runner.launch
+
+    def spy(sched):
+        decodes = sum(s.start >= s.request.num_prompt_tokens for s in sched.seqs)
+        kind = "decode" if decodes == len(sched.seqs) else "mixed" if decodes else "prefill"
+        kinds[kind] += 1
+        kinds["chunked"] += any(s.end < s.request.num_prompt_tokens for s in sched.seqs)
+        batches.add(len(sched.seqs))
+        return launch(sched)
+
+    engine.runner.launch = spy  # an instance attribute over the method, removed below
+    try:
+        lengths = [p - 1, p, 1, p // 2 + 1, 18, 3, p // 4]
+        staggered = prompts(len(lengths), p, shape.vocab, 11)
+        pending = [ids[:n] for ids, n in zip(staggered, lengths)]
+        while pending or engine.has_unfinished():
+            if pending:
+                engine.add_request(pending.pop(0), params)
+            engine.step()
+        budget = run.args.max_num_batched_tokens
+        max_seqs = max(n for n, _, _ in run.sizes.offline)
+        burst = min(budget // (p - 1) + 3, max_seqs + 3)
+        generate(engine, prompts(burst, p - 1, shape.vocab, 12), 3)
+        sync(run.device)
+    finally:
+        del engine.runner.launch
+    return {"seconds": time.perf_counter() - start, "burst": burst,
+            **{f"{k}_steps": v for k, v in kinds.items()},
+            "batch_sizes": f"{min(batches)}..{max(batches)} ({len(batches)})"}  # fmt: skip
 
 
 def tm_decode_b1(run: Run, engine, shape: Shape, rates: dict) -> dict:
@@ -335,6 +411,7 @@ def run_shape(run: Run, name: str, rates: dict, res: dict) -> None:
 
     run.stage(res, "tokenmill_build", build_engine)
     if engine is not None:
+        run.stage(res, "tm_warmup", tm_warmup, run, engine, shape)
         run.stage(res, "tm_decode_b1", tm_decode_b1, run, engine, shape, rates)
         if engine.runner.decode is not None:
 
@@ -351,7 +428,6 @@ def run_shape(run: Run, name: str, rates: dict, res: dict) -> None:
 
             run.stage(res, "tm_decode_b1_eager", eager_b1)
         run.stage(res, "tm_prefill", tm_prefill, run, engine, shape, rates)
-        generate(engine, prompts(4, 16, shape.vocab, 9), 4)  # warm-up of the batched path
         for n, p, o in s.offline:
             run.stage(
                 res, f"tm_offline_{n}x{p}+{o}", tm_offline, run, engine, shape, rates, n, p, o
@@ -415,6 +491,12 @@ def report(results: dict) -> str:
         build = r.get("tokenmill_build", {})
         rows.append([name, "graph capture s", fmt(build.get("capture_s")), "", "",
                      f"graphs={build.get('graphs')} backend={build.get('backend')}"])  # fmt: skip
+        warm = r.get("tm_warmup", {})
+        offline = [v.get("new_variants") for k, v in r.items()  # wholly timed stages
+                   if k.startswith("tm_offline_") and isinstance(v, dict)]  # fmt: skip
+        rows.append([name, "warm-up s (untimed)", fmt(warm.get("seconds")), "", "",
+                     f"variants compiled: warm-up {warm.get('new_variants', '-')}, offline "
+                     f"{sum(offline) if offline and None not in offline else '-'}"])  # fmt: skip
         rows.append([name, "load s", fmt(build.get("load_s")), "", "", build.get("from", "-")])
         errors = [
             k for k, v in r.items() if isinstance(v, dict) and ("error" in v or "skipped" in v)

@@ -11,8 +11,13 @@ tensors, and reads the results from the ``sm90_build`` fixture (tests/conftest.p
 ``compile_cases(path)`` runs them in a fresh interpreter-free process (this test
 session imported the kernels interpreted), where each ``kernel[grid](...)`` is recorded
 instead of launched and then compiled, so the compiled variants are exactly those the
-wrappers launch (constexprs, argument types, launch options). Run as a script it is that
-process: ``python triton_aot.py TEST_MODULE.py`` prints one JSON result per case.
+wrappers launch (constexprs, argument types, launch options, and what a launch adds to
+them: Triton's own argument binder turns 1-valued ints into constexprs and gives ints
+divisible by 16 and 16-byte aligned pointers the divisibility hint, except the arguments
+a kernel lists in ``do_not_specialize``). Each result also carries every launch's
+specialization key, so a test can check that launches which should share a variant do.
+Run as a script it is that process: ``python triton_aot.py TEST_MODULE.py`` prints one
+JSON result per case.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 SHARED_MEMORY_SM90 = 232_448
 """Bytes of shared memory one block may use on sm_90."""
-_POINTEE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-            torch.int64: "i64", torch.int32: "i32"}  # fmt: skip
+
+
+def _sm90():
+    """Triton's target for an H200: sm_90, 32-thread warps."""
+    from triton.backends.compiler import GPUTarget
+
+    return GPUTarget("cuda", 90, 32)
 
 
 @dataclass
@@ -71,46 +79,52 @@ def record_launches() -> Iterator[Recorder]:
         KernelInterface.__getitem__ = original
 
 
-def _arg_type(name: str, value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return "*" + _POINTEE[value.dtype]
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"argument {name}={value!r}: no Triton type for it")
+def specialize(launch: Launch) -> tuple[dict, dict, dict, dict]:
+    """(signature, constexprs, attrs, options) of the variant a real launch of ``launch``
+    on an sm_90 GPU compiles, from Triton's own argument binder (the one ``kernel[grid]``
+    runs): every constexpr; an int equal to 1 becomes a constexpr and one divisible by 16
+    (a 16-byte aligned pointer) carries the divisibility hint, unless the kernel lists the
+    argument in ``do_not_specialize`` (then it is a plain i32/i64/pointer, no hint, so any
+    value shares the variant) or, for a pointer, in ``do_not_specialize_on_alignment``."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    kernel = launch.kernel
+    backend = make_backend(_sm90())
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*launch.args, **launch.kwargs)
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (param, (kind, value)) in enumerate(zip(kernel.params, specialization)):
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[(i,)] = bound[param.name]
+        elif isinstance(value, str):  # "D": divisible by 16; "": neither
+            attrs[(i,)] = backend.parse_attr(value)
+    return signature, constexprs, attrs, options
 
 
-def _divisible_by_16(value: object) -> bool:
-    if isinstance(value, torch.Tensor):
-        return value.data_ptr() % 16 == 0
-    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+def specialization_key(launch: Launch) -> list[str]:
+    """The launch's variant as readable entries: ``name=value`` for a constexpr (1-valued
+    ints included), ``name:type`` plus ``/16`` for the divisibility hint."""
+    signature, constexprs, attrs, _ = specialize(launch)
+    out = []
+    for i, (name, kind) in enumerate(signature.items()):
+        if kind == "constexpr":
+            out.append(f"{name}={constexprs[(i,)]!r}")
+        else:
+            out.append(f"{name}:{kind}" + ("/16" if attrs.get((i,)) else ""))
+    return out
 
 
 def compile_for_sm90(launch: Launch):
-    """The launch's kernel compiled for sm_90 (raises what Triton raises)."""
+    """The launch's kernel compiled for sm_90 as a real launch would specialize it
+    (``specialize``); raises what Triton raises."""
     import triton
-    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernel = launch.kernel
-    bound = dict(zip(kernel.arg_names, launch.args))
-    bound |= {k: v for k, v in launch.kwargs.items() if k in kernel.arg_names}
-    options = {k: v for k, v in launch.kwargs.items() if k not in kernel.arg_names}
-    signature, constexprs, attrs = {}, {}, {}
-    for i, param in enumerate(kernel.params):
-        value = bound[param.name]
-        if param.is_constexpr:
-            signature[param.name] = "constexpr"
-            constexprs[param.name] = value
-            continue
-        signature[param.name] = _arg_type(param.name, value)
-        if _divisible_by_16(value):  # as a launch specializes it (aligned, vector loads)
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(kernel, signature, constexprs, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    signature, constexprs, attrs, options = specialize(launch)
+    source = ASTSource(launch.kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=_sm90(), options=options)
 
 
 def resource_usage(cubin: bytes) -> dict[str, int] | None:
@@ -130,16 +144,18 @@ def resource_usage(cubin: bytes) -> dict[str, int] | None:
 
 
 def _run_case(call) -> dict:
-    """{"kernels", "cubin_bytes", "shared", "usage"} (lists, one entry per launch) or
-    {"error": ...}."""
+    """{"kernels", "keys", "cubin_bytes", "shared", "usage"} (lists, one entry per launch;
+    keys from ``specialization_key``) or {"error": ...}."""
     try:
         with record_launches() as rec:
             call()
         compiled = [compile_for_sm90(launch) for launch in rec.launches]
+        keys = [specialization_key(launch) for launch in rec.launches]
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     return {
         "kernels": [launch.name for launch in rec.launches],
+        "keys": keys,
         "cubin_bytes": [len(c.asm["cubin"]) for c in compiled],
         "shared": [c.metadata.shared for c in compiled],
         "usage": [resource_usage(c.asm["cubin"]) for c in compiled],

@@ -1,5 +1,6 @@
 """Split-KV decode of the Triton paged attention: forced splits against one program per
-sequence and against the reference backend, and the automatic choice of the split count.
+sequence and against the reference backend, and the automatic choice of the split count
+(a power of two: each count is a compiled variant).
 
 Contexts are a few hundred keys so that, with 64-key tiles, 3 splits leave uneven ranges
 and 8 splits leave some ranges empty. On CPU the kernels run interpreted in float32; the
@@ -98,7 +99,14 @@ def test_prefill_refuses_forced_splits():
         )  # fmt: skip
 
 
-# The automatic choice: (batch, kv_heads, max_context, block_n, sms) -> splits.
+# The automatic choice: (batch, kv_heads, max_context, block_n, sms) -> splits, rounded
+# down to a power of two (NUM_SPLITS is a constexpr: each count is a compiled variant).
+
+
+def _unrounded(batch: int, kv_heads: int, max_context: int, block_n: int, sms: int) -> int:
+    """The count before rounding: SMs per (sequence, KV head) pair, ranges of at least two
+    tiles of the table, at most MAX_SPLITS, at least 1."""
+    return max(1, min(MAX_SPLITS, sms // (batch * kv_heads), max_context // (2 * block_n)))
 
 
 def test_big_batch_does_not_split():
@@ -112,8 +120,34 @@ def test_small_batch_with_long_table_splits():
     assert decode_num_splits(1, 8, 300, 64, 132) == 2  # each range >= 2 tiles of the table
 
 
+def test_rounds_down_to_a_power_of_two():
+    assert decode_num_splits(3, 8, 8192, 64, 132) == 4  # 132 // 24 = 5 SMs per pair
+    assert decode_num_splits(2, 8, 8192, 64, 132) == 8  # 132 // 16 = 8
+    assert decode_num_splits(1, 8, 800, 64, 132) == 4  # 800 // 128 = 6 tile pairs
+    assert decode_num_splits(1, 8, 4000, 64, 132) == 16  # 31 tile pairs, capped at 16
+    assert decode_num_splits(1, 1, 8192, 64, 15) == 8  # 15 SMs
+
+
 def test_short_table_does_not_split():
     assert decode_num_splits(1, 8, 127, 64, 132) == 1
+
+
+def test_automatic_count_is_a_power_of_two_not_above_the_unrounded_one():
+    """Over batch sizes, contexts (an eager step's table width), KV heads, tiles and SM
+    counts: a power of two, at most the unrounded count and more than half of it; so a run
+    meets at most five NUM_SPLITS variants (1, 2, 4, 8, 16)."""
+    seen = set()
+    for sms in (16, 78, 114, 132, 144):
+        for kv_heads in (1, 2, 4, 8):
+            for block_n in (32, 64):
+                for batch in range(1, 70):
+                    for max_context in range(0, 4200, 97):
+                        args = (batch, kv_heads, max_context, block_n, sms)
+                        splits, limit = decode_num_splits(*args), _unrounded(*args)
+                        assert splits & (splits - 1) == 0, args  # a power of two
+                        assert limit // 2 < splits <= limit, args
+                        seen.add(splits)
+    assert seen == {1, 2, 4, 8, 16} and MAX_SPLITS in seen
 
 
 def test_automatic_choice_reads_shapes_not_lengths(monkeypatch):

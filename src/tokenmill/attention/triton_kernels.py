@@ -16,6 +16,15 @@ BLOCK_N tiles of the context (range length from seq_len on the device; the split
 from shapes only), writing a normalized fp32 partial and its log-sum-exp; a second kernel
 combines the ranges of each (token, head). Both attention kernels share the tile loop
 (``_attend``).
+
+Compiled variants: a launch on a GPU compiles a new variant whenever its specialization
+key changes (every constexpr; for each int argument whether it is 1, a multiple of 16 or
+neither; for each pointer whether it is 16-byte aligned), about a second each, mid-run.
+So the one int argument that changes from step to step at fixed model shapes, the block
+table's row stride ``stride_bt`` (an eager step's table width), is passed unspecialized
+(``do_not_specialize``; the other ints are model-fixed head counts and strides), and the
+automatic split count is a power of two (``decode_num_splits``), so eager decode steps of
+any batch size or context meet at most five NUM_SPLITS variants.
 """
 
 from __future__ import annotations
@@ -113,7 +122,7 @@ def _attend(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_attention_kernel(
     q_ptr, cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, qsl_ptr,
     scale, softcap, window,
@@ -164,7 +173,7 @@ def _paged_attention_kernel(
     tl.store(out_ptr + o_off, out, mask=q_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_split_kernel(
     q_ptr, cache_ptr, part_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr,
     scale, softcap, window, heads,
@@ -247,13 +256,18 @@ INTERPRETER_SMS = 16
 
 
 def decode_num_splits(batch: int, kv_heads: int, max_context: int, block_n: int, sms: int) -> int:
-    """KV ranges per (sequence, KV head) of a decode step: enough programs to give each SM
-    one, but every range at least 2 * block_n of the longest possible context
-    (block_tables.shape[1] * block_size). Only shapes go in, never seq_lens values, so a
-    CUDA graph captured with the result stays right for any lengths."""
+    """KV ranges per (sequence, KV head) of a decode step: at most enough programs to give
+    each SM one, every range at least 2 * block_n of the longest possible context
+    (block_tables.shape[1] * block_size), and at most MAX_SPLITS; that count rounded down
+    to a power of two (1, 2, 4, 8 or 16). NUM_SPLITS is a constexpr, so each distinct count
+    is a compiled variant: rounded, the eager decode steps of a run (batch and table width
+    change from step to step) compile at most five instead of up to sixteen. Only shapes go
+    in, never seq_lens values, so a CUDA graph captured with the result stays right for any
+    lengths."""
     fill = sms // max(batch * kv_heads, 1)  # 0 or 1: the plain grid already fills the GPU
     long_enough = max_context // (2 * block_n)
-    return max(1, min(MAX_SPLITS, fill, long_enough))
+    splits = max(1, min(MAX_SPLITS, fill, long_enough))
+    return 1 << (splits.bit_length() - 1)  # the largest power of two <= splits
 
 
 @functools.cache
