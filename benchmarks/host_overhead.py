@@ -81,14 +81,15 @@ def build_engine(args):
     cfg = shape_config("tiny")
     cfg["vocab_size"] = args.vocab
     folder = write_folder(Path(tempfile.mkdtemp(prefix="tokenmill-host-")) / "m", cfg)
-    max_len = args.prompt_tokens + args.out_tokens + 16
+    needed = args.prompt_tokens + args.out_tokens + 16
+    max_len = max(args.max_model_len or needed, needed)
     loaded = build_tokenmill(folder, cfg, torch.device("cpu"), torch.float32, max_len)
     null = NullModel(loaded.model, cfg["hidden_size"], max(8192, args.seqs * 4))
     loaded = dataclasses.replace(loaded, model=null)
     config = EngineConfig(
         model=str(folder), dtype="float32", device="cpu", max_model_len=max_len,
         max_num_seqs=args.seqs, max_num_batched_tokens=8192, enable_prefix_caching=args.prefix_caching,
-        num_kv_blocks=args.seqs * -(-max_len // 16) + 1,
+        num_kv_blocks=args.seqs * -(-needed // 16) + 1,
     )  # fmt: skip
     engine = LLMEngine(config, loaded)
     runner = engine.runner
@@ -129,6 +130,9 @@ def main() -> None:
     ap.add_argument("--out-tokens", type=int, default=64, help="output tokens per request (default 64)")
     ap.add_argument("--vocab", type=int, default=32000, help="vocabulary of the null model (default 32000)")
     ap.add_argument("--eager", dest="padded", action="store_false", help="eager input path, not the padded (CUDA-graph) one")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="engine max_model_len: the padded path's block-table width (default: just enough; "
+                         "131072 is Llama 3's own limit, what a server gets by default)")
     ap.add_argument("--prefix-caching", action="store_true", help="turn the prefix cache on (off by default, as gpu_suite)")
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the decode steps")
     args = ap.parse_args()

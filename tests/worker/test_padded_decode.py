@@ -238,7 +238,7 @@ def test_buffers_are_rewritten_between_buckets(llm):
         [40 * BS + 2],
         [3],
     )
-    assert v.tables[0, :2].tolist() == [40, 0]
+    assert v.tables[0, :1].tolist() == [40]  # only used columns are written: [0, 1] is stale
     two = (seq([1, 2], (50,)), seq([3, 3, 3, 3, 3], (60, 61)))
     decode.run(two)
     v = decode._views(2)
@@ -266,3 +266,21 @@ def test_failed_capture_falls_back_to_eager(llm, monkeypatch):
         llm.engine.runner = old
     assert_same(padded, eager)
     assert decode.disabled and not decode.graphs and sizes == [5]  # then unpadded
+
+
+def test_upload_sends_only_used_table_columns_at_aligned_offsets(llm, monkeypatch):
+    """The packed copy holds the real rows' used block-table columns, not [N, W] (W =
+    max_model_len / block_size), and every section the kernels read is 16-byte aligned."""
+    old = llm.engine.runner
+    decode = PaddedDecode(old.model, old.kv_caches, BS, MAX_MODEL_LEN, 8, old.device,
+                          PadSkippingBackend(), capture=False)  # fmt: skip
+    sent: list[int] = []
+    send = decode.staging.send
+    monkeypatch.setattr(decode.staging, "send", lambda host, out=None: sent.append(host.size) or send(host, out))
+    three = (seq([1, 2, 3, 4, 5, 6], (10, 11)), seq([7, 8], (20,)), seq([9] * 9, (30, 31, 32)))
+    decode.run(three)  # bucket 4: ids, pos, slots, lens 4 each, qsl 5 (+1 to align), 3 x 3 table
+    assert sent == [4 * 4 + 6 + 10] and decode.width == MAX_MODEL_LEN // BS == 16
+    for n in decode.buckets:
+        v = decode._views(n)
+        for t in (v.input_ids, v.positions, v.slots, v.seq_lens, v.qsl, v.tables):
+            assert t.data_ptr() % 16 == 0

@@ -44,6 +44,12 @@ def test_packed_inputs_match_metadata_build():
     assert meta.query_start_loc == ref.query_start_loc == (0, 9, 10, 13)
     assert meta.seq_lens == ref.seq_lens
     assert meta.first_block_if_contiguous == ref.first_block_if_contiguous == (7, None, 2)
+    # 13 tokens, 3 sequences: odd section sizes, yet every view starts 16-byte aligned (as
+    # the packed vector's start is), so Triton builds one variant, not one per parity.
+    base = inputs.input_ids.data_ptr()
+    views = (inputs.positions, meta.slot_mapping, meta.seq_lens_tensor,
+             meta.query_start_loc_tensor, meta.block_tables)  # fmt: skip
+    assert all((v.data_ptr() - base) % 16 == 0 for v in views)
     for name in ("query_start_loc_tensor",):
         if hasattr(ref, name):  # present once the attention backends add it
             assert torch.equal(getattr(meta, name), getattr(ref, name))

@@ -31,6 +31,7 @@ from tokenmill.worker.inputs import (
     PinnedStaging,
     fill_block_tables,
     known_tokens,
+    packed_numel,
     sections,
 )
 
@@ -60,7 +61,8 @@ def wants_cuda_graphs(device: torch.device, backend: object, enforce_eager: bool
 
 @dataclass(frozen=True)
 class _Views:
-    """Bucket N's static inputs: views of the shared flat buffer (fixed addresses)."""
+    """Bucket N's static inputs (fixed addresses): views of the shared flat buffer, and the
+    first N rows of the static block tables."""
 
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
@@ -68,7 +70,6 @@ class _Views:
     seq_lens: torch.Tensor  # [N]
     qsl: torch.Tensor  # [N + 1]: 0..N, one token per row
     tables: torch.Tensor  # [N, W]
-    numel: int  # elements of the flat buffer that bucket N uses
 
 
 class PaddedDecode:
@@ -95,10 +96,18 @@ class PaddedDecode:
         self.capture = capture
         self.staging = PinnedStaging(device)
         n = self.buckets[-1]
-        # [ids N | pos N | slots N | seq_lens N | qsl N+1 | tables N*W] for the largest N;
-        # smaller buckets use a prefix laid out the same way, followed by the rows of the
-        # pending tokens and their sources (2 x at most N, read before the replay).
-        self.flat = torch.zeros(n * (7 + self.width) + 1, dtype=torch.int64, device=device)
+        # Bucket N's step arrives as one packed copy (``inputs.sections``):
+        # [ids N | pos N | slots N | seq_lens N | qsl N+1] land in place in ``flat``, where
+        # the graph reads them; then the used columns of the real rows' block tables
+        # [B, W_used] and the pending tokens' rows (2 x at most N) land after them and are
+        # moved on the device before the replay: the tables into ``tables`` [N, W].
+        self.flat = torch.zeros(
+            packed_numel(self._head_sizes(n)) + packed_numel([n * self.width, n, n]),
+            dtype=torch.int64, device=device,
+        )  # fmt: skip
+        self.tables = torch.zeros((n, self.width), dtype=torch.int64, device=device)
+        """Static block tables. Only the columns a step uses are written: entries past a
+        row's length (or in a padding row) may be stale, and no kernel reads them."""
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         """Bucket -> the graph's hidden output [N, hidden] (rewritten by every replay)."""
@@ -160,36 +169,44 @@ class PaddedDecode:
         tables: BlockTableArray | None,
         pending: PendingTokens | None,
     ) -> None:
-        """Bucket n's packed inputs to the static buffer: real rows, then padding rows;
-        pending input tokens are filled in on the device, before the replay."""
-        b, w, bs = len(seqs), self.width, self.block_size
+        """Bucket n's packed inputs to the static buffers: real rows, then padding rows;
+        pending input tokens are filled in on the device, before the replay. Only the
+        block-table columns the step uses go up: with max_model_len 131072 the full
+        [256, 8192] tables would be 16.8 MB a step."""
+        b, bs = len(seqs), self.block_size
+        used = max((len(s.block_table) for s in seqs), default=0)
         k = len(pending.seqs) if pending is not None else 0
-        numel = n * (5 + w) + 1
-        host = self.staging.host(numel + 2 * k)
-        parts = sections(host, [n, n, n, n, n + 1, n * w, k])
-        ids, pos, slots, lens, qsl, flat_tables, token_rows, src_rows = parts
-        host[: 4 * n] = 0  # ids, positions, slots, lengths of the padding rows
+        sizes = [*self._head_sizes(n), b * used, k, k]
+        host = self.staging.host(packed_numel(sizes))
+        ids, pos, slots, lens, qsl, flat_tables, token_rows, src_rows = sections(host, sizes)
+        for part in (ids, pos, lens):
+            part[b:] = 0  # padding rows: token 0 at position 0, context 0
         ids[:b] = [known_tokens(s)[0] for s in seqs]
         pos[:b] = np.fromiter((s.start for s in seqs), np.int64, b)
         lens[:b] = pos[:b] + 1
         qsl[:] = np.arange(n + 1)
-        table = flat_tables.reshape(n, w)
-        fill_block_tables(seqs, tables, table[:b])
-        table[b:] = 0
+        table = flat_tables.reshape(b, used)
+        fill_block_tables(seqs, tables, table)
         slots[:b] = table[np.arange(b), pos[:b] // bs] * bs + pos[:b] % bs
         slots[b:] = PAD_SLOT
         if pending is not None:
             token_rows[:] = pending.seqs  # one token per row: the row is the sequence
             src_rows[:] = pending.rows
-        flat = self.staging.send(host, out=self.flat[: numel + 2 * k])
+        flat = self.staging.send(host, out=self.flat[: host.shape[0]])
+        *_, tables_d, rows_d, src_d = sections(flat, sizes)
+        if used:
+            self.tables[:b, :used].copy_(tables_d.view(b, used))
         if pending is not None:
-            pending.fill(flat[:n], flat[numel : numel + k], flat[numel + k :])
+            pending.fill(flat[:n], rows_d, src_d)
+
+    @staticmethod
+    def _head_sizes(n: int) -> list[int]:
+        """Sections of bucket n's inputs read in place: ids, positions, slots, lengths, qsl."""
+        return [n, n, n, n, n + 1]
 
     def _views(self, n: int) -> _Views:
-        w = self.width
-        parts = self.flat[: n * (5 + w) + 1].split([n, n, n, n, n + 1, n * w])
-        ids, pos, slots, lens, qsl, tables = parts
-        return _Views(ids, pos, slots, lens, qsl, tables.view(n, w), n * (5 + w) + 1)
+        ids, pos, slots, lens, qsl = sections(self.flat, self._head_sizes(n))
+        return _Views(ids, pos, slots, lens, qsl, self.tables[:n])
 
     def _ctx(self, views: _Views, seq_lens: tuple[int, ...]) -> ForwardContext:
         n = views.input_ids.numel()
