@@ -35,7 +35,7 @@ def test_prompt_chunk_without_sampling_still_waits_for_its_logprobs(tiny_llama_d
         sched = engine.scheduler.schedule()
         assert [s.samples for s in sched.seqs] == [False]  # the first 4 of 12 prompt tokens
         step = runner.launch(sched)
-        assert step.ids is not None and FakeEvent.log == ["record"]
+        assert step.ids is None and step.done is not None and FakeEvent.log == ["record"]
         out = runner.collect(step)
         assert FakeEvent.log == ["record", "synchronize"]
         start, entries = out.prompt_logprobs[rid]
@@ -55,7 +55,8 @@ def test_a_step_that_copies_nothing_records_no_event(tiny_llama_dir, monkeypatch
         FakeEvent.log = []
         rid = engine.add_request(list(range(10, 22)), SamplingParams(max_tokens=2))
         step = runner.launch(engine.scheduler.schedule())
-        assert step.ids is None and runner.collect(step).sampled == {} and FakeEvent.log == []
+        assert step.ids is None and step.done is None
+        assert runner.collect(step).sampled == {} and FakeEvent.log == []
         engine.abort(rid)
     finally:
         llm.close()

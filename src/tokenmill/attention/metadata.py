@@ -92,13 +92,13 @@ class AttentionMetadata:
             block_size=block_size,
             seq_lens_tensor=torch.tensor(seq_lens, dtype=torch.int64, device=device),
             first_block_if_contiguous=tuple(
-                first_if_contiguous(t, -(-s // block_size)) for t, s in zip(block_tables, seq_lens)
+                _first_if_contiguous(t, -(-s // block_size)) for t, s in zip(block_tables, seq_lens)
             ),
             query_start_loc_tensor=torch.tensor(qsl, dtype=torch.int64, device=device),
         )
 
 
-def first_if_contiguous(table: Sequence[int], used: int) -> int | None:
+def _first_if_contiguous(table: Sequence[int], used: int) -> int | None:
     """The first block id when blocks 0..used-1 are consecutive ids (the context is then a
     view of the cache), else None."""
     if used == 0 or table[used - 1] - table[0] != used - 1:

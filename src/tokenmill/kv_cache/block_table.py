@@ -48,10 +48,6 @@ class BlockTableArray:
             self.array = grown
         self.array[row, start:end] = blocks
 
-    def truncate(self, row: int, length: int) -> None:
-        """Zero the entries of ``row`` from ``length`` on (blocks given back)."""
-        self.array[row, length:] = 0
-
     def gather(self, rows: Sequence[int], out: np.ndarray) -> None:
         """out [len(rows), W] := the first W entries of each row (zeros past the array)."""
         width = min(out.shape[1], self.width)

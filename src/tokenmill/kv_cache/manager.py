@@ -116,7 +116,7 @@ class KVCacheManager:
 
         All or nothing: returns False, changing nothing, when too few blocks are free.
         """
-        seq = self._seqs.get(request_id) or self._seq(request_id)
+        seq = self._seq(request_id)
         need = blocks_needed(num_tokens, self.block_size) - len(seq.table)
         if need <= 0:
             return True

@@ -2,9 +2,9 @@
 sampled ids down.
 
 On CUDA both directions go through pinned host buffers: the input copy is queued with
-``non_blocking`` (the host goes on while it runs) and the step's one wait is the
-synchronize after the sampled ids are queued back. On CPU the same calls build plain
-tensors, exactly as before.
+``non_blocking`` (the host goes on while it runs) and the step's one wait is for the
+event recorded after its copies back (``record_event``). On CPU the same calls build
+plain tensors.
 """
 
 from __future__ import annotations
@@ -79,12 +79,12 @@ def fill_block_tables(
 
 
 class HostIds:
-    """The step's device-to-host point: sampled ids [N] int64 -> list[int], in two halves.
+    """Where a step's sampled ids [N] int64 come back to the host.
 
-    ``start`` queues the copy (on CUDA into one of two pinned buffers, non-blocking, and
-    records an event); ``wait`` waits for that event only, so a step launched after it
-    keeps the device busy meanwhile. Two buffers: the copy of the step in flight never
-    overwrites the one being read.
+    ``copy`` queues the copy: on CUDA into one of two pinned buffers, non-blocking (the
+    caller records the step's event after all its copies and waits on that, not on the
+    stream, so a step launched after it keeps the device busy). Two buffers: the copy of
+    the step in flight never overwrites the one being read. On CPU the ids are returned.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -92,25 +92,25 @@ class HostIds:
         self._hosts = [torch.empty(0, dtype=torch.int64) for _ in range(2)]
         self._turn = 0
 
-    def start(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def copy(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids on the device -> the host tensor they land in (read after the step's event)."""
         if not self.pinned:
-            return ids, None
+            return ids
         n = ids.numel()
         self._turn ^= 1
         if n > self._hosts[self._turn].numel():
             self._hosts[self._turn] = torch.empty(max(n, 1024), dtype=torch.int64, pin_memory=True)
         host = self._hosts[self._turn][:n]
         host.copy_(ids, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return host, done
+        return host
 
-    @staticmethod
-    def wait(started: tuple[torch.Tensor, torch.cuda.Event | None]) -> list[int]:
-        host, done = started
-        if done is not None:
-            done.synchronize()
-        return host.tolist()
+
+def record_event() -> torch.cuda.Event:
+    """An event recorded now on the current stream: passed once everything queued so far
+    (the step's kernels and its copies to the host) has run."""
+    done = torch.cuda.Event()
+    done.record()
+    return done
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ def _first_if_contiguous(
     table: np.ndarray, lens: np.ndarray, block_size: int
 ) -> tuple[int | None, ...]:
     """Per row of table [B, W]: its first block id when the blocks its lens[i] tokens use
-    are consecutive ids, else None (``attention.metadata.first_if_contiguous``, batched)."""
+    are consecutive ids, else None (``attention.metadata._first_if_contiguous``, batched)."""
     used = -(-lens // block_size)  # [B]
     j = np.arange(table.shape[1])
     beyond = j[None, :] >= used[:, None]

@@ -20,7 +20,13 @@ from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
 from tokenmill.sampling.logits_processors import upload
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.worker.cuda_graphs import PaddedDecode, wants_cuda_graphs
-from tokenmill.worker.inputs import HostIds, PendingTokens, PinnedStaging, build_step_inputs
+from tokenmill.worker.inputs import (
+    HostIds,
+    PendingTokens,
+    PinnedStaging,
+    build_step_inputs,
+    record_event,
+)
 
 
 @dataclass(frozen=True)
@@ -38,9 +44,11 @@ class LaunchedStep:
     """A step queued on the device (``ModelRunner.launch``), not yet waited for."""
 
     sample_seqs: list[ScheduledSeq]
-    ids: tuple[torch.Tensor, torch.cuda.Event | None] | None
-    """The sampled ids' copy to the host in flight (``HostIds.start``), whose event also
-    covers the logprob copies queued before it; None: nothing sampled or copied."""
+    ids: torch.Tensor | None
+    """The sampled ids [S] on their way to the host (``HostIds.copy``); None: none sampled."""
+    done: torch.cuda.Event | None
+    """On CUDA, recorded after every copy to the host the step queued (ids, logprobs,
+    prompt logprobs): what ``collect`` waits for. None: nothing copied, or CPU."""
     logprobs: LogprobsTensors | None
     prompt_logprobs: dict[str, tuple[int, list[int], LogprobsTensors]]
 
@@ -102,16 +110,15 @@ class ModelRunner:
         sampled_rows = [qsl[i + 1] - 1 for i, s in enumerate(sched.seqs) if s.samples]
         sampled, lp = self._sample(sample_seqs, sampled_rows, hidden) if sample_seqs else (None, None)
         prompt_lp = self._prompt_logprobs(sched.seqs, qsl, hidden)
-        if self.host_ids.pinned:  # queued before the ids' event, so collect's wait covers them
+        pinned = self.host_ids.pinned
+        if pinned:  # queued before the step's event, so collect's wait covers them
             lp = _copy_to_host(lp)
             prompt_lp = {r: (a, t, _copy_to_host(x)) for r, (a, t, x) in prompt_lp.items()}
         self._last_sampled = None if sampled is None else (sampled, sample_seqs)
-        if sampled is None and prompt_lp and self.host_ids.pinned:
-            # Nothing sampled (prompt chunks only), but prompt logprobs are on their way to
-            # the host: an empty ids copy records the event that collect waits for.
-            sampled = torch.empty(0, dtype=torch.int64, device=hidden.device)
-        ids = self.host_ids.start(sampled) if sampled is not None else None
-        return LaunchedStep(sample_seqs, ids, lp, prompt_lp)
+        ids = self.host_ids.copy(sampled) if sampled is not None else None
+        # A step of prompt chunks samples nothing, yet may copy prompt logprobs back.
+        done = record_event() if pinned and (ids is not None or prompt_lp) else None
+        return LaunchedStep(sample_seqs, ids, done, lp, prompt_lp)
 
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, tuple[int, ...]]:
         """hidden [T, hidden] of the step's tokens and the query offsets (B+1) of its
@@ -138,8 +145,10 @@ class ModelRunner:
         return out.token_ids, out.logprobs
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
-        """Wait for a launched step's sampled ids (the step's one synchronisation)."""
-        token_list = self.host_ids.wait(step.ids) if step.ids is not None else []
+        """Wait for a launched step's copies to the host (the step's one synchronisation)."""
+        if step.done is not None:
+            step.done.synchronize()
+        token_list = step.ids.tolist() if step.ids is not None else []
         return _to_host(step.sample_seqs, token_list, step.logprobs, step.prompt_logprobs)
 
     def _pending_tokens(self, seqs: tuple[ScheduledSeq, ...]) -> PendingTokens | None:
@@ -224,8 +233,8 @@ def _copy_to_host(lp: LogprobsTensors | None) -> LogprobsTensors | None:
 
 
 def _to_host(sample_seqs, token_list: list[int], lp, prompt_lp) -> ModelRunnerOutput:
-    """Host-side outputs once the sampled ids are on the host (``HostIds.wait``, the step's
-    synchronisation point); logprob tensors, when asked for, are read after it."""
+    """Host-side outputs once the step's copies are on the host (``LaunchedStep.done``, the
+    step's synchronisation point)."""
     ids = [s.request.request_id for s in sample_seqs]
     logprobs: dict[str, TokenLogprobs] = {}
     if lp is not None:
