@@ -79,7 +79,11 @@ def record_launches() -> Iterator[Recorder]:
         KernelInterface.__getitem__ = original
 
 
-def specialize(launch: Launch) -> tuple[dict, dict, dict, dict]:
+Variant = tuple[dict, dict, dict, dict]
+"""(signature, constexprs, attrs, options) of one compiled variant (``specialize``)."""
+
+
+def specialize(launch: Launch) -> Variant:
     """(signature, constexprs, attrs, options) of the variant a real launch of ``launch``
     on an sm_90 GPU compiles, from Triton's own argument binder (the one ``kernel[grid]``
     runs): every constexpr; an int equal to 1 becomes a constexpr and one divisible by 16
@@ -103,10 +107,10 @@ def specialize(launch: Launch) -> tuple[dict, dict, dict, dict]:
     return signature, constexprs, attrs, options
 
 
-def specialization_key(launch: Launch) -> list[str]:
-    """The launch's variant as readable entries: ``name=value`` for a constexpr (1-valued
-    ints included), ``name:type`` plus ``/16`` for the divisibility hint."""
-    signature, constexprs, attrs, _ = specialize(launch)
+def specialization_key(variant: Variant) -> list[str]:
+    """A variant as readable entries: ``name=value`` for a constexpr (1-valued ints
+    included), ``name:type`` plus ``/16`` for the divisibility hint."""
+    signature, constexprs, attrs, _ = variant
     out = []
     for i, (name, kind) in enumerate(signature.items()):
         if kind == "constexpr":
@@ -116,13 +120,13 @@ def specialization_key(launch: Launch) -> list[str]:
     return out
 
 
-def compile_for_sm90(launch: Launch):
-    """The launch's kernel compiled for sm_90 as a real launch would specialize it
-    (``specialize``); raises what Triton raises."""
+def compile_for_sm90(launch: Launch, variant: Variant):
+    """The launch's kernel compiled for sm_90 as ``variant`` (``specialize(launch)``);
+    raises what Triton raises."""
     import triton
     from triton.compiler import ASTSource
 
-    signature, constexprs, attrs, options = specialize(launch)
+    signature, constexprs, attrs, options = variant
     source = ASTSource(launch.kernel, signature, constexprs, attrs)
     return triton.compile(source, target=_sm90(), options=options)
 
@@ -149,8 +153,9 @@ def _run_case(call) -> dict:
     try:
         with record_launches() as rec:
             call()
-        compiled = [compile_for_sm90(launch) for launch in rec.launches]
-        keys = [specialization_key(launch) for launch in rec.launches]
+        variants = [specialize(launch) for launch in rec.launches]
+        compiled = [compile_for_sm90(launch, v) for launch, v in zip(rec.launches, variants)]
+        keys = [specialization_key(v) for v in variants]
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     return {
