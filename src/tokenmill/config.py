@@ -103,7 +103,7 @@ class EngineConfig:
                 f"use one of {', '.join(BACKEND_CHOICES)}"
             )
         if self.reasoning_parser not in ("auto", "none"):
-            from tokenmill.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+            from tokenmill.parsers.reasoning import get_reasoning_parser
 
             get_reasoning_parser(self.reasoning_parser)  # raises naming the known ones
         if self.dtype != "auto" and self.dtype not in DTYPES:

@@ -12,7 +12,7 @@ from tokenmill.entrypoints.openai.structured import (
     tool_setup,
     with_tool_arguments,
 )
-from tokenmill.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
+from tokenmill.parsers.tools.forced import NamedToolParser, RequiredToolParser
 from tokenmill.structured_output import StructuredOutputsParams as Guide
 
 MSG = [{"role": "user", "content": "x"}]

@@ -17,17 +17,17 @@ from stream_check import check_every_boundary
 from stream_check import full as _full
 
 from tokenmill.entrypoints.openai.chat_output import ChatOutputParser
-from tokenmill.entrypoints.openai.reasoning_parsers import (
+from tokenmill.parsers.reasoning import (
     get_reasoning_parser,
     resolve_reasoning_parser,
 )
-from tokenmill.entrypoints.openai.tool_parsers import (
+from tokenmill.parsers.tools import (
     ToolCall,
     get_tool_parser,
     resolve_tool_parser,
 )
-from tokenmill.entrypoints.openai.tool_parsers.forced import NamedToolParser, RequiredToolParser
-from tokenmill.entrypoints.openai.tool_parsers.tolerant import TolerantToolParser
+from tokenmill.parsers.tools.forced import NamedToolParser, RequiredToolParser
+from tokenmill.parsers.tools.tolerant import TolerantToolParser
 
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {

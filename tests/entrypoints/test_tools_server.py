@@ -15,8 +15,8 @@ from stream_check import check_every_boundary
 from tokenmill.entrypoints.openai.chat_output import ChatOutputParser
 from tokenmill.entrypoints.openai.launcher import OpenAIServer
 from tokenmill.entrypoints.openai.state import ServerConfig
-from tokenmill.entrypoints.openai.tool_parsers import get_tool_parser
-from tokenmill.entrypoints.openai.tool_parsers.forced import (
+from tokenmill.parsers.tools import get_tool_parser
+from tokenmill.parsers.tools.forced import (
     NamedToolParser,
     RequiredToolParser,
     required_schema,

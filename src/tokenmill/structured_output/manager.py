@@ -37,7 +37,7 @@ from tokenmill.structured_output.state import StepResult, StructuredRequest
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
     from tokenmill.engine.request import Request
-    from tokenmill.entrypoints.openai.reasoning_parsers import ReasoningParser
+    from tokenmill.parsers.reasoning import ReasoningParser
     from tokenmill.sampling.sampler import SamplingRow
     from tokenmill.scheduler.output import SchedulerOutput
 
@@ -75,7 +75,7 @@ class StructuredOutputManager:
     @classmethod
     def from_config(cls, config: EngineConfig, tokenizer, vocab_size: int
                     ) -> StructuredOutputManager:
-        from tokenmill.entrypoints.openai.reasoning_parsers import resolve_reasoning_parser
+        from tokenmill.parsers.reasoning import resolve_reasoning_parser
 
         parser = resolve_reasoning_parser(config.reasoning_parser, tokenizer.chat_template)
         return cls(config.structured_outputs_backend, tokenizer, vocab_size, parser)

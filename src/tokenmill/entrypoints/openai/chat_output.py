@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from tokenmill.entrypoints.openai.reasoning_parsers import ReasoningParser
-from tokenmill.entrypoints.openai.tool_parsers import ToolCall, ToolParser
+from tokenmill.parsers.reasoning import ReasoningParser
+from tokenmill.parsers.tools import ToolCall, ToolParser
 
 logger = logging.getLogger(__name__)
 

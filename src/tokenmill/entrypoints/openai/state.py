@@ -40,7 +40,7 @@ class ServerConfig:
         if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
         if self.tool_call_parser != "auto":
-            from tokenmill.entrypoints.openai.tool_parsers import get_tool_parser
+            from tokenmill.parsers.tools import get_tool_parser
 
             get_tool_parser(self.tool_call_parser)
 

@@ -13,8 +13,8 @@ from typing import Any
 
 from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, SamplingRequest
-from tokenmill.entrypoints.openai.tool_parsers import ToolParser, resolve_tool_parser
-from tokenmill.entrypoints.openai.tool_parsers.forced import (
+from tokenmill.parsers.tools import ToolParser, resolve_tool_parser
+from tokenmill.parsers.tools.forced import (
     NamedToolParser,
     RequiredToolParser,
     forced_guide,

@@ -15,8 +15,8 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from tokenmill.entrypoints.openai.tool_parsers.base import ParsedTools, ToolParser
-from tokenmill.entrypoints.openai.tool_parsers.json_fallback import JsonToolParser
+from tokenmill.parsers.tools.base import ParsedTools, ToolParser
+from tokenmill.parsers.tools.json_fallback import JsonToolParser
 
 
 class TolerantToolParser(ToolParser):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tokenmill.entrypoints.openai.tool_parsers.base import (
+from tokenmill.parsers.tools.base import (
     ParsedTools,
     ToolCall,
     ToolParser,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import json
 
-from tokenmill.entrypoints.openai.tool_parsers.base import ParsedTools, ToolCall, ToolParser
+from tokenmill.parsers.tools.base import ParsedTools, ToolCall, ToolParser
 
 
 class PythonicToolParser(ToolParser):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from tokenmill.entrypoints.openai.tool_parsers.base import (
+from tokenmill.parsers.tools.base import (
     ParsedTools,
     ToolCall,
     ToolParser,

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import importlib
 
-from tokenmill.entrypoints.openai.reasoning_parsers.base import ReasoningParser, ReasoningSplit
+from tokenmill.parsers.reasoning.base import ReasoningParser, ReasoningSplit
 from tokenmill.errors import InvalidRequestError
 
-_THINK = "tokenmill.entrypoints.openai.reasoning_parsers.think"
+_THINK = "tokenmill.parsers.reasoning.think"
 REASONING_PARSERS: dict[str, tuple[str, str]] = {
     "think": (_THINK, "ThinkReasoningParser"),
     "deepseek_r1": (_THINK, "ThinkReasoningParser"),

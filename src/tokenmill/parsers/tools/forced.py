@@ -11,7 +11,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.entrypoints.openai.tool_parsers.base import (
+from tokenmill.parsers.tools.base import (
     ParsedTools,
     ToolCall,
     ToolParser,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenmill.entrypoints.openai.reasoning_parsers.base import (
+from tokenmill.parsers.reasoning.base import (
     ReasoningParser,
     ReasoningSplit,
     held_back,

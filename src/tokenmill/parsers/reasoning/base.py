@@ -11,7 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
-from tokenmill.entrypoints.openai.tool_parsers.base import held_back
+from tokenmill.parsers.tools.base import held_back
 from tokenmill.structured_output.state import ReasoningMarkers
 
 __all__ = ["ReasoningParser", "ReasoningSplit", "held_back"]

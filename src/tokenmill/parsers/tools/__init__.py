@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib
 
-from tokenmill.entrypoints.openai.tool_parsers.base import ParsedTools, ToolCall, ToolParser
+from tokenmill.parsers.tools.base import ParsedTools, ToolCall, ToolParser
 from tokenmill.errors import InvalidRequestError
 
-_PKG = "tokenmill.entrypoints.openai.tool_parsers"
+_PKG = "tokenmill.parsers.tools"
 TOOL_PARSERS: dict[str, tuple[str, str]] = {
     "hermes": (f"{_PKG}.hermes", "HermesToolParser"),
     "qwen": (f"{_PKG}.hermes", "HermesToolParser"),
@@ -45,7 +45,7 @@ def resolve_tool_parser(name: str | None, chat_template: str | None) -> type[Too
     the JSON fallback behind it, or the JSON fallback alone."""
     if name not in (None, "", "auto"):
         return get_tool_parser(name)  # type: ignore[arg-type]
-    from tokenmill.entrypoints.openai.tool_parsers.tolerant import tolerant
+    from tokenmill.parsers.tools.tolerant import tolerant
 
     for candidate in _DETECTION_ORDER:
         parser = get_tool_parser(candidate)

@@ -3,7 +3,7 @@ optionally after ``<|python_tag|>``. The whole answer is the calls, or none of i
 
 from __future__ import annotations
 
-from tokenmill.entrypoints.openai.tool_parsers.base import (
+from tokenmill.parsers.tools.base import (
     ParsedTools,
     ToolParser,
     call_from_json,

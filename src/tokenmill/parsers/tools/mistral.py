@@ -7,7 +7,7 @@ import json
 import random
 import string
 
-from tokenmill.entrypoints.openai.tool_parsers.base import (
+from tokenmill.parsers.tools.base import (
     ParsedTools,
     ToolCall,
     ToolParser,
