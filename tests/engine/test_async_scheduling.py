@@ -9,7 +9,7 @@ import pytest
 from faults import fail_launch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.engine.request import RequestStatus
+from tokenmill.scheduler.request import RequestStatus
 from tokenmill.structured_output.params import StructuredOutputsParams
 
 PROMPTS = [[(7 * i + j) % 4000 + 10 for j in range(3 + (i * 5) % 23)] for i in range(12)]

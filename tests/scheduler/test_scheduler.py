@@ -1,4 +1,4 @@
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig

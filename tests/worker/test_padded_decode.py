@@ -14,7 +14,7 @@ import torch
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import AttentionMetadata
 from tokenmill.attention.backends import REFERENCE, AttentionBackend
-from tokenmill.engine.request import Request
+from tokenmill.scheduler.request import Request
 from tokenmill.scheduler import ScheduledSeq
 from tokenmill.worker.cuda_graphs import PAD_SLOT, PaddedDecode, decode_buckets, wants_cuda_graphs
 from tokenmill.worker.model_runner import ModelRunner

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention import AttentionMetadata
-from tokenmill.engine.request import Request
+from tokenmill.scheduler.request import Request
 from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import ScheduledSeq

@@ -10,7 +10,8 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.loading import LoadedModel, kv_cache_blocks, load_model
 from tokenmill.engine.output_processor import OutputProcessor, ParentState
-from tokenmill.engine.request import Request, RequestOptions, RequestStatus
+from tokenmill.engine.request import RequestOptions
+from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.engine.validation import check_params, check_prompt, resolve_max_tokens
 from tokenmill.errors import InvalidRequestError
 from tokenmill.kv_cache import KVCacheManager

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.engine.stop_strings import StopStringMatcher
 from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind

@@ -40,7 +40,7 @@ class _Seq:
 
 class KVCacheManager:
     """Small API for the scheduler: ``get_computed_blocks``, ``allocate_slots``,
-    ``commit``, ``free``.
+    ``commit``, ``truncate``, ``free``.
 
     Invariant: a request holding b blocks can store b * block_size tokens; slot
     of token position p is ``table[p // block_size] * block_size + p % block_size``.
@@ -148,6 +148,21 @@ class KVCacheManager:
             tokens = tuple(token_ids[i * bs : (i + 1) * bs])
             self.pool.commit(seq.table[i], CachedBlock(seq.hashes[i], tokens, parent))
         seq.committed = full
+
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Roll a request back to its first ``num_tokens`` tokens: blocks past them return
+        to the pool (rejected draft tokens). Committed blocks are never dropped: they hold
+        only accepted tokens, which a rollback keeps."""
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            return
+        keep = max(blocks_needed(num_tokens, self.block_size), seq.committed)
+        if keep >= len(seq.table):
+            return
+        dropped = seq.table[keep:]
+        del seq.table[keep:]
+        self.tables.write(seq.row, keep, [0] * len(dropped))
+        self.pool.release(dropped)
 
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids (the live list: read it, do not keep it)."""

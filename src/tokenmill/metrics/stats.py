@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tokenmill.engine.request import Request
+    from tokenmill.scheduler.request import Request
     from tokenmill.scheduler.output import SchedulerOutput
 
 # Bucket upper bounds in seconds (vLLM's).

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenmill.engine.request import Request
+from tokenmill.scheduler.request import Request
 from tokenmill.kv_cache.block_table import BlockTableArray
 
 

@@ -16,7 +16,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.scheduler.output import ScheduledSeq, SchedulerOutput
 

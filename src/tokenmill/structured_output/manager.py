@@ -36,7 +36,7 @@ from tokenmill.structured_output.state import StepResult, StructuredRequest
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
-    from tokenmill.engine.request import Request
+    from tokenmill.scheduler.request import Request
     from tokenmill.parsers.reasoning import ReasoningParser
     from tokenmill.sampling.sampler import SamplingRow
     from tokenmill.scheduler.output import SchedulerOutput

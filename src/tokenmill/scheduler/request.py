@@ -1,0 +1,132 @@
+"""One request's mutable state, owned by the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from tokenmill.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenmill.structured_output.state import StructuredRequest
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "cancelled"
+    FINISHED_ERROR = "error"
+
+    @property
+    def is_finished(self) -> bool:
+        # Identity tests: read several times per request per step, a tuple lookup cost 0.5 us.
+        return self is not RequestStatus.WAITING and self is not RequestStatus.RUNNING
+
+
+_WAITING, _RUNNING = RequestStatus.WAITING, RequestStatus.RUNNING
+
+
+@dataclass(eq=False)
+class Request:
+    """Progress is counted in tokens: ``num_computed_tokens`` catches up to ``num_tokens``.
+
+    One rule covers prefill, chunked prefill and decode: each step computes some
+    of the tokens not yet in the KV cache, and when it reaches the end a new
+    token is sampled. Preemption resets ``num_computed_tokens`` to 0 (recompute).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    """Resolved output budget: params.max_tokens, or what is left of max_model_len."""
+    eos_token_ids: frozenset[int]
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    generator: torch.Generator | None = None
+    """The request's own RNG when params.seed is set (on the logits' device)."""
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    priority: int = 0
+    """Lower runs first; FCFS within a priority."""
+    cache_key: bytes = b""
+    """Extra prefix-cache key (tenant salt): blocks are shared only between equal keys."""
+    reuse_context: bool = True
+    """Read cached KV of earlier requests (False: compute the whole prompt)."""
+    cache_generated_tokens: bool = True
+    """Commit generated tokens' KV to the prefix cache too (False: the prompt only)."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at first admission."""
+    arrival_index: int = 0
+    """Admission order tiebreak, set by the scheduler."""
+    structured: StructuredRequest | None = None
+    """Grammar state when params.structured_outputs is set (``structured_output/``)."""
+    num_pending: int = 0
+    """Tokens scheduled steps sample that are not appended yet. 0 or 1 between steps;
+    2 for a moment with asynchronous scheduling, which schedules (and launches) the next
+    step before the one in flight has returned its token."""
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Known tokens plus those a step in flight is sampling: what the KV cache will
+        hold once all of them are computed."""
+        return len(self.all_token_ids) + self.num_pending
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Scheduling order: priority, then arrival."""
+        return (self.priority, self.arrival_index)
+
+    @property
+    def cacheable_tokens(self) -> list[int]:
+        """Tokens whose KV may go to the prefix cache."""
+        return self.all_token_ids if self.cache_generated_tokens else self.prompt_token_ids
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        status = self.status
+        return status is not _WAITING and status is not _RUNNING  # RequestStatus.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        """A sampled token has arrived (it was pending)."""
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.num_pending -= 1
+
+    def check_stop(self, max_model_len: int) -> RequestStatus | None:
+        """Token-level stop conditions after appending a token (stop strings come later)."""
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.params.min_tokens:
+            if last in self.eos_token_ids and not self.params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if last in (self.params.stop_token_ids or ()):
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
