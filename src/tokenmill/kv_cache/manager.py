@@ -164,6 +164,10 @@ class KVCacheManager:
         self.tables.write(seq.row, keep, [0] * len(dropped))
         self.pool.release(dropped)
 
+    def state_slot(self, request_id: str) -> int:
+        """Paged layers only: no request holds a state slot (see ``coordinator.py``)."""
+        return -1
+
     def block_table(self, request_id: str) -> list[int]:
         """The request's block ids (the live list: read it, do not keep it)."""
         seq = self._seqs.get(request_id)

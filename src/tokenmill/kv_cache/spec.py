@@ -1,0 +1,133 @@
+"""What cache each layer needs: one small frozen spec per layer, declared by the model.
+
+A model's ``cache_specs()`` gives one spec per layer, derived from its config. The
+coordinator (``coordinator.py``) groups the layers by spec, sizes one manager per group
+and allocates the tensors (``allocate_caches``):
+
+- ``FullAttention`` / ``SlidingWindow``: paged K/V, a tensor ``[2, num_blocks, block_size,
+  kv_heads, head_dim]`` per layer; the blocks of a request are listed in its block table.
+- ``RecurrentState``: one fixed slot per live request, a tensor ``[num_slots, *shape]`` per
+  layer (a state-space or linear-recurrent layer's state after the request's computed
+  tokens).
+- ``CrossAttention``: one fixed slot per request holding the encoder's K/V,
+  ``[num_slots, 2, max_source_len, kv_heads, head_dim]`` (no model uses it yet).
+- ``NoCache``: nothing (an MLP-only or pooling layer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class FullAttention:
+    """Causal self-attention over every earlier token: paged K/V blocks."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    paged = True
+    reuses_prefix = True
+    """Blocks of a shared prefix hold the same K/V for every request: prefix caching works."""
+
+    def page_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def page_key(self) -> tuple:
+        """Specs with equal keys can share one block table (one paged manager)."""
+        return (self.num_kv_heads, self.head_dim, self.dtype)
+
+
+@dataclass(frozen=True)
+class SlidingWindow(FullAttention):
+    """Self-attention over the last ``window`` tokens only. It shares the full-attention
+    layers' block table when the page shapes agree (the window is a mask at attention time;
+    blocks that fell out of every window are not freed early)."""
+
+    window: int = 0
+
+
+@dataclass(frozen=True)
+class RecurrentState:
+    """A fixed-size state per request, updated token by token (h = f(h, x)). It can not be
+    rebuilt from a cached prefix of blocks, nor rolled back to an earlier token."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    paged = False
+    reuses_prefix = False
+
+    def slot_shape(self, num_slots: int) -> tuple[int, ...]:
+        return (num_slots, *self.shape)
+
+
+@dataclass(frozen=True)
+class CrossAttention:
+    """Attention over an encoder's output (speech, images): a fixed slot per request with
+    the encoder K/V of up to ``max_source_len`` positions, written once at admission."""
+
+    num_kv_heads: int
+    head_dim: int
+    max_source_len: int
+    dtype: torch.dtype
+
+    paged = False
+    reuses_prefix = False
+
+    def slot_shape(self, num_slots: int) -> tuple[int, ...]:
+        return (num_slots, 2, self.max_source_len, self.num_kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class NoCache:
+    """A layer that keeps nothing between steps."""
+
+    paged = False
+    reuses_prefix = True
+
+
+CacheSpec = FullAttention | SlidingWindow | RecurrentState | CrossAttention | NoCache
+"""One layer's cache kind with its shape and dtype."""
+
+
+def uses_slots(spec: CacheSpec) -> bool:
+    """A fixed slot per request (recurrent state, cross-attention), not paged blocks."""
+    return isinstance(spec, (RecurrentState, CrossAttention))
+
+
+def allocate_caches(
+    specs: Sequence[CacheSpec],
+    num_blocks: int,
+    block_size: int,
+    num_slots: int,
+    device: torch.device | str,
+) -> list[torch.Tensor | None]:
+    """One zeroed tensor per layer (None for ``NoCache``): pages for attention layers,
+    slots for the others. Zeroed, not empty: padded positions are masked but still
+    multiplied by 0."""
+    caches: list[torch.Tensor | None] = []
+    for spec in specs:
+        if isinstance(spec, FullAttention):
+            shape = spec.page_shape(num_blocks, block_size)
+        elif uses_slots(spec):
+            shape = spec.slot_shape(num_slots)
+        else:
+            caches.append(None)
+            continue
+        caches.append(torch.zeros(shape, dtype=spec.dtype, device=device))
+    return caches
+
+
+def bytes_per_block(specs: Sequence[CacheSpec], block_size: int) -> int:
+    """Bytes one block id costs over all paged layers (what sizes the block pool)."""
+    total = 0
+    for spec in specs:
+        if isinstance(spec, FullAttention):
+            elem = torch.empty((), dtype=spec.dtype).element_size()
+            total += 2 * block_size * spec.num_kv_heads * spec.head_dim * elem
+    return total
