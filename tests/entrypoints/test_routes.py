@@ -112,5 +112,5 @@ def test_server_keeps_serving_after_errors(http):
 def test_n_above_the_limit_names_the_field(http):
     for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
                         ("/v1/completions", {"prompt": "x"})):
-        r = http.post(route, json={**body, "n": 129, "max_tokens": 1})
+        r = http.post(route, json={**body, "model": MODEL, "n": 129, "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text

@@ -72,9 +72,9 @@ def cli_server(tiny_llama_dir):
 
 
 ROUTES = [("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/version", None),
-          ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                                            "max_tokens": 1}),
-          ("POST", "/v1/completions", {"prompt": "x", "max_tokens": 1}),
+          ("POST", "/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
+                                            "messages": [{"role": "user", "content": "x"}]}),
+          ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}),
           ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
           ("POST", "/reset_prefix_cache", None), ("GET", "/no-such-route", None)]
 

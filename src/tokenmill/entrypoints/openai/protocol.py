@@ -5,17 +5,38 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+SYSTEM_FINGERPRINT = "tokenmill"
+"""OpenAI's ``system_fingerprint``: which backend configuration answered."""
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority")
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+def answered_tier(asked: str | None) -> str | None:
+    """The ``service_tier`` a response reports: the one asked for ("auto" is "default")."""
+    return "default" if asked == "auto" else asked
+
+
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class OmitNone(OpenAIModel):
+    """Fields named in ``omit_if_none`` are left out when None: OpenAI's schema wants an
+    array or an object there, or nothing (``"tool_calls": null`` fails strict validators)."""
+
+    omit_if_none: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items()
+                if v is not None or k not in self.omit_if_none}
 
 
 # -- requests -------------------------------------------------------------------------
@@ -42,6 +63,8 @@ class SamplingRequest(OpenAIModel):
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    """Accepted and echoed back ("auto" answers "default"): there is one tier here."""
     # vLLM's extra sampling fields
     top_k: int | None = None
     min_p: float | None = None
@@ -122,19 +145,32 @@ class DetokenizeRequest(OpenAIModel):
 # -- responses ------------------------------------------------------------------------
 class PromptTokensDetails(OpenAIModel):
     cached_tokens: int = 0
+    audio_tokens: int = 0
+
+
+class CompletionTokensDetails(OpenAIModel):
+    reasoning_tokens: int = 0
+    audio_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
 
 
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
-    prompt_tokens_details: PromptTokensDetails | None = None
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(
+        default_factory=CompletionTokensDetails)
 
     @classmethod
-    def of(cls, prompt: int, completion: int, cached: int = 0) -> UsageInfo:
+    def of(cls, prompt: int, completion: int, cached: int = 0, reasoning: int = 0
+           ) -> UsageInfo:
         return cls(prompt_tokens=prompt, completion_tokens=completion,
                    total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                   completion_tokens_details=CompletionTokensDetails(
+                       reasoning_tokens=reasoning))
 
 
 class TopLogprob(OpenAIModel):
@@ -149,12 +185,18 @@ class TokenLogprob(TopLogprob):
 
 class ChatLogprobs(OpenAIModel):
     content: list[TokenLogprob] | None = None
+    refusal: list[TokenLogprob] | None = None
 
 
-class ChatMessage(OpenAIModel):
+class ChatMessage(OmitNone):
+    omit_if_none = frozenset({"reasoning_content", "tool_calls"})
+
     role: str = "assistant"
     content: str | None = None
+    refusal: str | None = None
+    """Required by OpenAI's schema (nullable); this server never refuses."""
     reasoning_content: str | None = None
+    """vLLM's extra: the reasoning parser's text (left out when there is none)."""
     tool_calls: list[dict[str, Any]] | None = None
     """[{"id", "type": "function", "function": {"name", "arguments": JSON text}}]."""
 
@@ -167,10 +209,15 @@ class ChatChoice(OpenAIModel):
     stop_reason: int | str | None = None
 
 
-class _Response(OpenAIModel):
+class _Response(OmitNone):
+    omit_if_none = frozenset({"service_tier"})
+
     id: str
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str = SYSTEM_FINGERPRINT
+    service_tier: str | None = None
+    """Echoed when the request named one (left out otherwise)."""
 
 
 class PromptLogprob(OpenAIModel):
@@ -191,7 +238,7 @@ class ChatCompletionResponse(_Response):
 
 
 class DeltaMessage(OpenAIModel):
-    role: str | None = None
+    role: Literal["assistant"] | None = None
     content: str | None = None
     reasoning_content: str | None = None
     tool_calls: list[dict[str, Any]] | None = None

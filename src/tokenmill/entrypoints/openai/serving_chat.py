@@ -21,6 +21,7 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatMessage,
     DeltaMessage,
     UsageInfo,
+    answered_tier,
     random_id,
 )
 from tokenmill.entrypoints.openai.serving_common import (
@@ -51,7 +52,7 @@ class ChatHandler:
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         llm = self.state.require_llm()
-        self.state.check_model(req.model)
+        self.state.check_model(req.model, required=True)
         check_common(req)
         _check_supported(req)
         tokenizer = self.state.tokenizer
@@ -91,7 +92,7 @@ class ChatHandler:
         except BaseException:
             stream.close()
             raise
-        reply = _Reply(rid, self.state.model_name, req, top_n, echo, parser)
+        reply = _Reply(rid, self.state.model_name, req, top_n, echo, parser, tokenizer)
         if req.stream:
             return StreamingResponse(reply.stream(first, stream), media_type="text/event-stream")
         return JSONResponse(reply.full(first).model_dump())
@@ -140,8 +141,9 @@ class _Reply:
     """Builds the response or the SSE chunks of one chat request."""
 
     def __init__(self, rid: str, model: str, req: ChatCompletionRequest, top_n: int | None,
-                 echo: str, parser: ChatOutputParser) -> None:
+                 echo: str, parser: ChatOutputParser, tokenizer) -> None:
         self.parser = parser
+        self.tokenizer = tokenizer
         self.rid = rid
         self.model = model
         self.req = req
@@ -156,8 +158,12 @@ class _Reply:
 
     def full(self, out: RequestOutput) -> ChatCompletionResponse:
         choices = []
+        reasoning = 0
         for c in out.outputs:
             message = self._message(c)
+            if message.reasoning_content:
+                reasoning += len(self.tokenizer.encode(message.reasoning_content,
+                                                       add_special_tokens=False))
             choices.append(ChatChoice(
                 index=c.index, message=message, logprobs=self._logprobs(c),
                 finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)),
@@ -165,7 +171,9 @@ class _Reply:
         completion = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(
             id=self.rid, created=self.created, model=self.model, choices=choices,
-            usage=UsageInfo.of(len(out.prompt_token_ids), completion, out.num_cached_tokens),
+            service_tier=answered_tier(self.req.service_tier),
+            usage=UsageInfo.of(len(out.prompt_token_ids), completion, out.num_cached_tokens,
+                               reasoning),
             prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
         )
 
@@ -182,7 +190,8 @@ class _Reply:
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
         opts = self.req.stream_options
         chunk = ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
-                                    choices=choices, usage=usage)
+                                    choices=choices, usage=usage,
+                                    service_tier=answered_tier(self.req.service_tier))
         wants_usage = opts is not None and (opts.include_usage or opts.continuous_usage_stats)
         return sse(chunk, exclude=None if wants_usage else {"usage"})
 

@@ -15,6 +15,7 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionRequest,
     CompletionResponse,
     UsageInfo,
+    answered_tier,
     random_id,
 )
 from tokenmill.entrypoints.openai.serving_common import (
@@ -44,7 +45,7 @@ class CompletionHandler:
 
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         llm = self.state.require_llm()
-        self.state.check_model(req.model)
+        self.state.check_model(req.model, required=True)
         check_common(req)
         if req.suffix is not None:
             raise bad_request("suffix (insertion) is not supported", "suffix")
@@ -150,7 +151,8 @@ class _Reply:
                     prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
                 ))
         return CompletionResponse(id=self.rid, created=self.created, model=self.model,
-                                  choices=choices, usage=self._usage(finals))
+                                  choices=choices, usage=self._usage(finals),
+                                  service_tier=answered_tier(self.req.service_tier))
 
     def _usage(self, finals: list[RequestOutput]) -> UsageInfo:
         completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
@@ -160,7 +162,8 @@ class _Reply:
     def _chunk(self, choices: list[CompletionChoiceFull], usage: UsageInfo | None) -> str:
         opts = self.req.stream_options
         chunk = CompletionResponse(id=self.rid, created=self.created, model=self.model,
-                                   choices=choices, usage=usage)
+                                   choices=choices, usage=usage,
+                                   service_tier=answered_tier(self.req.service_tier))
         wants_usage = opts is not None and (opts.include_usage or opts.continuous_usage_stats)
         return sse(chunk, exclude={"choices": {"__all__": {"prompt_logprobs"}},
                                    **({} if wants_usage else {"usage": True})})

@@ -90,7 +90,12 @@ class ServerState:
         gen = self.require_llm().engine.loaded.checkpoint.generation_config
         return SamplingParams.from_generation_config(gen) if gen else SamplingParams()
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None, required: bool = False) -> None:
+        """``required``: OpenAI's completion routes make ``model`` a required field."""
+        if not name and required:
+            raise APIError(400, f"model is required: send \"model\": {self.model_name!r} "
+                           f"(the served model ids: [{self.model_name!r}]; see GET /v1/models)",
+                           param="model", code="missing_model")
         if name and name != self.model_name:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{self.model_name!r} (see GET /v1/models)", type="not_found_error",
