@@ -13,7 +13,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.loader import Checkpoint, load_checkpoint
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
-from tokenmill.quant.plan import auto_dtype, build_plan, resolve_quantization
+from tokenmill.quant.plan import auto_dtype, build_plan, resolve_quantization, stored_float_dtype
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model_cls = resolve_model_class(ckpt.hf_config.get("architectures"))
     max_model_len = resolve_max_model_len(config, ckpt.hf_config)
     device = config.torch_device()
-    quantization = resolve_quantization(config.quantization, config.dtype, device, ckpt.format)
+    auto_hf = config.quantization == "auto" and ckpt.format == "hf"
+    stored = stored_float_dtype(ckpt) if auto_hf else None  # a 16-bit HF checkpoint stays 16-bit
+    quantization = resolve_quantization(config.quantization, config.dtype, device, ckpt.format,
+                                        stored)  # fmt: skip
     plan = build_plan(quantization, _stored_types(ckpt) if quantization == "gguf" else {})
     dtype = auto_dtype() if plan and config.dtype == "auto" else config.torch_dtype()
     tokenizer = load_tokenizer(ckpt, config.tokenizer)

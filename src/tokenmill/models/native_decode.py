@@ -2,10 +2,11 @@
 
 At one token per sequence the arithmetic of a layer is small and Python-level operations
 (~40 per layer) cost more than the matmuls. When every layer is a plain pre-norm layer
-(Llama, Mistral, Qwen2: no q/k norms, no sandwich norms, no soft-capping) with affine-group
-weights, float32 activations and the native kernels available, ``DecoderModel`` hands
-all-decode steps to ``NativeDecode``: the same float32 computation as the per-op native
-path (``RMSNorm._fast``, ``Attention._native``), one ``decode_layer`` call per layer.
+(Llama, Mistral, Qwen2: no q/k norms, no sandwich norms, no soft-capping) with weights the
+native layer takes (affine groups, 16-bit floats: ``LinearMethod.native_weight``), float32
+activations and the native kernels available, ``DecoderModel`` hands all-decode steps to
+``NativeDecode``: the same float32 computation as the per-op native path
+(``RMSNorm._fast``, ``Attention._native``), one ``decode_layer`` call per layer.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from tokenmill import native
 from tokenmill.attention import ForwardContext
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
-from tokenmill.quant.methods import AffineGroupMethod
 
 if TYPE_CHECKING:
     from tokenmill.models.decoder import DecoderModel
@@ -39,7 +39,7 @@ def supports(model: DecoderModel) -> bool:
             or not attn.native_steps
             or attn.q_norm is not None
             or mlp.act.name not in _ACTIVATIONS
-            or not all(isinstance(p.method, AffineGroupMethod) for p in projections)
+            or not all(p.method.native_weight(p) is not None for p in projections)
         ):
             return False
     return True
@@ -122,7 +122,8 @@ class NativeDecode:
         if linear.bias is not None:
             bias = linear.bias.detach().float().contiguous()
             self._keep.append(bias)
+        tiles, code = linear.method.native_weight(linear)
         return native.Proj(
-            tiles=linear.qtiles.data_ptr(), bias=bias.data_ptr() if bias is not None else None,
-            bits=linear.method.bits, out=linear.out_features, in_=linear.in_features,
+            tiles=tiles, bias=bias.data_ptr() if bias is not None else None,
+            bits=code, out=linear.out_features, in_=linear.in_features,
         )  # fmt: skip

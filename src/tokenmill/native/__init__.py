@@ -2,7 +2,9 @@
 
 - ``affine_gemm``: x W^T for weights in 4/8-bit affine groups (``tokenmill.quant``);
 - ``add_rms_norm``, ``rope_store_kv``, ``decode_attention``: the small per-layer steps
-  of a float32 forward in one call each (``kernels/decode.c``).
+  of a float32 forward in one call each (``kernels/decode.c``);
+- ``dense16``: x W^T for bfloat16 / float16 weights, float32 activations
+  (``kernels/dense16_gemm.c``, ``dense16.py``).
 
 The C files are compiled together with the system C compiler (``cc -O3 -march=native
 -fopenmp``, about two seconds) the first time they are needed and cached under
@@ -89,7 +91,11 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, ptr, i64,
                                      ptr, f32, i64, ptr, ptr, i64]  # fmt: skip
     lib.decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ctypes.POINTER(StepArgs)]
-    for fn in (lib.add_rms_norm, lib.rope_store_kv, lib.decode_attention, lib.decode_layer):
+    lib.dense16_gemm.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, ptr]
+    lib.dense16_has_bf16.argtypes = []
+    lib.dense16_has_bf16.restype = ctypes.c_int
+    for fn in (lib.add_rms_norm, lib.rope_store_kv, lib.decode_attention, lib.decode_layer,
+               lib.dense16_gemm):
         fn.restype = None
     return lib
 

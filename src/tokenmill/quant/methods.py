@@ -10,6 +10,8 @@ by row block from the checkpoint (a dense tensor or raw GGUF blocks), and comput
   load exactly, anything else is rounded to nearest. Computed by the native kernel
   (``native.py``: activations quantized per group of 32 to int8, integer dot products
   on AVX512-VNNI), float32 or bfloat16 in and out.
+- ``bf16`` / ``fp16``: 16-bit float weights as stored in the checkpoint, float32
+  activations and accumulation (``dense16.py``; native kernels only).
 - Where the native kernel is unavailable, ``int4`` and ``int8`` fall back to PyTorch's
   CPU weight-only kernels (``torch_methods.py``).
 """
@@ -61,6 +63,11 @@ class LinearMethod(ABC):
 
     @abstractmethod
     def storage(self, layer: nn.Module) -> list[torch.Tensor]: ...
+
+    def native_weight(self, layer: nn.Module) -> tuple[int, int] | None:
+        """(weight address, ``Proj.bits`` code) when ``decoder_layer.c`` can run this
+        layer's matmul, else None."""
+        return None
 
 
 def check_rows(layer: nn.Module, start: int, src: Source, out: int, cols: int) -> int:
@@ -160,6 +167,9 @@ class AffineGroupMethod(LinearMethod):
     def storage(self, layer):
         return [layer.qtiles]
 
+    def native_weight(self, layer):
+        return layer.qtiles.data_ptr(), self.bits
+
 
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -174,9 +184,13 @@ _NATIVE = {"int4": AffineGroupMethod(4), "int8": AffineGroupMethod(8)}
 
 def method_for(name: str) -> LinearMethod:
     """The implementation of a weight format here: the native kernel when it runs on this
-    machine, else PyTorch's kernels for int4/int8."""
+    machine, else PyTorch's kernels for int4/int8 (bf16/fp16 need the native kernels)."""
     if name == "dense":
         return _DENSE
+    if name in ("bf16", "fp16"):
+        from tokenmill.quant.dense16 import dense16_method
+
+        return dense16_method(name)
     if native.available():
         return _NATIVE[name]
     from tokenmill.quant.torch_methods import TORCH_METHODS

@@ -27,6 +27,10 @@ QUANTIZATIONS: Mapping[str, str] = {
     "int4": "every linear as int4 groups of 32 (round-to-nearest unless stored as 4-bit "
     "GGUF blocks), the embedding table as int8 per row",
 }
+KEPT_16BIT: Mapping[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+"""What auto resolves to for an HF checkpoint stored in 16-bit floats, on CPU with the
+native kernels and dtype=auto: the weights stay as stored (``quant/dense16.py``), float32
+activations. Not a user choice: a resolved name only."""
 
 
 def check_quantization(name: str) -> None:
@@ -36,11 +40,17 @@ def check_quantization(name: str) -> None:
         )
 
 
-def resolve_quantization(name: str, dtype: str, device: torch.device, fmt: str) -> str:
-    """``auto`` -> a concrete choice; checks that the choice fits the device and checkpoint."""
+def resolve_quantization(
+    name: str, dtype: str, device: torch.device, fmt: str, stored: torch.dtype | None = None
+) -> str:
+    """``auto`` -> a concrete choice; checks that the choice fits the device and checkpoint.
+    ``stored``: the float dtype every linear weight of the checkpoint is stored in, if one."""
     if name == "auto":
         fast = device.type == "cpu" and fmt == "gguf" and dtype in ("auto", "bfloat16", "bf16")
-        return "gguf" if fast else "none"
+        if fast:
+            return "gguf"
+        keep = device.type == "cpu" and dtype == "auto" and stored in KEPT_16BIT
+        return KEPT_16BIT[stored] if keep and native.available() else "none"
     if name != "none" and device.type != "cpu":
         raise InvalidRequestError(
             f"quantization={name!r} uses CPU kernels; on {device.type} use quantization='none'"
@@ -67,6 +77,8 @@ class QuantPlan:
     ) -> LinearMethod:
         """Method of the linear named ``prefix`` with output shards ``out_sizes``."""
         name = self._choice(prefix)
+        if name in ("bf16", "fp16"):
+            return method_for(name)  # any shape: the tiles are padded
         if name == "int4" and not _fits(name, out_sizes, in_features):
             name = "int8"
         if name == "int8" and not _fits(name, out_sizes, in_features):
@@ -75,7 +87,8 @@ class QuantPlan:
 
     def embedding_method(self, prefix: str) -> LinearMethod:
         """Tables stay 8-bit at least: a 4-bit output head costs too much quality."""
-        return method_for("dense" if self._choice(prefix) == "dense" else "int8")
+        choice = self._choice(prefix)
+        return method_for(choice if choice in ("dense", "bf16", "fp16") else "int8")
 
     def _choice(self, prefix: str) -> str:
         if self.quantization != "gguf":
@@ -98,6 +111,22 @@ def _fits(name: str, out_sizes: Sequence[int], in_features: int) -> bool:
         and sum(out_sizes) % tail == 0
         and all(n % align == 0 for n in out_sizes[:-1])
     )
+
+
+def stored_float_dtype(ckpt) -> torch.dtype | None:
+    """The dtype all 2-D weights of a safetensors checkpoint are stored in (read from the
+    file headers, no tensor data), or None when they differ or the checkpoint is no HF folder."""
+    from safetensors import safe_open
+
+    found: set[str] = set()
+    for file in getattr(ckpt.source, "files", ()):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                part = f.get_slice(name)
+                if name.endswith(".weight") and len(part.get_shape()) == 2:
+                    found.add(part.get_dtype())
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    return dtypes.get(found.pop()) if len(found) == 1 else None
 
 
 def auto_dtype() -> torch.dtype:

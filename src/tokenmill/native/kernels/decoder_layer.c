@@ -9,6 +9,8 @@
 
 void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
                  int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx);
+void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int kernel, int64_t N,
+                  float *y);
 void add_rms_norm(float *x, float *residual, const float *w, float *out, int64_t rows, int64_t dim,
                   float min_norm, _Bool add);
 void rope_store_kv(float *qkv, int64_t tokens, int64_t row_stride, int64_t q_heads,
@@ -23,7 +25,7 @@ void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q
 typedef struct {
     const uint8_t *tiles;
     const float *bias; /* NULL: none */
-    int64_t bits, out, in;
+    int64_t bits, out, in; /* bits 4, 8: affine groups; DENSE16 + k: 16-bit tiles, kernel k */
 } Proj;
 
 typedef struct {
@@ -45,8 +47,15 @@ typedef struct {
     float *dx, *sx;
 } StepArgs;
 
+#define DENSE16 16
+
 static void project(const Proj *p, const float *x, float *y, const StepArgs *s) {
-    affine_gemm(x, 0, s->tokens, p->in, p->tiles, (int)p->bits, p->out, y, 0, s->qx, s->dx, s->sx);
+    if (p->bits >= DENSE16)
+        dense16_gemm(x, s->tokens, p->in, (const uint16_t *)p->tiles, (int)(p->bits - DENSE16),
+                     p->out, y);
+    else
+        affine_gemm(x, 0, s->tokens, p->in, p->tiles, (int)p->bits, p->out, y, 0, s->qx, s->dx,
+                    s->sx);
     if (p->bias)
         for (int64_t t = 0; t < s->tokens; t++)
             for (int64_t i = 0; i < p->out; i++) y[t * p->out + i] += p->bias[i];

@@ -1,0 +1,86 @@
+"""16-bit float weights (bfloat16, float16) times float32 activations: ``kernels/dense16_gemm.c``.
+
+Tiles of 16 output rows, each ``[K2 = ceil(K / 2)][16 rows][2 inputs]`` in the weight's
+own dtype, zero-padded past N rows and K inputs, so any shape packs. A kernel (``KERNELS``)
+is picked once per weight format by ``best_kernel`` and passed on every call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from tokenmill import native
+
+TILE = 16
+KERNELS: Mapping[str, tuple[int, torch.dtype]] = {
+    "bf16-avx512bf16": (0, torch.bfloat16),  # vdpbf16ps, activations as two bfloat16 terms
+    "bf16-fma": (1, torch.bfloat16),  # weights widened to float32, float32 FMAs
+    "fp16-fma": (2, torch.float16),  # vcvtph2ps (F16C), float32 FMAs
+}
+"""Kernel name -> (id in dense16_gemm.c, weight dtype)."""
+NATIVE_CODE_BASE = 16
+"""decoder_layer.c's ``Proj.bits`` for a 16-bit weight: NATIVE_CODE_BASE + kernel id."""
+
+
+def has_avx512_bf16() -> bool:
+    """The CPU has AVX512-BF16 and the built library was compiled with it."""
+    lib = native._library()
+    return lib is not None and "avx512_bf16" in native._cpu_flags() and bool(lib.dense16_has_bf16())
+
+
+def best_kernel(dtype: torch.dtype) -> str:
+    """The fastest kernel here for weights of ``dtype`` (bfloat16 or float16)."""
+    if dtype == torch.float16:
+        return "fp16-fma"
+    return "bf16-avx512bf16" if has_avx512_bf16() else "bf16-fma"
+
+
+def tile_shape(n: int, k: int) -> tuple[int, int, int, int]:
+    return (-(-n // TILE), -(-k // 2), TILE, 2)
+
+
+def empty_tiles(n: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Storage for an [n, k] weight; the padding (last tile's extra rows, odd k) is zero."""
+    tiles = torch.empty(tile_shape(n, k), dtype=dtype)
+    tiles[-1].zero_()
+    if k % 2:
+        tiles[:, -1, :, 1].zero_()
+    return tiles
+
+
+def write_rows(tiles: torch.Tensor, start: int, w: torch.Tensor) -> None:
+    """Store w [rows, k] as output rows ``start : start + rows`` of ``tiles`` (cast to its dtype)."""
+    rows, k = w.shape
+    k2 = tiles.shape[1]
+    w = w.to(tiles.dtype)
+    if k % 2:
+        w = torch.cat((w, w.new_zeros(rows, 1)), dim=1)
+    w = w.view(rows, k2, 2)
+    end, r = start + rows, start
+    while r < end:  # a partial first tile, whole tiles in one copy, a partial last tile
+        t, lane = divmod(r, TILE)
+        if lane == 0 and end - r >= TILE:
+            whole = (end - r) // TILE
+            src = w[r - start : r - start + whole * TILE].view(whole, TILE, k2, 2)
+            tiles[t : t + whole] = src.permute(0, 2, 1, 3)
+            r += whole * TILE
+        else:
+            n = min(TILE - lane, end - r)
+            tiles[t, :, lane : lane + n] = w[r - start : r - start + n].permute(1, 0, 2)
+            r += n
+
+
+def read_rows(tiles: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows [len(rows), k] in the tiles' dtype (an embedding lookup)."""
+    picked = tiles[rows // TILE, :, rows % TILE]  # [R, K2, 2]
+    return picked.reshape(len(rows), -1)[:, :k]
+
+
+def gemm(x: torch.Tensor, tiles: torch.Tensor, kernel: int, n: int) -> torch.Tensor:
+    """x [M, K] float32 contiguous -> y [M, n] float32."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    native._library().dense16_gemm(x.data_ptr(), m, k, tiles.data_ptr(), kernel, n, y.data_ptr())
+    return y

@@ -1,0 +1,212 @@
+/* y[M, N] = x[M, K] . W^T for W stored in 16-bit floats (bfloat16 or float16); x, y and
+ * the accumulation in float32.
+ *
+ * Weight layout (built by tokenmill/native/dense16.py): tiles of 16 output rows, each
+ * [K2 = ceil(K / 2)][16 rows][2 inputs] of 16-bit values, rows past N and the input past K
+ * zero. One 64-byte load then holds inputs 2j, 2j + 1 of 16 rows.
+ *
+ * Kernels (chosen once at load, see DENSE16_*):
+ *   BF16_DP  bfloat16 on AVX512-BF16: vdpbf16ps multiplies bfloat16 pairs exactly and adds
+ *            in float32. The activations are split in two bfloat16 terms, x ~= hi + lo with
+ *            hi = bf16(x), lo = bf16(x - hi) (16 significant bits; relative error <= 2^-17),
+ *            so the float32 activations are kept to about float32's accuracy, not rounded to
+ *            bfloat16.
+ *   BF16_FMA bfloat16 on AVX512F: the weights widened to float32 (a shift), float32 FMAs;
+ *            the exact products of float32 weights (the fallback, any AVX-512 CPU).
+ *   FP16_FMA float16 on AVX512F + F16C: vcvtph2ps, float32 FMAs on input pairs, the pair
+ *            lanes added at the end.
+ *
+ * Blocking: 2 tiles (32 rows) x up to 4 tokens per register block, with separate
+ * accumulators per term (hi/lo, even/odd input) so the FMA chains stay short. Tile pairs
+ * are split across OpenMP threads (the runtime PyTorch loaded); a pair's weights are read
+ * from memory once and serve every token from cache.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 16
+#define MBLOCK 4
+#define PREFETCH 1024
+
+enum { DENSE16_BF16_DP = 0, DENSE16_BF16_FMA = 1, DENSE16_FP16_FMA = 2 };
+
+int dense16_has_bf16(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* Per-thread scratch: the activations padded to 2 K2 (and split in hi/lo for BF16_DP). */
+static _Thread_local void *scratch;
+static _Thread_local size_t scratch_size;
+
+static void *scratch_for(size_t bytes) {
+    if (bytes > scratch_size) {
+        free(scratch);
+        scratch_size = bytes * 2;
+        scratch = aligned_alloc(64, (scratch_size + 63) / 64 * 64);
+    }
+    return scratch;
+}
+
+static inline __m512 widen_even(__m512i w) { /* bfloat16 in the low halves -> float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
+static inline __m512 widen_odd(__m512i w) { /* bfloat16 in the high halves -> float32 */
+    return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000)));
+}
+
+/* tb tiles (1 or 2) x mb tokens (<= MBLOCK). xs: per token 2 K2 values (BF16_DP: the hi
+ * bfloat16 then, xs_lo, the lo ones; else float32). out [tb][mb][16]. Always inlined with
+ * constant kernel, tb and mb (see block_dispatch) so the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void block_kernel(
+    const int kernel, const uint16_t *w, int64_t tile_elems, const int tb, const int mb,
+    const void *xs, const void *xs_lo, int64_t K2, float *out) {
+    __m512 acc[2][MBLOCK][2];
+    for (int t = 0; t < 2; t++)
+        for (int m = 0; m < MBLOCK; m++) acc[t][m][0] = acc[t][m][1] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < K2; j++) {
+        __m512i wv[2];
+        for (int t = 0; t < tb; t++) {
+            const uint16_t *p = w + t * tile_elems + j * 32;
+            _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
+            wv[t] = _mm512_loadu_si512((const void *)p);
+        }
+        if (kernel == DENSE16_BF16_DP) {
+#ifdef __AVX512BF16__
+            for (int m = 0; m < mb; m++) {
+                __m512bh hi = (__m512bh)_mm512_set1_epi32(((const int32_t *)xs)[m * K2 + j]);
+                __m512bh lo = (__m512bh)_mm512_set1_epi32(((const int32_t *)xs_lo)[m * K2 + j]);
+                for (int t = 0; t < tb; t++) {
+                    acc[t][m][0] = _mm512_dpbf16_ps(acc[t][m][0], (__m512bh)wv[t], hi);
+                    acc[t][m][1] = _mm512_dpbf16_ps(acc[t][m][1], (__m512bh)wv[t], lo);
+                }
+            }
+#endif
+        } else if (kernel == DENSE16_BF16_FMA) {
+            __m512 we[2], wo[2];
+            for (int t = 0; t < tb; t++) we[t] = widen_even(wv[t]), wo[t] = widen_odd(wv[t]);
+            for (int m = 0; m < mb; m++) {
+                const float *xm = (const float *)xs + m * 2 * K2 + 2 * j;
+                __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
+                for (int t = 0; t < tb; t++) {
+                    acc[t][m][0] = _mm512_fmadd_ps(we[t], x0, acc[t][m][0]);
+                    acc[t][m][1] = _mm512_fmadd_ps(wo[t], x1, acc[t][m][1]);
+                }
+            }
+        } else { /* FP16_FMA: lanes (row r, input 2j + p) for rows 0-7 (a) and 8-15 (b) */
+            __m512 wa[2], wb[2];
+            for (int t = 0; t < tb; t++) {
+                wa[t] = _mm512_cvtph_ps(_mm512_castsi512_si256(wv[t]));
+                wb[t] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(wv[t], 1));
+            }
+            for (int m = 0; m < mb; m++) {
+                int64_t pair; /* (x[2j], x[2j+1]), broadcast 8 times */
+                memcpy(&pair, (const float *)xs + m * 2 * K2 + 2 * j, 8);
+                __m512 xp = _mm512_castsi512_ps(_mm512_set1_epi64(pair));
+                for (int t = 0; t < tb; t++) {
+                    acc[t][m][0] = _mm512_fmadd_ps(wa[t], xp, acc[t][m][0]);
+                    acc[t][m][1] = _mm512_fmadd_ps(wb[t], xp, acc[t][m][1]);
+                }
+            }
+        }
+    }
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    for (int t = 0; t < tb; t++)
+        for (int m = 0; m < mb; m++) {
+            __m512 a = acc[t][m][0], b = acc[t][m][1], r;
+            if (kernel == DENSE16_FP16_FMA) /* add each row's two input lanes */
+                r = _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+            else
+                r = _mm512_add_ps(a, b);
+            _mm512_storeu_ps(out + (t * MBLOCK + m) * TILE, r);
+        }
+}
+
+#define BLOCK_CASE(KERNEL, TB, MB)                                                            \
+    case ((KERNEL) * 4 + (TB)) * 8 + (MB):                                                    \
+        block_kernel(KERNEL, w, tile_elems, TB, MB, xs, xs_lo, K2, out);                      \
+        break;
+#define BLOCK_CASES(KERNEL, TB)                                                               \
+    BLOCK_CASE(KERNEL, TB, 1) BLOCK_CASE(KERNEL, TB, 2) BLOCK_CASE(KERNEL, TB, 3)             \
+    BLOCK_CASE(KERNEL, TB, 4)
+
+static void block_dispatch(int kernel, const uint16_t *w, int64_t tile_elems, int tb, int mb,
+                           const void *xs, const void *xs_lo, int64_t K2, float *out) {
+    switch ((kernel * 4 + tb) * 8 + mb) {
+        BLOCK_CASES(DENSE16_BF16_DP, 1) BLOCK_CASES(DENSE16_BF16_DP, 2)
+        BLOCK_CASES(DENSE16_BF16_FMA, 1) BLOCK_CASES(DENSE16_BF16_FMA, 2)
+        BLOCK_CASES(DENSE16_FP16_FMA, 1) BLOCK_CASES(DENSE16_FP16_FMA, 2)
+    }
+}
+
+/* Token m's activations into the kernel's form: 2 K2 float32 (zero past K) or, for BF16_DP,
+ * 2 K2 bfloat16 hi terms and 2 K2 lo terms. */
+static void prepare_row(int kernel, const float *x, int64_t K, int64_t K2, float *xf, uint16_t *hi,
+                        uint16_t *lo) {
+    if (kernel != DENSE16_BF16_DP) {
+        memcpy(xf, x, K * sizeof(float));
+        if (K < 2 * K2) xf[K] = 0.f;
+        return;
+    }
+#ifdef __AVX512BF16__
+    for (int64_t k = 0; k < 2 * K2; k += 16) {
+        int64_t left = K - k;
+        __mmask16 mask = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+        __m512 v = _mm512_maskz_loadu_ps(mask, x + k);
+        __m256bh h = _mm512_cvtneps_pbh(v);
+        __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+        __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
+        __mmask16 store = 2 * K2 - k >= 16 ? 0xffff : (__mmask16)((1u << (2 * K2 - k)) - 1);
+        _mm256_mask_storeu_epi16(hi + k, store, (__m256i)h);
+        _mm256_mask_storeu_epi16(lo + k, store, (__m256i)l);
+    }
+#endif
+}
+
+/* x [M, K] float32 (row stride K), w [ceil(N / 16)] tiles, y [M, N] float32. */
+void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int kernel, int64_t N,
+                  float *y) {
+    const int64_t K2 = (K + 1) / 2, tiles = (N + TILE - 1) / TILE, tile_elems = K2 * 32;
+    const int64_t row = 2 * K2; /* values per token in the scratch */
+    const int dp = kernel == DENSE16_BF16_DP;
+    char *buf = scratch_for((size_t)M * row * 4 + 64); /* 2 x bf16 or 1 x float32 each */
+    float *xf = (float *)buf;
+    uint16_t *hi = (uint16_t *)buf, *lo = hi + M * row;
+    const void *xs = dp ? (const void *)hi : (const void *)xf;
+    const void *xs_lo = lo;
+    if (!dp && K == row) {
+        xs = x; /* already in the kernel's form */
+    } else {
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+        for (int64_t m = 0; m < M; m++)
+            prepare_row(kernel, x + m * K, K, K2, xf + m * row, hi + m * row, lo + m * row);
+    }
+    const int64_t pairs = (tiles + 1) / 2, mblocks = (M + MBLOCK - 1) / MBLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < pairs; p++) {
+        const int tb = 2 * p + 1 < tiles ? 2 : 1;
+        const uint16_t *wp = w + 2 * p * tile_elems;
+        for (int64_t mbi = 0; mbi < mblocks; mbi++) {
+            const int64_t m0 = mbi * MBLOCK;
+            const int mb = (int)(M - m0 < MBLOCK ? M - m0 : MBLOCK);
+            float out[2 * MBLOCK * TILE];
+            const int64_t xoff = m0 * (dp ? K2 : row); /* int32 pairs (dp) or floats */
+            block_dispatch(kernel, wp, tile_elems, tb, mb,
+                           dp ? (const void *)((const int32_t *)xs + xoff) : (const void *)((const float *)xs + xoff),
+                           (const void *)((const int32_t *)xs_lo + m0 * K2), K2, out);
+            for (int t = 0; t < tb; t++) {
+                const int64_t n0 = (2 * p + t) * TILE;
+                const int64_t cols = N - n0 < TILE ? N - n0 : TILE;
+                for (int m = 0; m < mb; m++)
+                    memcpy(y + (m0 + m) * N + n0, out + (t * MBLOCK + m) * TILE, cols * sizeof(float));
+            }
+        }
+    }
+}

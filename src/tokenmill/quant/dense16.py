@@ -1,0 +1,80 @@
+"""bfloat16 / float16 weights kept in their 16-bit format, float32 activations (native kernels).
+
+A Hugging Face checkpoint stored in bfloat16 (or float16) loads as it is: the weights stay
+16-bit in the native kernel's tiles (``native/dense16.py``), which widen them on the fly
+and accumulate in float32, so a decode step reads half the bytes of float32 weights and
+computes what float32 weights would (the AVX512-BF16 kernel keeps the activations to
+16 significant bits, see ``kernels/dense16_gemm.c``). The kernel is chosen once, when the
+method is built (``dense16_method``), from the CPU's features.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from tokenmill.native import dense16
+from tokenmill.quant.methods import LinearMethod, check_rows, row_chunks, to_float
+
+logger = logging.getLogger(__name__)
+
+FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""Weight format name (a resolved ``quantization``) -> the dtype it keeps."""
+
+
+class Dense16Method(LinearMethod):
+    """Weights [out, in] in 16-bit tiles of 16 rows (``wtiles``); one ``dense16`` kernel."""
+
+    def __init__(self, kernel: str) -> None:
+        self.kernel = kernel
+        self.kernel_id, self.dtype = dense16.KERNELS[kernel]
+        self.name = next(k for k, v in FORMATS.items() if v == self.dtype)
+        self.native_code = dense16.NATIVE_CODE_BASE + self.kernel_id
+
+    def create_weights(self, layer, out_features, in_features, dtype):
+        tiles = dense16.empty_tiles(out_features, in_features, self.dtype)
+        layer.register_buffer("wtiles", tiles)
+        layer.dense16_out = out_features
+
+    def load_rows(self, layer, start, src):
+        cols = _in_features(layer)
+        check_rows(layer, start, src, layer.dense16_out, cols)
+        for i, part in row_chunks(src):
+            dense16.write_rows(layer.wtiles, start + i, part if isinstance(part, torch.Tensor) else to_float(part))
+
+    def apply(self, layer, x, bias):
+        n = layer.dense16_out
+        if x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            y = dense16.gemm(x, layer.wtiles, self.kernel_id, n)  # the decode hot path
+        else:
+            flat = x.reshape(-1, x.shape[-1]).float().contiguous()
+            y = dense16.gemm(flat, layer.wtiles, self.kernel_id, n)
+            y = y.view(*x.shape[:-1], n).to(x.dtype)
+        return y if bias is None else y + bias
+
+    def embed(self, layer, ids, dtype):
+        return dense16.read_rows(layer.wtiles, ids, _in_features(layer)).to(dtype)
+
+    def weight_bytes(self, layer):
+        return layer.dense16_out * _in_features(layer) * 2
+
+    def storage(self, layer):
+        return [layer.wtiles]
+
+    def native_weight(self, layer) -> tuple[int, int]:
+        """(address, ``Proj.bits`` code) for ``decoder_layer.c``."""
+        return layer.wtiles.data_ptr(), self.native_code
+
+
+def _in_features(layer) -> int:
+    return layer.in_features if hasattr(layer, "in_features") else layer.embedding_dim
+
+
+@functools.cache
+def dense16_method(name: str) -> Dense16Method:
+    """The method of format ``name`` (bf16 / fp16) with this CPU's best kernel (chosen once)."""
+    kernel = dense16.best_kernel(FORMATS[name])
+    logger.info("%s weights: native kernel %s", name, kernel)
+    return Dense16Method(kernel)

@@ -1,0 +1,106 @@
+"""16-bit float weights (bf16 / fp16) with float32 activations against torch.matmul, for
+every kernel (the AVX512-BF16 one where the CPU has it, the FMA fallbacks everywhere),
+on random and odd shapes; the plan's choice for HF checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import native
+from tokenmill.layers.linear import Linear, PackedLinear, VocabEmbedding
+from tokenmill.native import dense16
+from tokenmill.quant.dense16 import Dense16Method
+from tokenmill.quant.plan import resolve_quantization
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable here")
+
+
+def _kernels() -> list:
+    marks = pytest.mark.skipif(
+        native.available() and not dense16.has_avx512_bf16(), reason="no AVX512-BF16 here"
+    )
+    return [
+        pytest.param(k, marks=marks) if k == "bf16-avx512bf16" else k for k in dense16.KERNELS
+    ]
+
+
+# The AVX512-BF16 kernel keeps activations to 16 significant bits (hi + lo bfloat16 terms).
+TOLERANCE = {"bf16-avx512bf16": 2e-5, "bf16-fma": 2e-6, "fp16-fma": 2e-6}
+SHAPES = [(1, 576, 576), (4, 192, 576), (5, 49, 33), (3, 37, 19), (7, 17, 1), (1, 1, 2),
+          (33, 100, 301), (130, 64, 64)]  # fmt: skip
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(x.double(), w.double().T)
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+@pytest.mark.parametrize("shape", SHAPES)
+def test_gemm_matches_matmul(kernel: str, shape: tuple[int, int, int]) -> None:
+    m, n, k = shape
+    dtype = dense16.KERNELS[kernel][1]
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    layer = Linear(k, n, method=Dense16Method(kernel))
+    layer.load_weight(w.float())
+    y = layer(x)
+    ref = _reference(x, w)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    err = (y.double() - ref).abs().max() / ref.abs().max()
+    assert err < TOLERANCE[kernel], f"{kernel} {shape}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("kernel", _kernels())
+def test_kernels_agree_with_the_fallback(kernel: str) -> None:
+    """Every kernel against the plain FMA path on a model-sized GEMV and GEMM."""
+    dtype = dense16.KERNELS[kernel][1]
+    fallback = "fp16-fma" if dtype == torch.float16 else "bf16-fma"
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(1536, 576, generator=g).to(dtype)
+    ours, base = Linear(576, 1536, method=Dense16Method(kernel)), Linear(
+        576, 1536, method=Dense16Method(fallback)
+    )
+    ours.load_weight(w)
+    base.load_weight(w)
+    for m in (1, 32):
+        x = torch.randn(m, 576, generator=g)
+        a, b = ours(x), base(x)
+        assert (a - b).abs().max() <= TOLERANCE[kernel] * b.abs().max()
+
+
+def test_shards_at_unaligned_rows_and_embedding_rows() -> None:
+    """Packed shards whose offsets are no multiple of the 16-row tile; rows read back exact."""
+    sizes, k = (9, 23, 5), 45
+    g = torch.Generator().manual_seed(2)
+    parts = [torch.randn(n, k, generator=g).bfloat16() for n in sizes]
+    layer = PackedLinear(k, sizes, method=Dense16Method("bf16-fma"))
+    for i, p in enumerate(parts):
+        layer.load_weight(p.float(), shard=i)
+    w = torch.cat(parts)
+    x = torch.randn(3, 5, k, generator=g)  # a 3-D input goes through the reshape path
+    torch.testing.assert_close(layer(x), (x.double() @ w.double().T).float(), rtol=1e-5, atol=1e-5)
+    table = VocabEmbedding(37, k, dtype=torch.float32, method=Dense16Method("bf16-fma"))
+    table.load_weight(w)
+    ids = torch.tensor([0, 36, 17, 16, 15, 5])
+    assert torch.equal(table(ids), w[ids].float())
+    assert torch.equal(table.logits(x[0]), layer(x[0]))
+
+
+def test_best_kernel_follows_the_cpu() -> None:
+    expected = "bf16-avx512bf16" if dense16.has_avx512_bf16() else "bf16-fma"
+    assert dense16.best_kernel(torch.bfloat16) == expected
+    assert dense16.best_kernel(torch.float16) == "fp16-fma"
+
+
+@pytest.mark.parametrize(
+    ("stored", "dtype", "expected"),
+    [(torch.bfloat16, "auto", "bf16"), (torch.float16, "auto", "fp16"),
+     (torch.float32, "auto", "none"), (None, "auto", "none"),
+     (torch.bfloat16, "float32", "none"), (torch.bfloat16, "bfloat16", "none")],
+)  # fmt: skip
+def test_auto_keeps_16bit_hf_checkpoints(stored, dtype, expected) -> None:
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", dtype, cpu, "hf", stored) == expected
+    assert resolve_quantization("auto", "auto", torch.device("cuda"), "hf", stored) == "none"
