@@ -58,7 +58,7 @@ class LLM:
             server.close()
         engine, self.engine = self.engine, None
         if engine is not None:
-            for rid in list(engine._children):
+            for rid in engine.live_request_ids():
                 engine.abort(rid)
 
     shutdown = close

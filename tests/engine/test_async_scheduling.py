@@ -31,7 +31,7 @@ def count_pending(llm: LLM, monkeypatch) -> list[int]:
     def spy(seqs):
         pending = real(seqs)
         counts.append(0 if pending is None else len(pending.seqs))
-        assert pending is None or not llm.engine._sync_only
+        assert pending is None or not llm.engine.scheduler.num_sync_only
         return pending
 
     monkeypatch.setattr(runner, "_pending_tokens", spy)
@@ -131,7 +131,7 @@ def test_abort_while_a_step_is_in_flight(tiny_llama_dir):
         for _ in range(4):
             for out in engine.step():
                 finals[out.request_id] = out
-        assert engine._in_flight is not None
+        assert engine.pipeline.busy
         aborted = engine.abort(drop)
         assert aborted is not None and aborted.outputs[0].finish_reason == "cancelled"
         while engine.has_unfinished():
@@ -155,7 +155,7 @@ def test_ended_requests_leave_nothing_to_wait_for(tiny_llama_dir):
         assert not engine.has_unfinished() and engine.kv.num_free_blocks == engine.kv.num_blocks
         rid = engine.add_request(PROMPTS[4], SamplingParams(max_tokens=5, prompt_logprobs=2))
         engine.step()  # the prefill (with its prompt logprobs) is launched, not collected
-        assert engine._in_flight is not None
+        assert engine.pipeline.busy
         engine.abort(rid)
         assert not engine.has_unfinished()
         again = llm.generate({"prompt_token_ids": PROMPTS[3]}, greedy)[0].outputs[0]
@@ -199,4 +199,4 @@ def test_no_step_past_the_length_limit(tiny_llama_dir, monkeypatch):
             engine.step()
     assert launches == [1, 1, 1]
     assert req.status is RequestStatus.FINISHED_LENGTH
-    assert req.num_pending == 0 and req.num_output_tokens == 3
+    assert req.num_placeholders == 0 and req.num_output_tokens == 3

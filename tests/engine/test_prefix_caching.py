@@ -137,7 +137,7 @@ def test_long_prefill_does_not_stall_running_decodes(long_llama_dir):
             assert chunk.get("long", 0) <= 128
             assert chunk.get("chat") == 1  # the decode runs in every step of the long prefill
             result = eng.runner.collect(eng.runner.launch(out))
-            eng.scheduler.update(out, result.sampled)
+            eng.scheduler.update(out, result.tokens)
             assert eng.scheduler.requests["chat"].num_output_tokens == before + 1
             steps += 1
         assert steps >= 1000 // 128

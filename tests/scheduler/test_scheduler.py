@@ -16,8 +16,7 @@ def req(rid, n_prompt, max_tokens=8):
 
 def run_step(sched, token=7):
     out = sched.schedule()
-    sampled = {s.request.request_id: token for s in out.seqs if s.samples}
-    sched.update(out, sampled)
+    sched.update(out, [[token] if s.samples else [] for s in out.seqs])
     return out
 
 

@@ -39,7 +39,7 @@ def test_prompt_chunk_without_sampling_still_waits_for_its_logprobs(tiny_llama_d
         out = runner.collect(step)
         assert FakeEvent.log == ["record", "synchronize"]
         start, entries = out.prompt_logprobs[rid]
-        assert out.sampled == {} and start == 0 and [e.token_id for e in entries] == [11, 12, 13, 14]
+        assert out.tokens == [[]] and start == 0 and [e.token_id for e in entries] == [11, 12, 13, 14]
         engine.abort(rid)
     finally:
         llm.close()
@@ -56,7 +56,7 @@ def test_a_step_that_copies_nothing_records_no_event(tiny_llama_dir, monkeypatch
         rid = engine.add_request(list(range(10, 22)), SamplingParams(max_tokens=2))
         step = runner.launch(engine.scheduler.schedule())
         assert step.ids is None and step.done is None
-        assert runner.collect(step).sampled == {} and FakeEvent.log == []
+        assert runner.collect(step).tokens == [[]] and FakeEvent.log == []
         engine.abort(rid)
     finally:
         llm.close()

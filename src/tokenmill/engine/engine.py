@@ -1,71 +1,69 @@
-"""The engine loop: add requests, step, get outputs. One owner, one thread."""
+"""The engine loop: add requests, step, get outputs. One owner, one thread.
+
+``builder.build_engine`` assembles the parts; this loop schedules a step, hands it to the
+step pipeline (which owns the step in flight) and applies finished steps' tokens:
+scheduler update, request hooks, grammar, then outputs.
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
-
-import torch
+from collections.abc import Sequence
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.loading import LoadedModel, kv_cache_blocks, load_model
+from tokenmill.engine.builder import build_engine
+from tokenmill.engine.hooks import RequestHook
+from tokenmill.engine.loading import LoadedModel
 from tokenmill.engine.output_processor import OutputProcessor, ParentState
+from tokenmill.engine.pipeline import StepPipeline, StepResult
 from tokenmill.engine.request import RequestOptions
-from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.engine.validation import check_params, check_prompt, resolve_max_tokens
 from tokenmill.errors import InvalidRequestError
-from tokenmill.kv_cache import KVCacheManager
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling import Sampler, make_generator
+from tokenmill.sampling import make_generator
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-from tokenmill.structured_output.manager import StructuredOutputManager
-from tokenmill.structured_output.state import StepResult
-from tokenmill.threads import configure_threads
-from tokenmill.worker.model_runner import LaunchedStep, allocate_kv_caches, make_runner
+from tokenmill.scheduler.request import Request, RequestStatus
+from tokenmill.structured_output.state import StepResult as GrammarStep
+from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        loaded: LoadedModel | None = None,
+        hooks: Sequence[RequestHook] = (),
+    ) -> None:
         self.config = config
-        configure_threads()  # before loading: repacking quantized weights uses the pool
-        self.loaded = loaded or load_model(config)
+        parts = build_engine(config, loaded)
+        self.loaded = parts.loaded
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
-        num_blocks = kv_cache_blocks(config, self.loaded)
-        self.kv = KVCacheManager(
-            num_blocks, config.block_size, config.enable_prefix_caching,
-            max_blocks_per_seq=-(-self.max_model_len // config.block_size),
-        )  # fmt: skip
-        budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                config.max_num_seqs, budget, self.max_model_len, config.long_prefill_token_threshold
-            ),
-            self.kv,
-        )
-        caches = allocate_kv_caches(
-            self.loaded.model, num_blocks, config.block_size, self.loaded.dtype, self.loaded.device
-        )
-        generator = torch.Generator(device=self.loaded.device).manual_seed(config.seed)
-        self.structured = StructuredOutputManager.from_config(config, self.tokenizer, self.vocab_size)
-        sampler = Sampler(generator, extra_processors=(self.structured.mask_logits,))
-        self.runner = make_runner(
-            config, self.loaded.model, caches, self.loaded.device, sampler, self.max_model_len
-        )
+        self.kv = parts.kv
+        self.scheduler = parts.scheduler
+        self.structured = parts.structured
+        self.executor = parts.executor
+        self.pipeline = StepPipeline(parts.executor)
+        self.hooks = list(hooks)
+        """Request hooks, called in order (``engine/hooks.py``)."""
         self.processor = OutputProcessor(self.tokenizer)
         self.overlap = config.overlaps_steps()
         """Asynchronous scheduling: launch step N+1 before waiting for step N."""
-        self._in_flight: tuple[SchedulerOutput, LaunchedStep] | None = None
-        self._sync_only: set[str] = set()
-        """Live requests whose sampling reads their tokens so far: steps wait meanwhile."""
-        self._children: dict[str, list[str]] = {}
-        self._parent_of: dict[str, str] = {}
         self.stats = EngineStats()
-        logger.info("KV cache: %d blocks x %d tokens", num_blocks, config.block_size)
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The in-process executor's model runner (tests swap it)."""
+        return self.executor.runner
+
+    @runner.setter
+    def runner(self, runner: ModelRunner) -> None:
+        self.executor.runner = runner
 
     @property
     def vocab_size(self) -> int:
@@ -82,7 +80,7 @@ class LLMEngine:
     ) -> str:
         """Validate and queue a request; raises ValueError (nothing queued) on bad input."""
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self._children:
+        if self.processor.has_parent(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         check_params(params, self.vocab_size, self.config.max_logprobs)
@@ -101,12 +99,10 @@ class LLMEngine:
             kind=params.output_kind,
             completions=[CompletionOutput(i, "", []) for i in range(params.n)],
         )
-        self.processor.add(parent, [c.request_id for c in children], children)
-        if params.reads_output_tokens:
-            self._sync_only.update(c.request_id for c in children)
-        self._children[request_id] = [c.request_id for c in children]
-        self._parent_of.update((c.request_id, request_id) for c in children)
+        self.processor.add(parent, children)
         for child in children:  # a child whose grammar still compiles waits in self.structured
+            for hook in self.hooks:
+                hook.on_add(child)
             if spec is None or self.structured.submit(child, spec):
                 self.scheduler.add(child)
         self.stats.on_added(request_id, children)
@@ -129,14 +125,17 @@ class LLMEngine:
     def abort(self, request_id: str) -> RequestOutput | None:
         """Cancel a request (and its n children); its KV blocks are free on return."""
         out = None
-        for cid in list(self._children.get(request_id, [])):
+        for cid in list(self.processor.child_ids(request_id)):
             req = self.scheduler.finish(cid, RequestStatus.FINISHED_ABORTED)
             if req is None and (req := self.structured.discard(cid)) is not None:
                 req.status = RequestStatus.FINISHED_ABORTED
             if req is not None:
-                out = self.processor.finish(req) or out
-                self._forget(cid)
+                out = self._finish(req) or out
         return out
+
+    def live_request_ids(self) -> list[str]:
+        """The user requests (not their n sequences) that have not finished."""
+        return self.processor.live_parent_ids()
 
     def has_unfinished(self) -> bool:
         """Whether a live request waits for steps. (A step in flight whose requests have
@@ -161,68 +160,74 @@ class LLMEngine:
 
     # -- the loop ---------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch one step; return the outputs of the step that finished.
+        """Schedule and launch one step; return the outputs of the steps that finished.
 
         Synchronously that is this step. With ``overlap`` the step is launched first and
-        the previous one (in flight since the last call) is waited for and processed while
+        the previous one (in flight since the last call) is waited for and applied while
         this one runs on the device; its requests' next tokens are taken from the device.
+        A live request whose sampling reads its tokens so far (penalties, min_tokens, a
+        grammar) needs them on the host before it is scheduled: steps then do not overlap.
         """
         outputs = self._admit_compiled()
-        overlap = self.overlap and not self._sync_only
+        overlap = self.overlap and not self.scheduler.num_sync_only
         if not overlap:
-            outputs += self._collect()  # the scheduler must see the last tokens first
+            outputs += self._apply(self.pipeline.drain())
+        for hook in self.hooks:
+            hook.before_step(self.scheduler.running)
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            outputs += self._collect()
+            outputs += self._apply(self.pipeline.drain())
             if not outputs:
                 self.structured.wait(timeout=0.05)  # idle but for compiles: wait for one
             return outputs
         self.stats.on_scheduled(sched)
         self.structured.prepare(sched)  # grammar masks compute while the model runs
-        try:
-            launched = self.runner.launch(sched)
-        except Exception as exc:  # a broken step fails its requests, not the engine
-            logger.exception("model step failed")
-            outputs += self._collect()
-            return outputs + self._fail([s.request for s in sched.seqs], f"{type(exc).__name__}: {exc}")
-        outputs += self._collect()
-        self._in_flight = (sched, launched)
-        if not overlap or not self.scheduler.has_unfinished():  # nobody waits for it: drain
-            outputs += self._collect()
+        keep = overlap and self.scheduler.has_unfinished()  # else nobody waits for it: drain
+        return outputs + self._apply(self.pipeline.launch(sched, keep_in_flight=keep))
+
+    def _apply(self, results: list[StepResult]) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for result in results:
+            if result.output is None:
+                outputs += self._fail([s.request for s in result.sched.seqs], result.error or "")
+            else:
+                outputs += self._apply_tokens(result)
+        if results and self.config.check_kv_integrity:
+            self.kv.check_integrity()
         return outputs
 
-    def _collect(self) -> list[RequestOutput]:
-        """Wait for the step in flight, if any, and turn its tokens into outputs."""
-        if self._in_flight is None:
-            return []
-        sched, launched = self._in_flight
-        self._in_flight = None
-        try:
-            result = self.runner.collect(launched)
-        except Exception as exc:
-            logger.exception("model step failed")
-            return self._fail([s.request for s in sched.seqs], f"{type(exc).__name__}: {exc}")
-        for rid, (start, entries) in result.prompt_logprobs.items():
+    def _apply_tokens(self, result: StepResult) -> list[RequestOutput]:
+        """A finished step's tokens -> scheduler, hooks, grammars, outputs."""
+        out = result.output
+        assert out is not None
+        for rid, (start, entries) in out.prompt_logprobs.items():
             self.processor.record_prompt_logprobs(rid, start, entries)
+        row_of = {s.request.request_id: i for i, s in enumerate(result.sched.seqs)} if (
+            out.logprobs is not None
+        ) else None
         outputs: list[RequestOutput] = []
-        progressed = self.scheduler.update(sched, result.sampled)
-        self.stats.on_tokens(progressed)
-        logprobs = result.logprobs
-        for req in progressed:
-            stop = self.processor.process_token(req, logprobs.get(req.request_id) if logprobs else None)
-            if stop is not None and not req.is_finished:
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+        progressed = self.scheduler.update(result.sched, out.tokens)
+        now = time.monotonic()
+        for progress in progressed:
+            req, num_new = progress.request, progress.num_new
+            logprobs = out.logprobs[row_of[req.request_id]] if row_of is not None else None
+            stop, consumed = self.processor.process_tokens(req, num_new, logprobs)
+            if stop is not None:
+                req.truncate_output(req.num_output_tokens - num_new + consumed)
+                num_new = progress.num_new = consumed
+                if not req.is_finished:
+                    self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
+            self.stats.on_tokens(progress, now)
+            for hook in self.hooks:
+                hook.after_tokens(req, num_new)
             error = self._advance_grammar(req) if req.structured is not None else None
             if req.is_finished:
                 self._log_reuse(req)
-                out = self.processor.finish(req, error)
-                self._forget(req.request_id)
+                emitted = self._finish(req, error)
             else:
-                out = self.processor.progress(req)
-            if out is not None:
-                outputs.append(out)
-        if self.config.check_kv_integrity:
-            self.kv.check_integrity()
+                emitted = self.processor.progress(req)
+            if emitted is not None:
+                outputs.append(emitted)
         return outputs
 
     def _admit_compiled(self) -> list[RequestOutput]:
@@ -233,24 +238,24 @@ class LLMEngine:
         outputs = []
         for req, message in failed:
             req.status = RequestStatus.FINISHED_ERROR
-            out = self.processor.finish(req, error=message)
-            self._forget(req.request_id)
+            out = self._finish(req, message)
             if out is not None:
                 outputs.append(out)
         return outputs
 
     def _advance_grammar(self, req: Request) -> str | None:
         """Feed the new token to the request's grammar: a complete grammar stops the request
-        (also one that reached max_tokens with it: it is complete, not truncated)."""
+        (also one that reached max_tokens with it: it is complete, not truncated). A
+        grammar's request never has drafts: it gets one token per step."""
         if req.status is RequestStatus.FINISHED_STOPPED:  # EOS or a stop string
             return None
         result = self.structured.advance(req)
-        if result is StepResult.COMPLETE:
+        if result is GrammarStep.COMPLETE:
             if not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             elif req.status is RequestStatus.FINISHED_LENGTH:
                 req.status = RequestStatus.FINISHED_STOPPED
-        elif result is StepResult.REJECTED:
+        elif result is GrammarStep.REJECTED:
             if not req.is_finished:
                 self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
             return f"the grammar rejected token {req.output_token_ids[-1]}"
@@ -269,17 +274,14 @@ class LLMEngine:
             if req.is_finished:  # ended by the step before (async scheduling)
                 continue
             self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
-            out = self.processor.finish(req, error=message)
-            self._forget(req.request_id)
+            out = self._finish(req, message)
             if out is not None:
                 outputs.append(out)
         return outputs
 
-    def _forget(self, child_id: str) -> None:
-        """Drop the parent entry once none of its children is live."""
-        self.stats.on_finished(child_id)
-        self._sync_only.discard(child_id)
-        parent_id = self._parent_of.pop(child_id)
-        kids = self._children[parent_id]
-        if all(k not in self._parent_of for k in kids):
-            del self._children[parent_id]
+    def _finish(self, req: Request, error: str | None = None) -> RequestOutput | None:
+        """A sequence ended (its blocks are free): hooks, metrics, then its output."""
+        for hook in self.hooks:
+            hook.on_finish(req)
+        self.stats.on_finished(req.request_id)
+        return self.processor.finish(req, error)

@@ -55,11 +55,28 @@ class ChildState:
 
 
 class OutputProcessor:
+    """Owns the user-request view: each parent (what the caller submitted) and its n
+    child sequences; the rest of the engine sees only sequences."""
+
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
         self.children: dict[str, ChildState] = {}
+        self._child_ids: dict[str, list[str]] = {}
+        """Live parent id -> its children's ids (all of them until the last finishes)."""
 
-    def add(self, parent: ParentState, child_ids: list[str], requests: list[Request]) -> None:
+    def has_parent(self, request_id: str) -> bool:
+        return request_id in self._child_ids
+
+    def live_parent_ids(self) -> list[str]:
+        return list(self._child_ids)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        """The sequences of a live user request ([] when unknown or finished)."""
+        return self._child_ids.get(request_id, [])
+
+    def add(self, parent: ParentState, requests: list[Request]) -> None:
+        child_ids = [r.request_id for r in requests]
+        self._child_ids[parent.request_id] = child_ids
         for index, (cid, req) in enumerate(zip(child_ids, requests)):
             params = req.params
             detok = None
@@ -83,28 +100,37 @@ class OutputProcessor:
             if start + 1 + j == len(parent.prompt_logprobs):  # skip positions seen before a preemption
                 parent.prompt_logprobs.append(self._position(entry))
 
-    def process_token(self, req: Request, logprobs: TokenLogprobs | None) -> str | None:
-        """Detokenize the request's newest token; return a stop string it completed."""
+    def process_tokens(
+        self, req: Request, num_new: int, logprobs: list[TokenLogprobs] | None
+    ) -> tuple[str | None, int]:
+        """Detokenize the request's newest ``num_new`` tokens one by one, as a plain decode
+        would have. Returns (the stop string one of them completed, how many tokens up to
+        and including that one) or (None, num_new); the caller cuts the rest."""
         child = self.children[req.request_id]
         if child.index == 0:
             child.parent.num_cached_tokens = req.num_cached_tokens
-        token = req.output_token_ids[-1]
-        if logprobs is not None:
-            self._add_logprobs(child.completion, logprobs)
+        outputs = req.output_token_ids
+        first = len(outputs) - num_new
         hidden_stop = req.is_finished and req.status is RequestStatus.FINISHED_STOPPED and not (
             req.params.include_stop_str_in_output
-        )
-        if child.deferred or child.detok is None:
-            child.hidden_last = hidden_stop
-            child.completion.token_ids = req.output_token_ids
-            return None
-        delta = "" if hidden_stop else child.detok.append([token])
-        text, stop = child.stops.feed(delta)
-        child.completion.text += text
-        child.completion.token_ids = req.output_token_ids
-        if stop is not None:
-            child.completion.stop_reason = stop
-        return stop
+        )  # the last token stopped the request (EOS, a stop id) and is not shown
+        stop, consumed = None, num_new
+        for j in range(num_new):
+            if logprobs:
+                self._add_logprobs(child.completion, logprobs[j])
+            hidden = hidden_stop and j == num_new - 1
+            if child.deferred or child.detok is None:
+                child.hidden_last = hidden
+                continue
+            delta = "" if hidden else child.detok.append([outputs[first + j]])
+            text, stop = child.stops.feed(delta)
+            child.completion.text += text
+            if stop is not None:
+                child.completion.stop_reason = stop
+                consumed = j + 1
+                break
+        child.completion.token_ids = outputs
+        return stop, consumed
 
     def finish(self, req: Request, error: str | None = None) -> RequestOutput | None:
         """Mark a child finished (after the scheduler freed it); emit its output."""
@@ -119,6 +145,8 @@ class OutputProcessor:
         comp.token_ids = list(req.output_token_ids)
         comp.finish_reason = req.status.value
         child.parent.num_unfinished -= 1
+        if child.parent.finished:
+            del self._child_ids[child.parent.request_id]
         if error is not None:
             child.parent.error = error
         return self._emit(child)

@@ -52,6 +52,9 @@ def _add_serve(sub) -> None:
     serve.add_argument("model_arg", nargs="?", metavar="MODEL",
                        help="HF checkpoint folder or .gguf file (same as --model)")
     add_flags(serve.add_argument_group("server"), SERVER_FLAGS)
+    from tokenmill.entrypoints.openai.limits import LIMIT_FLAGS
+
+    add_flags(serve.add_argument_group("limits"), LIMIT_FLAGS)
     add_flags(serve.add_argument_group("engine"), ENGINE_FLAGS)
 
 
@@ -138,13 +141,14 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.openai.launcher import OpenAIServer
+    from tokenmill.entrypoints.openai.limits import limit_options
     from tokenmill.entrypoints.openai.state import ServerConfig, model_name_of
 
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}")
     model = args.model_arg or args.model
     options = engine_options(args)
-    config = ServerConfig(**server_options(args))
+    config = ServerConfig(**server_options(args), limits=limit_options(args))
     name = model_name_of(model, options.get("served_model_name"))
 
     def load():
@@ -152,8 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return LLM(model, **options).engine
 
-    OpenAIServer(load, config, model_name=name).run()
-    return 0
+    return OpenAIServer(load, config, model_name=name).run()
 
 
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}

@@ -16,13 +16,13 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenmill.scheduler.request import Request
     from tokenmill.scheduler.output import SchedulerOutput
+    from tokenmill.scheduler.scheduler import Progress
 
 # Bucket upper bounds in seconds (vLLM's).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -153,19 +153,17 @@ class EngineStats:
                     seq.parent.started = True
                     self.queue_time.observe(now - seq.parent.arrival)
 
-    def on_tokens(self, requests: Iterable[Request]) -> None:
-        """Each request got one new output token this step."""
-        now = time.monotonic()
-        for req in requests:
-            seq = self._seqs.get(req.request_id)
-            if seq is None:
-                continue
-            self.generation_tokens += 1
-            if seq.last_token is None:
-                self.time_to_first_token.observe(now - seq.parent.arrival)
-            else:
-                self.inter_token_latency.observe(now - seq.last_token)
-            seq.last_token = now
+    def on_tokens(self, progress: Progress, now: float) -> None:
+        """A request got ``num_new`` output tokens this step (one inter-token gap)."""
+        seq = self._seqs.get(progress.request.request_id)
+        if seq is None:
+            return
+        self.generation_tokens += progress.num_new
+        if seq.last_token is None:
+            self.time_to_first_token.observe(now - seq.parent.arrival)
+        else:
+            self.inter_token_latency.observe(now - seq.last_token)
+        seq.last_token = now
 
     def on_finished(self, child_id: str) -> None:
         """A sequence finished (its status is final); the engine forgets it next."""

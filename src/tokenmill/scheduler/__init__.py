@@ -1,6 +1,6 @@
 """Token-based continuous-batching scheduler."""
 
 from tokenmill.scheduler.output import ScheduledSeq, SchedulerOutput
-from tokenmill.scheduler.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduler.scheduler import Progress, Scheduler, SchedulerConfig
 
-__all__ = ["ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+__all__ = ["Progress", "ScheduledSeq", "Scheduler", "SchedulerConfig", "SchedulerOutput"]

@@ -24,13 +24,22 @@ class ScheduledSeq:
     block_table: Sequence[int]
     """The request's block ids (the KV manager's live list: valid for this step)."""
     samples: bool
-    """True when this chunk reaches the request's last known token: sample the next."""
+    """True when this chunk reaches the request's last known token: sample the next (and
+    verify the drafts, if any)."""
     table_row: int = -1
     """The same table as row ``table_row`` of ``SchedulerOutput.tables`` (-1: none)."""
+    draft_token_ids: tuple[int, ...] = ()
+    """Draft tokens to verify: the last len(draft_token_ids) of the new tokens. The step
+    samples at each of them and after the last (drafts + 1 logits rows)."""
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows this sequence samples: drafts + 1, or 0."""
+        return len(self.draft_token_ids) + 1 if self.samples else 0
 
 
 @dataclass(frozen=True)

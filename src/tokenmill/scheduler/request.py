@@ -71,10 +71,18 @@ class Request:
     """Admission order tiebreak, set by the scheduler."""
     structured: StructuredRequest | None = None
     """Grammar state when params.structured_outputs is set (``structured_output/``)."""
-    num_pending: int = 0
-    """Tokens scheduled steps sample that are not appended yet. 0 or 1 between steps;
-    2 for a moment with asynchronous scheduling, which schedules (and launches) the next
-    step before the one in flight has returned its token."""
+    num_placeholders: int = 0
+    """Tokens that scheduled steps will append whose ids are not on the host yet: the
+    token each sampling step produces, counted from scheduling until its step's result
+    is applied. 0 or 1 between steps; 2 for a moment with asynchronous scheduling, which
+    schedules (and launches) the next step before the one in flight has returned."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Draft tokens proposed for the next step (a proposer sets them before ``schedule``;
+    scheduling consumes them). The step verifies them: an accepted prefix and one more
+    token come back, rejected positions are rolled back."""
+    num_drafts_in_flight: int = 0
+    """Draft tokens of the step in flight: until it returns, how many tokens it yields is
+    unknown, so the request is not scheduled again (no overlap with drafts)."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -88,10 +96,10 @@ class Request:
         return len(self.all_token_ids)
 
     @property
-    def num_tokens_with_pending(self) -> int:
+    def num_tokens_with_placeholders(self) -> int:
         """Known tokens plus those a step in flight is sampling: what the KV cache will
         hold once all of them are computed."""
-        return len(self.all_token_ids) + self.num_pending
+        return len(self.all_token_ids) + self.num_placeholders
 
     @property
     def sort_key(self) -> tuple[int, int]:
@@ -113,10 +121,9 @@ class Request:
         return status is not _WAITING and status is not _RUNNING  # RequestStatus.is_finished
 
     def append_token(self, token_id: int) -> None:
-        """A sampled token has arrived (it was pending)."""
+        """A new token has arrived (sampled, or an accepted draft)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        self.num_pending -= 1
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions after appending a token (stop strings come later)."""
@@ -130,3 +137,11 @@ class Request:
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep the first ``num_output_tokens`` outputs (a stop string ended the request
+        inside a multi-token step: what follows it is not part of the answer)."""
+        drop = self.num_output_tokens - num_output_tokens
+        if drop > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - drop :]

@@ -14,11 +14,21 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.scheduler.output import ScheduledSeq, SchedulerOutput
+
+
+@dataclass(slots=True)
+class Progress:
+    """A request that got ``num_new`` tokens from a step (the last ``num_new`` of its
+    outputs). Not frozen: one is built per sequence per step."""
+
+    request: Request
+    num_new: int
 
 
 @dataclass(frozen=True)
@@ -41,12 +51,16 @@ class Scheduler:
         self.running: list[Request] = []  # sorted by sort_key
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_sync_only = 0
+        """Live requests whose sampling reads their tokens so far (penalties, min_tokens,
+        a grammar): while there are any, steps must not overlap."""
         self._arrivals = itertools.count()
 
     # -- queue management -------------------------------------------------
     def add(self, request: Request) -> None:
         request.arrival_index = next(self._arrivals)
         self.requests[request.request_id] = request
+        self.num_sync_only += request.params.reads_output_tokens
         bisect.insort(self.waiting, request, key=lambda r: r.sort_key)
 
     def has_unfinished(self) -> bool:
@@ -57,6 +71,7 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self.num_sync_only -= req.params.reads_output_tokens
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -75,7 +90,7 @@ class Scheduler:
                 break
             if preempted and req.request_id in preempted:  # preempted earlier in this loop
                 continue
-            if self._ends_with_pending(req):
+            if req.num_drafts_in_flight or self._ends_with_placeholders(req):
                 continue
             n = self._chunk(req, budget)
             if not self._allocate_or_preempt(req, n, preempted):
@@ -89,26 +104,48 @@ class Scheduler:
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         """Record the chunk as computed now (the model runs it before anything reads the
-        count again) and, when it reaches the last token, one more token as pending."""
+        count again) and, when it reaches the last token, one more token as a placeholder
+        (and the drafts it carries as in flight). Drafts are consumed either way."""
         start = req.num_computed_tokens
-        samples = start + n == req.num_tokens_with_pending
+        known_end = req.num_tokens_with_placeholders
+        samples = start + n >= known_end
+        drafts = tuple(req.spec_token_ids[: start + n - known_end]) if samples else ()
+        req.spec_token_ids = []
         req.num_computed_tokens = start + n
-        req.num_pending += samples
+        req.num_placeholders += samples
+        req.num_drafts_in_flight = len(drafts)
         table, row = self.kv.table_and_row(req.request_id)
-        return ScheduledSeq(req, start, n, table, samples, row)
+        return ScheduledSeq(req, start, n, table, samples, row, drafts)
 
-    def _ends_with_pending(self, req: Request) -> bool:
-        """The token in flight will end the request by length whatever it is: nothing to
-        schedule (only with asynchronous scheduling is a token pending here)."""
-        return req.num_pending > 0 and (
-            req.num_output_tokens + req.num_pending >= req.max_tokens
-            or req.num_tokens_with_pending >= self.config.max_model_len
+    def _ends_with_placeholders(self, req: Request) -> bool:
+        """The tokens in flight will end the request by length whatever they are: nothing
+        to schedule (only with asynchronous scheduling is a token in flight here)."""
+        return req.num_placeholders > 0 and (
+            req.num_output_tokens + req.num_placeholders >= req.max_tokens
+            or req.num_tokens_with_placeholders >= self.config.max_model_len
         )
 
     def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+        """Tokens to compute this step: the unknown part of the sequence, then its drafts
+        (those that fit before max_tokens and max_model_len), within the budget."""
+        n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
         cap = self.config.long_prefill_token_threshold
-        return min(n, cap) if cap else n
+        n = min(n, cap) if cap else n
+        if req.spec_token_ids and n == req.num_tokens_with_placeholders - req.num_computed_tokens:
+            n += min(self._num_drafts(req), budget - n)
+        return n
+
+    def _num_drafts(self, req: Request) -> int:
+        """Drafts the step may verify: none after a placeholder (its id is not on the host,
+        so nothing could be drafted after it) or for a grammar (its mask at a draft's
+        position would need the grammar advanced through the drafts before it); the step
+        yields at most drafts + 1 tokens, which must fit max_tokens and max_model_len."""
+        if req.num_placeholders or req.structured is not None:
+            return 0
+        room = min(
+            req.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens
+        )
+        return max(0, min(len(req.spec_token_ids), room - 1))
 
     def _allocate_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
         """Get blocks for n more tokens of a running request, preempting from the back."""
@@ -154,7 +191,7 @@ class Scheduler:
         A better-priority request may preempt worse running ones that were not
         scheduled in this step. All or nothing: on failure it holds no blocks.
         """
-        assert req.num_pending == 0, "a preempted request comes back once its token landed"
+        assert req.num_placeholders == 0, "a preempted request comes back once its token landed"
         reuse = req.reuse_context and req.params.prompt_logprobs is None
         req.num_computed_tokens = self.kv.get_computed_blocks(
             req.request_id, req.all_token_ids, req.cache_key, reuse
@@ -171,23 +208,38 @@ class Scheduler:
         return True
 
     # -- after the model ran ---------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """After the step ran: cache full blocks, append sampled tokens, and finish on
-        token-level stops. Returns the requests that got a new token."""
-        progressed: list[Request] = []
-        for seq in out.seqs:
+    def update(self, out: SchedulerOutput, tokens: Sequence[Sequence[int]]) -> list[Progress]:
+        """Apply a step's results: ``tokens[i]`` are the new tokens of ``out.seqs[i]`` (none
+        when it did not sample; else its accepted drafts and one more token). Rejected
+        drafts are rolled back (``num_computed_tokens`` and KV blocks), full blocks are
+        cached, and tokens are appended one by one until a token-level stop, which cuts
+        the rest. Returns the requests that got tokens, with how many."""
+        progressed: list[Progress] = []
+        for seq, new in zip(out.seqs, tokens):
             req = seq.request
             if req.is_finished:  # aborted, or ended by the step before (async scheduling)
                 continue
-            self.kv.commit(req.request_id, req.cacheable_tokens, seq.end, req.cache_key)
-            token = sampled.get(req.request_id)
-            if token is None:
+            end = seq.end
+            if seq.samples:
+                req.num_placeholders -= 1
+                req.num_drafts_in_flight = 0
+                rejected = len(seq.draft_token_ids) - (len(new) - 1)
+                if rejected:
+                    end -= rejected
+                    req.num_computed_tokens -= rejected
+                    self.kv.truncate(req.request_id, req.num_computed_tokens)
+            self.kv.commit(req.request_id, req.cacheable_tokens, end, req.cache_key)
+            if not new:
                 continue
-            req.append_token(token)
-            progressed.append(req)
-            status = req.check_stop(self.config.max_model_len)
-            if status is not None:
-                self.finish(req.request_id, status)
+            count = 0
+            for token in new:
+                req.append_token(token)
+                count += 1
+                status = req.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self.finish(req.request_id, status)
+                    break
+            progressed.append(Progress(req, count))
         return progressed
 
     def reset_prefix_cache(self) -> int:

@@ -124,7 +124,9 @@ class PaddedDecode:
 
     def takes(self, seqs: tuple[ScheduledSeq, ...]) -> bool:
         """An all-decode step (one new token per sequence) that fits a bucket."""
-        return all(s.num_new_tokens == 1 for s in seqs) and self.bucket_for(len(seqs)) is not None
+        return all(s.num_new_tokens == 1 and not s.draft_token_ids for s in seqs) and (
+            self.bucket_for(len(seqs)) is not None
+        )
 
     def run(
         self,

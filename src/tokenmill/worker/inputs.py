@@ -115,8 +115,9 @@ def record_event() -> torch.cuda.Event:
 
 @dataclass(frozen=True)
 class PendingTokens:
-    """Input tokens known only on the device: sampled by the step still in flight
-    (asynchronous scheduling). Each is the last new token of its sequence."""
+    """Placeholder input tokens, known only on the device: sampled by the step still in
+    flight (asynchronous scheduling). Each is the last new token of its sequence (a
+    sequence with drafts is never scheduled while its step is in flight)."""
 
     source: torch.Tensor
     """[S] int64: the previous step's sampled ids (device)."""
@@ -217,13 +218,17 @@ def sections(packed: ArrayT, sizes: Sequence[int]) -> list[ArrayT]:
 
 
 def known_tokens(s: ScheduledSeq) -> list[int]:
-    """The chunk's input tokens on the host, 0 for the last one when it is pending
-    (``PendingTokens``: still on the device)."""
-    tokens = s.request.all_token_ids[s.start : s.end]
-    if len(tokens) == s.num_new_tokens:
+    """The chunk's input tokens on the host: the sequence's known tokens, 0 for a
+    placeholder (the previous step's sampled token, still on the device: ``PendingTokens``),
+    then the drafts to verify."""
+    drafts = s.draft_token_ids
+    base_end = s.end - len(drafts)
+    tokens = s.request.all_token_ids[s.start : base_end]
+    missing = base_end - s.start - len(tokens)
+    if not missing and not drafts:
         return tokens
-    assert len(tokens) == s.num_new_tokens - 1, "only the last input token can be pending"
-    return [*tokens, 0]
+    assert missing <= 1 and not (missing and drafts), "one placeholder, last, and no drafts"
+    return [*tokens, *([0] * missing), *drafts]
 
 
 def _first_if_contiguous(

@@ -17,6 +17,7 @@ from tokenmill.attention.backends import REFERENCE, AttentionBackend, select_bac
 from tokenmill.config import EngineConfig
 from tokenmill.models.base import CausalLM
 from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
+from tokenmill.sampling.sampler import RowState, SamplingRow
 from tokenmill.sampling.logits_processors import upload
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.worker.cuda_graphs import PaddedDecode, wants_cuda_graphs
@@ -43,9 +44,12 @@ class TokenLogprobs:
 class LaunchedStep:
     """A step queued on the device (``ModelRunner.launch``), not yet waited for."""
 
-    sample_seqs: list[ScheduledSeq]
+    seqs: tuple[ScheduledSeq, ...]
+    """The step's sequences, in scheduled order; sequence i owns ``num_sample_rows`` rows of
+    ``ids`` (from ``first_rows[i]``)."""
+    first_rows: tuple[int, ...]
     ids: torch.Tensor | None
-    """The sampled ids [S] on their way to the host (``HostIds.copy``); None: none sampled."""
+    """The sampled ids [R] on their way to the host (``HostIds.copy``); None: none sampled."""
     done: torch.cuda.Event | None
     """On CUDA, recorded after every copy to the host the step queued (ids, logprobs,
     prompt logprobs): what ``collect`` waits for. None: nothing copied, or CPU."""
@@ -55,9 +59,12 @@ class LaunchedStep:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
-    """For requests that asked for logprobs: the sampled token's."""
+    tokens: list[list[int]]
+    """Per scheduled sequence, in order: its new tokens (accepted drafts, then the token
+    sampled after them); [] when it did not sample."""
+    logprobs: list[list[TokenLogprobs]] | None
+    """Aligned with ``tokens`` for sequences that asked for logprobs ([] for the others);
+    None when no sequence of the step asked."""
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]]
     """request id -> (prompt position of the first entry, entries). Entry j scores
     prompt token start + j + 1 given everything before it."""
@@ -98,27 +105,29 @@ class ModelRunner:
         self.decode = decode
         self.staging = PinnedStaging(device)
         self.host_ids = HostIds(device)
-        self._last_sampled: tuple[torch.Tensor, list[ScheduledSeq]] | None = None
-        """The latest launched step's sampled ids [S] (device) and the S sequences."""
+        self._last_sampled: tuple[torch.Tensor, tuple[ScheduledSeq, ...], tuple[int, ...]] | None
+        self._last_sampled = None
+        """The latest launched step's sampled ids [R] (device), its sequences and their
+        first rows in the ids."""
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the step's forward pass and sampling on the device and the copy of the
         sampled ids back; returns without waiting (on CUDA) for any of it."""
         hidden, qsl = self._forward(sched)
-        sample_seqs = [s for s in sched.seqs if s.samples]
-        sampled_rows = [qsl[i + 1] - 1 for i, s in enumerate(sched.seqs) if s.samples]
-        sampled, lp = self._sample(sample_seqs, sampled_rows, hidden) if sample_seqs else (None, None)
-        prompt_lp = self._prompt_logprobs(sched.seqs, qsl, hidden)
+        seqs = sched.seqs
+        first_rows, sample_rows, rows = _sample_rows(seqs, qsl)
+        sampled, lp = self._sample(rows, sample_rows, hidden) if rows else (None, None)
+        prompt_lp = self._prompt_logprobs(seqs, qsl, hidden)
         pinned = self.host_ids.pinned
         if pinned:  # queued before the step's event, so collect's wait covers them
             lp = _copy_to_host(lp)
             prompt_lp = {r: (a, t, _copy_to_host(x)) for r, (a, t, x) in prompt_lp.items()}
-        self._last_sampled = None if sampled is None else (sampled, sample_seqs)
+        self._last_sampled = None if sampled is None else (sampled, seqs, first_rows)
         ids = self.host_ids.copy(sampled) if sampled is not None else None
         # A step of prompt chunks samples nothing, yet may copy prompt logprobs back.
         done = record_event() if pinned and (ids is not None or prompt_lp) else None
-        return LaunchedStep(sample_seqs, ids, done, lp, prompt_lp)
+        return LaunchedStep(seqs, first_rows, ids, done, lp, prompt_lp)
 
     def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, tuple[int, ...]]:
         """hidden [T, hidden] of the step's tokens and the query offsets (B+1) of its
@@ -133,15 +142,15 @@ class ModelRunner:
         return hidden, inputs.meta.query_start_loc
 
     def _sample(
-        self, sample_seqs: list[ScheduledSeq], sampled_rows: list[int], hidden: torch.Tensor
+        self, rows: list[SamplingRow], sample_rows: list[int], hidden: torch.Tensor
     ) -> tuple[torch.Tensor, LogprobsTensors | None]:
-        """Logits of hidden's rows ``sampled_rows`` (each sampling sequence's last token)
-        -> (ids [S], logprobs)."""
-        rows = hidden  # every row samples (a decode step): no gather, hence no index copy
-        if len(sampled_rows) != hidden.shape[0]:
-            rows = hidden.index_select(0, upload(sampled_rows, torch.int64, hidden.device))
-        logits = self.model.compute_logits(rows)
-        out = self.sampler(logits, [s.request for s in sample_seqs], in_place=True)  # rows: requests
+        """Logits of hidden's rows ``sample_rows`` -> (ids [R], logprobs); ``rows`` are
+        their sampling states (a request, or a request with drafts appended)."""
+        states = hidden  # every row samples (a decode step): no gather, hence no index copy
+        if len(sample_rows) != hidden.shape[0]:
+            states = hidden.index_select(0, upload(sample_rows, torch.int64, hidden.device))
+        logits = self.model.compute_logits(states)
+        out = self.sampler(logits, rows, in_place=True)
         return out.token_ids, out.logprobs
 
     def collect(self, step: LaunchedStep) -> ModelRunnerOutput:
@@ -149,16 +158,22 @@ class ModelRunner:
         if step.done is not None:
             step.done.synchronize()
         token_list = step.ids.tolist() if step.ids is not None else []
-        return _to_host(step.sample_seqs, token_list, step.logprobs, step.prompt_logprobs)
+        return _to_host(step, token_list)
 
     def _pending_tokens(self, seqs: tuple[ScheduledSeq, ...]) -> PendingTokens | None:
-        """The step's input tokens that the previous step is still sampling."""
-        waiting = [i for i, s in enumerate(seqs) if s.end > len(s.request.all_token_ids)]
+        """The step's input tokens that the previous step is still sampling (each the
+        last row its sequence sampled there: it has no drafts)."""
+        waiting = [
+            i for i, s in enumerate(seqs)
+            if s.end - len(s.draft_token_ids) > len(s.request.all_token_ids)
+        ]  # fmt: skip
         if not waiting:
             return None
         assert self._last_sampled is not None, "a pending token without a step in flight"
-        source, sampled_seqs = self._last_sampled
-        row_of = {s.request.request_id: j for j, s in enumerate(sampled_seqs)}  # only when needed
+        source, sampled_seqs, first_rows = self._last_sampled
+        row_of = {  # only when needed
+            s.request.request_id: first_rows[j] for j, s in enumerate(sampled_seqs) if s.samples
+        }
         rows = tuple(row_of[seqs[i].request.request_id] for i in waiting)
         return PendingTokens(source, tuple(waiting), rows)
 
@@ -232,19 +247,67 @@ def _copy_to_host(lp: LogprobsTensors | None) -> LogprobsTensors | None:
     )  # fmt: skip
 
 
-def _to_host(sample_seqs, token_list: list[int], lp, prompt_lp) -> ModelRunnerOutput:
+def _sample_rows(
+    seqs: tuple[ScheduledSeq, ...], qsl: tuple[int, ...]
+) -> tuple[tuple[int, ...], list[int], list[SamplingRow]]:
+    """(first sampled row per sequence, the hidden rows that sample, their sampling states).
+
+    A sequence samples at its last token and, with drafts, at each draft's position too
+    (row j scores the token after the drafts before j, so its state has them appended:
+    penalties and min_tokens then see what a plain decode would have seen)."""
+    first_rows: list[int] = []
+    hidden_rows: list[int] = []
+    states: list[SamplingRow] = []
+    for i, s in enumerate(seqs):
+        first_rows.append(len(states))
+        if not s.samples:
+            continue
+        req, drafts = s.request, s.draft_token_ids
+        last = qsl[i + 1] - 1
+        if not drafts:
+            hidden_rows.append(last)
+            states.append(req)  # the request is its own sampling state: no object per row
+            continue
+        hidden_rows.extend(range(last - len(drafts), last + 1))
+        states.append(req)
+        for j in range(1, len(drafts) + 1):
+            outputs = [*req.output_token_ids, *drafts[:j]]
+            states.append(RowState(req.params, req.prompt_token_ids, outputs, req.generator,
+                                   req.eos_token_ids, req.structured))  # fmt: skip
+    return tuple(first_rows), hidden_rows, states
+
+
+def _verify(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
+    """New tokens of a sequence from its sampled rows: each draft is accepted while it
+    equals what was sampled at its position; the first sample that differs (or the one
+    after the last draft) ends the list. Each token is drawn from the model's distribution
+    given the tokens before it, so the output distribution is that of plain decoding."""
+    for j, draft in enumerate(drafts):
+        if sampled[j] != draft:
+            return sampled[: j + 1]
+    return sampled
+
+
+def _to_host(step: LaunchedStep, token_list: list[int]) -> ModelRunnerOutput:
     """Host-side outputs once the step's copies are on the host (``LaunchedStep.done``, the
     step's synchronisation point)."""
-    ids = [s.request.request_id for s in sample_seqs]
-    logprobs: dict[str, TokenLogprobs] = {}
-    if lp is not None:
-        for s, entry in zip(sample_seqs, _entries(lp, token_list)):
+    tokens: list[list[int]] = []
+    for s, row in zip(step.seqs, step.first_rows):
+        sampled = token_list[row : row + s.num_sample_rows]
+        tokens.append(_verify(s.draft_token_ids, sampled) if s.draft_token_ids else sampled)
+    logprobs = None
+    if step.logprobs is not None:
+        entries = _entries(step.logprobs, token_list)
+        logprobs = []
+        for s, row, new in zip(step.seqs, step.first_rows, tokens):
             k = s.request.params.logprobs
-            if k is not None:
-                logprobs[s.request.request_id] = TokenLogprobs(
-                    entry.token_id, entry.logprob, entry.rank, entry.top[:k]
-                )
+            logprobs.append(
+                [] if k is None else
+                [TokenLogprobs(e.token_id, e.logprob, e.rank, e.top[:k])
+                 for e in entries[row : row + len(new)]]
+            )  # fmt: skip
     prompt = {
-        rid: (start, _entries(plp, targets)) for rid, (start, targets, plp) in prompt_lp.items()
+        rid: (start, _entries(plp, targets))
+        for rid, (start, targets, plp) in step.prompt_logprobs.items()
     }
-    return ModelRunnerOutput(dict(zip(ids, token_list)), logprobs, prompt)
+    return ModelRunnerOutput(tokens, logprobs, prompt)

@@ -2,8 +2,15 @@
 ``LLM.serve``) or in a background thread (tests, benchmarks).
 
 Shutdown drains: the first SIGTERM/SIGINT (or ``close()``) stops accepting (new
-requests get 503, ``/health`` says 503), lets every accepted request finish, then
-stops uvicorn; a second signal exits at once, aborting what is left.
+requests get 503, ``/health`` says 503), lets every accepted request finish (for at
+most ``shutdown_timeout`` seconds), then stops uvicorn; a second signal, or a drain
+that runs out of time, aborts what is left (open streams get an error event) and
+``run()`` returns exit code 1.
+
+Connections: idle keep-alive connections close after ``timeout_keep_alive``, a
+client that does not send its headers within ``timeout_headers`` is cut
+(``connections.py``), and past ``limit_concurrency`` connections + requests new
+requests get 503.
 """
 
 from __future__ import annotations
@@ -22,10 +29,14 @@ import uvicorn
 
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.entrypoints.openai.connections import with_header_timeout
 from tokenmill.entrypoints.openai.server import build_app
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState, model_name_of
 
 logger = logging.getLogger(__name__)
+
+FORCED_EXIT_FLUSH_S = 0.5
+"""Seconds a forced exit gives the cut streams to send their error event."""
 
 EngineSource = LLMEngine | Callable[[], LLMEngine]
 """A loaded engine, or a function that loads one (the server answers 503 meanwhile)."""
@@ -50,9 +61,14 @@ class OpenAIServer:
         self._thread: threading.Thread | None = None
         self.app = build_app(self.state, on_startup=self._on_startup, on_shutdown=self._stop_engine)
         self._socket = _bind(self.config.host, self.config.port)
+        self.exit_code = 0
+        """1 once the server was forced to stop (a second signal, or a drain past its time)."""
+        lim = self.config.limits
         self.port: int = self._socket.getsockname()[1]
         uv_config = uvicorn.Config(self.app, log_level=self.config.log_level, lifespan="on",
-                                   timeout_keep_alive=30)
+                                   timeout_keep_alive=lim.timeout_keep_alive,
+                                   limit_concurrency=lim.limit_concurrency,
+                                   http=with_header_timeout(lim.timeout_headers))
         self._uv = _Uvicorn(uv_config, self)
 
     @property
@@ -62,8 +78,10 @@ class OpenAIServer:
         return f"http://{host}:{self.port}"
 
     # -- foreground -------------------------------------------------------------------
-    def run(self) -> None:
-        """Serve until a signal or ``close()``; returns after the drain. Blocking."""
+    def run(self) -> int:
+        """Serve until a signal or ``close()``; returns after the drain. Blocking.
+
+        Returns the exit code: 0 after a full drain, 1 when requests were cut."""
         try:
             self._uv.run(sockets=[self._socket])
         finally:
@@ -71,6 +89,7 @@ class OpenAIServer:
             self._socket.close()
         if self._error is not None:
             raise self._error
+        return self.exit_code
 
     # -- background ---------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> OpenAIServer:
@@ -131,6 +150,7 @@ class OpenAIServer:
 
     def _attach(self, engine: LLMEngine) -> None:
         cfg = self.config
+        engine.structured.set_limits(cfg.limits.grammar)
         self.state.llm = AsyncLLM(engine, cfg.max_queued_requests, cfg.queue_timeout)
         # uvicorn's logger: shown with uvicorn's log config even when nobody set up logging
         logging.getLogger("uvicorn.error").info(
@@ -142,18 +162,35 @@ class OpenAIServer:
         self.state.draining = True
         llm = self.state.llm
         if llm is not None:
-            logger.info("draining: %d requests to finish (a second signal exits now)",
-                        llm.num_live)
-            await llm.drain()
+            timeout = self.config.limits.shutdown_timeout
+            logger.info("draining: %d requests to finish within %g s (a second signal "
+                        "exits now)", llm.num_live, timeout)
+            if not await llm.drain(timeout):
+                logger.warning("the drain took longer than shutdown_timeout=%g s", timeout)
+                self.force_exit()
+                return
         self._uv.should_exit = True
 
     def force_exit(self) -> None:
-        """Stop now: abort whatever runs."""
+        """Stop now: abort whatever runs; open streams get an error event first."""
         logger.warning("exiting now; aborting %d requests",
                        self.state.llm.num_live if self.state.llm else 0)
+        self.exit_code = 1
         self.state.draining = True
+        llm = self.state.llm
+        if llm is not None:
+            llm.stop_accepting()
+        if llm is None or self._loop is None or not self._loop.is_running():
+            self._uv.force_exit = True
+            self._uv.should_exit = True
+            return
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._abort_and_exit()))
+
+    async def _abort_and_exit(self) -> None:
+        """Fail every live request (its stream writes an error event), then stop uvicorn."""
         if self.state.llm is not None:
-            self.state.llm.stop_accepting()
+            await asyncio.to_thread(self.state.llm.shutdown, FORCED_EXIT_FLUSH_S * 10)
+            await asyncio.sleep(FORCED_EXIT_FLUSH_S)  # let the handlers write the errors
         self._uv.force_exit = True
         self._uv.should_exit = True
 

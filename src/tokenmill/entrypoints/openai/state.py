@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.errors import APIError, unavailable
+from tokenmill.entrypoints.openai.limits import ServerLimits
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -31,6 +32,8 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     """How tool calls are read from the model's text (hermes, llama3_json, mistral,
     pythonic, json); auto: chosen from the chat template."""
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    """Bounds on what one request or connection may cost (``limits.py``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

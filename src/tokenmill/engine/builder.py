@@ -1,0 +1,67 @@
+"""Assembles an engine: model, KV cache, scheduler, runner, executor. ``LLMEngine`` loops.
+
+Everything that happens once per engine lives here (loading, KV sizing and allocation,
+CUDA-graph capture, the process-wide thread setting); the loop in ``engine.py`` only
+steps what this built.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.loading import LoadedModel, kv_cache_blocks, load_model
+from tokenmill.executor import Executor, UniProcExecutor
+from tokenmill.kv_cache import KVCacheManager
+from tokenmill.sampling import Sampler
+from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.threads import configure_threads
+from tokenmill.worker.model_runner import ModelRunner, allocate_kv_caches, make_runner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """What one engine runs on; each part has one owner afterwards (the loop)."""
+
+    loaded: LoadedModel
+    kv: KVCacheManager
+    scheduler: Scheduler
+    structured: StructuredOutputManager
+    runner: ModelRunner
+    executor: Executor
+
+
+def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+    configure_threads()  # before loading: repacking quantized weights uses the pool
+    loaded = loaded or load_model(config)
+    num_blocks = kv_cache_blocks(config, loaded)
+    kv = KVCacheManager(
+        num_blocks, config.block_size, config.enable_prefix_caching,
+        max_blocks_per_seq=-(-loaded.max_model_len // config.block_size),
+    )  # fmt: skip
+    budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+    scheduler = Scheduler(
+        SchedulerConfig(
+            config.max_num_seqs, budget, loaded.max_model_len, config.long_prefill_token_threshold
+        ),
+        kv,
+    )
+    caches = allocate_kv_caches(
+        loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device
+    )
+    generator = torch.Generator(device=loaded.device).manual_seed(config.seed)
+    structured = StructuredOutputManager.from_config(
+        config, loaded.tokenizer, loaded.model.vocab_size
+    )
+    sampler = Sampler(generator, extra_processors=(structured.mask_logits,))
+    runner = make_runner(
+        config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len
+    )
+    logger.info("KV cache: %d blocks x %d tokens", num_blocks, config.block_size)
+    return EngineParts(loaded, kv, scheduler, structured, runner, UniProcExecutor(runner))
