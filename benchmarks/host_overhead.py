@@ -40,6 +40,9 @@ class NullModel(nn.Module):
         super().__init__()
         for name in ("num_layers", "num_kv_heads", "head_dim", "vocab_size"):
             setattr(self, name, getattr(real, name))
+        for name in ("ops", "dtype", "cache_specs"):  # absent from older trees
+            if hasattr(real, name):
+                setattr(self, name, getattr(real, name))
         self.hidden = torch.zeros(max_tokens, hidden)
         self.logits = torch.zeros(max_tokens, real.vocab_size)
 
@@ -118,6 +121,7 @@ def instrument(engine) -> Phases:
 
         phases.wrap(mr, "build_step_inputs", "  inputs")
     phases.wrap(engine.processor, "process_token", "process_token")
+    phases.wrap(engine.processor, "process_tokens", "process_token")
     phases.wrap(engine.processor, "progress", "progress")
     phases.wrap(engine.processor, "finish", "finish")
     return phases
