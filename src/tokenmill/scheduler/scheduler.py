@@ -219,16 +219,20 @@ class Scheduler:
             req = seq.request
             if req.is_finished:  # aborted, or ended by the step before (async scheduling)
                 continue
+            # Preempted while the step was in flight (it waits, holding no blocks, until
+            # this result lands): its tokens count, its KV is gone anyway.
+            preempted = req.status is RequestStatus.WAITING
             end = seq.end
             if seq.samples:
                 req.num_placeholders -= 1
                 req.num_drafts_in_flight = 0
                 rejected = len(seq.draft_token_ids) - (len(new) - 1)
-                if rejected:
+                if rejected and not preempted:
                     end -= rejected
                     req.num_computed_tokens -= rejected
                     self.kv.truncate(req.request_id, req.num_computed_tokens)
-            self.kv.commit(req.request_id, req.cacheable_tokens, end, req.cache_key)
+            if not preempted:
+                self.kv.commit(req.request_id, req.cacheable_tokens, end, req.cache_key)
             if not new:
                 continue
             count = 0

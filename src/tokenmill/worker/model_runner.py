@@ -277,7 +277,7 @@ def _sample_rows(
     return tuple(first_rows), hidden_rows, states
 
 
-def _verify(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
+def verify_drafts(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
     """New tokens of a sequence from its sampled rows: each draft is accepted while it
     equals what was sampled at its position; the first sample that differs (or the one
     after the last draft) ends the list. Each token is drawn from the model's distribution
@@ -294,7 +294,7 @@ def _to_host(step: LaunchedStep, token_list: list[int]) -> ModelRunnerOutput:
     tokens: list[list[int]] = []
     for s, row in zip(step.seqs, step.first_rows):
         sampled = token_list[row : row + s.num_sample_rows]
-        tokens.append(_verify(s.draft_token_ids, sampled) if s.draft_token_ids else sampled)
+        tokens.append(verify_drafts(s.draft_token_ids, sampled) if s.draft_token_ids else sampled)
     logprobs = None
     if step.logprobs is not None:
         entries = _entries(step.logprobs, token_list)
