@@ -1,7 +1,7 @@
-from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduler.request import Request, RequestStatus
 
 
 def make(num_blocks=8, block_size=4, budget=16, max_seqs=8, max_len=64):

@@ -21,6 +21,7 @@ from tokenmill.engine.pipeline import StepPipeline, StepResult
 from tokenmill.engine.request import RequestOptions
 from tokenmill.engine.validation import check_params, check_prompt, resolve_max_tokens
 from tokenmill.errors import InvalidRequestError
+from tokenmill.executor import UniProcExecutor
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import make_generator
@@ -59,10 +60,12 @@ class LLMEngine:
     @property
     def runner(self) -> ModelRunner:
         """The in-process executor's model runner (tests swap it)."""
+        assert isinstance(self.executor, UniProcExecutor), "the runner lives in a worker"
         return self.executor.runner
 
     @runner.setter
     def runner(self, runner: ModelRunner) -> None:
+        assert isinstance(self.executor, UniProcExecutor), "the runner lives in a worker"
         self.executor.runner = runner
 
     @property
@@ -210,7 +213,9 @@ class LLMEngine:
         now = time.monotonic()
         for progress in progressed:
             req, num_new = progress.request, progress.num_new
-            logprobs = out.logprobs[row_of[req.request_id]] if row_of is not None else None
+            logprobs = None
+            if out.logprobs is not None and row_of is not None:
+                logprobs = out.logprobs[row_of[req.request_id]]
             stop, consumed = self.processor.process_tokens(req, num_new, logprobs)
             if stop is not None:
                 req.truncate_output(req.num_output_tokens - num_new + consumed)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.engine.stop_strings import StopStringMatcher
 from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
+from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.tokenizer import IncrementalDetokenizer, Tokenizer
 from tokenmill.worker import TokenLogprobs
 
@@ -194,9 +194,8 @@ class OutputProcessor:
     def _add_logprobs(self, comp: CompletionOutput, entry: TokenLogprobs) -> None:
         if comp.logprobs is None:
             comp.logprobs = []
-            comp.cumulative_logprob = 0.0
         comp.logprobs.append(self._position(entry))
-        comp.cumulative_logprob += entry.logprob
+        comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + entry.logprob
 
     def _position(self, entry: TokenLogprobs) -> PositionLogprobs:
         out: PositionLogprobs = {entry.token_id: self._logprob(entry.token_id, entry.logprob, entry.rank)}
@@ -219,6 +218,7 @@ def _finish_text(child: ChildState, req: Request) -> None:
     """The text's last part: all of it when deferred, else what the detokenizer and the
     stop-string matcher still hold back (nothing after a matched stop string)."""
     comp, detok = child.completion, child.detok
+    assert detok is not None, "only detokenized children have text to finish"
     if child.deferred:
         shown = req.output_token_ids[: len(req.output_token_ids) - child.hidden_last]
         comp.text = detok.append(shown) + detok.flush()

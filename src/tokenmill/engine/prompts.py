@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TypeGuard
 
 from tokenmill.engine.request import RequestOptions
 from tokenmill.errors import InvalidRequestError
@@ -12,7 +13,7 @@ from tokenmill.tokenizer import Tokenizer
 PromptInput = str | dict | list
 
 
-def _is_token_list(x: object) -> bool:
+def _is_token_list(x: object) -> TypeGuard[list[int]]:
     return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 

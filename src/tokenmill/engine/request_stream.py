@@ -111,8 +111,8 @@ class _Accumulator:
             comp.finish_reason = d.finish_reason
             comp.stop_reason = d.stop_reason
         outputs = [self.comps[i] for i in sorted(self.comps)]
-        self.out = replace(delta, outputs=outputs,
-                           prompt_logprobs=delta.prompt_logprobs or (self.out and self.out.prompt_logprobs))
+        earlier = self.out.prompt_logprobs if self.out is not None else None
+        self.out = replace(delta, outputs=outputs, prompt_logprobs=delta.prompt_logprobs or earlier)
         return self.out
 
 
