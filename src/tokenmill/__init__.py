@@ -15,6 +15,10 @@ __all__ = [
     "Logprob",
     "EngineConfig",
     "StructuredOutputsParams",
+    "GuidedDecodingParams",
+    "EngineArgs",
+    "TextPrompt",
+    "TokensPrompt",
     "__version__",
 ]
 
@@ -28,17 +32,28 @@ _LAZY = {
     "Logprob": "tokenmill.outputs",
     "EngineConfig": "tokenmill.config",
     "StructuredOutputsParams": "tokenmill.structured_output.params",
+    "EngineArgs": "tokenmill.entrypoints.engine_args",  # vLLM's CLI-facing options object
+    "TextPrompt": "tokenmill.inputs",
+    "TokensPrompt": "tokenmill.inputs",
 }
+_ALIASES = {"GuidedDecodingParams": "StructuredOutputsParams"}
+"""vLLM's older names."""
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
+    from tokenmill.entrypoints.engine_args import EngineArgs
+    from tokenmill.inputs import TextPrompt, TokensPrompt
     from tokenmill.llm import LLM
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
     from tokenmill.sampling_params import RequestOutputKind, SamplingParams
     from tokenmill.structured_output.params import StructuredOutputsParams
+    from tokenmill.structured_output.params import (
+        StructuredOutputsParams as GuidedDecodingParams,
+    )
 
 
 def __getattr__(name: str):
+    name = _ALIASES.get(name, name)
     if name in _LAZY:
         import importlib
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -16,14 +17,11 @@ from tokenmill.engine.prompts import (
 )
 from tokenmill.errors import EngineDeadError
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams, generation_defaults
 from tokenmill.tokenizer.chat import with_tool_arguments
+from tokenmill.vllm_compat import check_compat_options
 
 logger = logging.getLogger(__name__)
-
-# vLLM options accepted for compatibility that have no effect here.
-_IGNORED_VLLM_OPTIONS = {"trust_remote_code", "gpu_memory_utilization",
-                         "tensor_parallel_size", "disable_log_stats", "swap_space"}
 
 
 class LLM:
@@ -34,9 +32,12 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **options: Any) -> None:
-        for name in _IGNORED_VLLM_OPTIONS & options.keys():
-            logger.warning("LLM(%s=...) has no effect in tokenmill; ignored", name)
-            options.pop(name)
+        """``options``: EngineConfig's fields; ``generation_config`` (auto, vllm or a
+        folder: where default sampling parameters come from); vLLM's other engine options
+        as ``tokenmill.vllm_compat`` documents them (a value that cannot be honoured, such
+        as ``tensor_parallel_size=2``, raises ValueError)."""
+        check_compat_options(options)
+        self.generation_config: str = options.pop("generation_config", None) or "auto"
         known = EngineConfig.__dataclass_fields__.keys()
         unknown = sorted(options.keys() - known)
         if unknown:
@@ -44,6 +45,7 @@ class LLM:
         self.config = EngineConfig(model=model, **options)
         self.engine: LLMEngine | None = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
+        self.get_default_sampling_params()  # a bad generation_config fails here, not later
         self._counter = 0
         self._server = None  # the OpenAIServer while serve() runs
 
@@ -75,13 +77,20 @@ class LLM:
         return self.engine
 
     # -- info -------------------------------------------------------------------
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """vLLM's name of the engine."""
+        return self._live_engine()
+
     def get_tokenizer(self):
+        """The Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
         return self.tokenizer.hf
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """SamplingParams seeded from the checkpoint's generation_config.json."""
+        """SamplingParams from ``generation_config``: by default the checkpoint's
+        generation_config.json."""
         gen = self._live_engine().loaded.checkpoint.generation_config
-        return SamplingParams.from_generation_config(gen) if gen else SamplingParams()
+        return generation_defaults(self.generation_config, gen)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached KV block (running requests keep theirs); returns how many."""
@@ -122,7 +131,7 @@ class LLM:
         self,
         prompts: PromptInput,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = True,
         priority: int | Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in prompt order.
@@ -130,7 +139,8 @@ class LLM:
         A prompt is a string, a list of token ids, or a dict with "prompt" or
         "prompt_token_ids" and optionally "cache_salt", "reuse_context",
         "cache_generated_tokens" (prefix-cache controls). ``priority``: one int or
-        one per prompt, lower runs first.
+        one per prompt, lower runs first. ``use_tqdm``: a progress bar on stderr over
+        the finished prompts (True, as in vLLM; or a tqdm-like class to use instead).
         """
         engine = self._live_engine()
         items = normalize_prompts(prompts, self.tokenizer)
@@ -141,8 +151,9 @@ class LLM:
             for (text, token_ids), p, opts in zip(items, params, options):
                 p = p.clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY
-                ids.append(engine.add_request(token_ids, p, self._next_id(), prompt=text, options=opts))
-            return self._run_to_completion(ids)
+                ids.append(engine.add_request(p.truncate_prompt(token_ids), p, self._next_id(),
+                                              prompt=text, options=opts))
+            return self._run_to_completion(ids, use_tqdm)
         except BaseException:
             for rid in ids:
                 engine.abort(rid)
@@ -152,26 +163,28 @@ class LLM:
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = False,
+        use_tqdm: bool | Callable[..., Any] = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict] | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the chat template, then generate."""
+        """Render each conversation with the chat template, then generate. Each output's
+        ``prompt`` is the rendered conversation."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [
-            {"prompt_token_ids": self.tokenizer.apply_chat_template(
+        prompts = []
+        for conv in conversations:
+            ids = self.tokenizer.apply_chat_template(
                 [with_tool_arguments(m) for m in conv],
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 tools=tools,
                 **(chat_template_kwargs or {}),
-            )}
-            for conv in conversations
-        ]
+            )
+            text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            prompts.append({"prompt_token_ids": ids, "prompt": text})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate_stream(
@@ -186,16 +199,23 @@ class LLM:
         [(text, token_ids)] = normalize_prompts(prompt, self.tokenizer)[:1]
         [opts] = request_options(prompt)[:1]
         params = sampling_params or self.get_default_sampling_params()
-        rid = engine.add_request(token_ids, params, self._next_id(), prompt=text, options=opts)
-        return self._stream(engine, rid)
+        rid = engine.add_request(params.truncate_prompt(token_ids), params, self._next_id(),
+                                 prompt=text, options=opts)
+        return self._stream(engine, rid, time.time())
 
-    def _stream(self, engine: LLMEngine, rid: str) -> Iterator[RequestOutput]:
+    def _stream(self, engine: LLMEngine, rid: str, arrival: float) -> Iterator[RequestOutput]:
         finished = False
+        first_token: float | None = None
         try:
             while not finished:
                 for out in engine.step():
                     if out.request_id == rid:
                         finished = out.finished
+                        now = time.time()
+                        if first_token is None and any(c.token_ids for c in out.outputs):
+                            first_token = now
+                        out.metrics.update(_metrics(arrival, now if finished else None,
+                                                    first_token))
                         yield out
                 if not engine.has_unfinished() and not finished:
                     break
@@ -203,19 +223,53 @@ class LLM:
             if not finished:
                 engine.abort(rid)
 
-    def _run_to_completion(self, ids: list[str]) -> list[RequestOutput]:
+    def _run_to_completion(self, ids: list[str], use_tqdm: bool | Callable[..., Any] = False
+                           ) -> list[RequestOutput]:
         engine = self._live_engine()
+        arrival = time.time()
         done: dict[str, RequestOutput] = {}
         pending = set(ids)
-        while pending:
-            if not engine.has_unfinished():
-                raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
-            for out in engine.step():
-                if out.finished and out.request_id in pending:
-                    done[out.request_id] = out
-                    pending.discard(out.request_id)
+        bar = _progress_bar(use_tqdm, len(ids))
+        try:
+            while pending:
+                if not engine.has_unfinished():
+                    raise RuntimeError(f"engine went idle with {len(pending)} requests unfinished")
+                for out in engine.step():
+                    if out.finished and out.request_id in pending:
+                        out.metrics.update(_metrics(arrival, time.time()))
+                        done[out.request_id] = out
+                        pending.discard(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[rid] for rid in ids]
 
     def _next_id(self) -> str:
         self._counter += 1
         return f"req-{self._counter}"
+
+
+def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int):
+    if not use_tqdm:
+        return None
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts", unit="prompt")
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
+
+
+def _metrics(arrival: float, finished: float | None, first_token: float | None = None
+             ) -> dict[str, float]:
+    """``RequestOutput.metrics`` (wall-clock seconds since the epoch, as vLLM's): when the
+    request was submitted, got its first token (streams only: a final-only output
+    never sees it) and finished."""
+    out = {"arrival_time": arrival}
+    if first_token is not None:
+        out["first_token_time"] = first_token
+    if finished is not None:
+        out["finished_time"] = finished
+        out["e2e_latency"] = finished - arrival
+    return out

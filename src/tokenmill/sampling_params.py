@@ -12,7 +12,7 @@ import copy
 import enum
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,9 +97,29 @@ class SamplingParams:
     detokenization cost) and allows no stop strings."""
     structured_outputs: StructuredOutputsParams | None = None
     """Constrain the output (JSON schema, regex, choice, grammar...); an empty guide = None."""
+    # -- vLLM's other names ---------------------------------------------------------
+    guided_decoding: StructuredOutputsParams | None = None
+    """vLLM's older name of ``structured_outputs`` (both end up holding the same guide)."""
+    best_of: int | None = None
+    """vLLM: sample best_of sequences, return the n best. Only None or n is accepted:
+    tokenmill returns every sequence it samples (ask for n)."""
+    truncate_prompt_tokens: int | None = None
+    """Keep only the last k prompt tokens (applied by ``LLM`` and the server when the prompt
+    is tokenized; see ``truncate_prompt``)."""
+    allowed_token_ids: list[int] | None = None
+    """Only these token ids may be generated (every other logit is set to -inf)."""
+    bad_words: list[str] | None = None
+    """vLLM: words that may not be generated. Not supported yet: a non-empty list raises
+    (ban single tokens with ``logit_bias={id: -100}``)."""
+    logits_processors: list[Callable[..., Any]] | None = None
+    """Per-request callables ``f(output_token_ids, logits) -> logits`` or
+    ``f(prompt_token_ids, output_token_ids, logits) -> logits``, vLLM's (v0) contract:
+    ``logits`` is this row's float32 [V] tensor; they run after the built-in processors,
+    in order, and make the request's steps synchronous (they read the tokens so far)."""
 
     def __post_init__(self) -> None:
         self._normalize()
+        self._verify_vllm_names()
         self._verify_sampling()
         self._verify_lengths()
         self._verify_logprobs()
@@ -130,7 +150,36 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = [_int("stop_token_ids entry", t) for t in self.stop_token_ids or []]
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.guided_decoding is not None:
+            _check(self.structured_outputs in (None, self.guided_decoding),
+                   "set structured_outputs or its older name guided_decoding, not both")
+            self.structured_outputs = self.guided_decoding
         self.structured_outputs = _normalize_guide(self.structured_outputs)
+        self.guided_decoding = self.structured_outputs
+
+    def _verify_vllm_names(self) -> None:
+        if self.best_of is not None:
+            self.best_of = _int("best_of", self.best_of)
+            _check(self.best_of == self.n,
+                   f"best_of={self.best_of} with n={self.n} is not supported: tokenmill "
+                   "returns every sequence it samples; ask for n sequences instead")
+        if self.truncate_prompt_tokens is not None:
+            self.truncate_prompt_tokens = _int("truncate_prompt_tokens",
+                                               self.truncate_prompt_tokens)
+            _check(self.truncate_prompt_tokens >= 1,
+                   f"truncate_prompt_tokens must be >= 1 or None, got "
+                   f"{self.truncate_prompt_tokens}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [_int("allowed_token_ids entry", t)
+                                      for t in self.allowed_token_ids]
+            _check(bool(self.allowed_token_ids), "allowed_token_ids must not be empty")
+        _check(not self.bad_words,
+               f"bad_words={self.bad_words!r} is not supported yet; ban single tokens with "
+               "logit_bias={token_id: -100}")
+        if self.logits_processors is not None:
+            self.logits_processors = list(self.logits_processors)
+            for f in self.logits_processors:
+                _check(callable(f), f"logits_processors entries must be callables, got {f!r}")
 
     def _verify_sampling(self) -> None:
         _check(self.n >= 1, f"n must be >= 1, got {self.n}")
@@ -179,7 +228,8 @@ class SamplingParams:
     def verify_for_vocab(self, vocab_size: int) -> None:
         """Raise if a token id given in the request is outside [0, vocab_size)."""
         for name, ids in (("logit_bias", self.logit_bias or {}),
-                          ("stop_token_ids", self.stop_token_ids or [])):
+                          ("stop_token_ids", self.stop_token_ids or []),
+                          ("allowed_token_ids", self.allowed_token_ids or [])):
             for t in ids:
                 _check(0 <= t < vocab_size,
                        f"{name} token id {t} is out of range: must be in [0, {vocab_size})")
@@ -205,7 +255,14 @@ class SamplingParams:
     def reads_output_tokens(self) -> bool:
         """Picking a token reads the tokens generated so far (penalties, min_tokens, a
         grammar): the step cannot be scheduled before the previous token is known."""
-        return self.uses_penalties or self.min_tokens > 0 or self.structured_outputs is not None
+        return (self.uses_penalties or self.min_tokens > 0 or self.structured_outputs is not None
+                or bool(self.logits_processors))
+
+    def truncate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
+        """The prompt as ``truncate_prompt_tokens`` asks: its last k tokens (or all)."""
+        k = self.truncate_prompt_tokens
+        ids = list(prompt_token_ids)
+        return ids[-k:] if k is not None and len(ids) > k else ids
 
     def clone(self) -> SamplingParams:
         """A deep copy (parameters are mutable; each request should own its copy)."""
@@ -223,6 +280,23 @@ class SamplingParams:
         kwargs = {k: gen_cfg[k] for k in GENERATION_CONFIG_KEYS if gen_cfg.get(k) is not None}
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+def generation_defaults(source: str, checkpoint: Mapping[str, Any] | None) -> SamplingParams:
+    """Default sampling parameters (vLLM's ``generation_config`` option): "auto" = the
+    checkpoint's generation_config.json, "vllm" = the library defaults, a folder = the
+    generation_config.json in it."""
+    if source == "vllm":
+        return SamplingParams()
+    if source != "auto":
+        import json
+        from pathlib import Path
+
+        path = Path(source) / "generation_config.json"
+        _check(path.is_file(), f"generation_config={source!r}: no {path} (use auto, vllm "
+               "or a folder holding generation_config.json)")
+        checkpoint = json.loads(path.read_text())
+    return SamplingParams.from_generation_config(checkpoint) if checkpoint else SamplingParams()
 
 
 def _check(ok: bool, message: str) -> None:

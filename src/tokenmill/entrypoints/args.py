@@ -28,8 +28,9 @@ class Flag:
     type: Callable[[str], Any] | None
     help: str
     default: Any = None
-    action: str | None = None
+    action: str | type[argparse.Action] | None = None
     choices: tuple[str, ...] | None = None
+    aliases: tuple[str, ...] = ()
 
 
 ENGINE_FLAGS = (
@@ -51,7 +52,13 @@ ENGINE_FLAGS = (
     Flag("--served-model-name", "served_model_name", str, "model name reported to clients"),
     Flag("--structured-outputs-backend", "structured_outputs_backend", str, "grammar backend of structured output: auto or guidance (llguidance)", "auto"),
     Flag("--reasoning-parser", "reasoning_parser", str, "how reasoning is delimited in the output (think, deepseek_r1, qwen3, mistral); auto: from the chat template; none: off", "auto"),
+    Flag("--enable-prefix-caching", "enable_prefix_caching", None, "reuse the KV cache of earlier requests that share a prefix (--no-enable-prefix-caching: off)", True, action=argparse.BooleanOptionalAction),
+    Flag("--long-prefill-token-threshold", "long_prefill_token_threshold", int, "largest prefill chunk of one request per step, so long prompts never stall running decodes"),
+    Flag("--max-logprobs", "max_logprobs", int, "most logprobs / prompt_logprobs alternatives a request may ask for", 20),
 )
+GENERATION_CONFIG_HELP = ("default sampling parameters: auto (the checkpoint's "
+                          "generation_config.json), vllm (library defaults) or a folder holding "
+                          "a generation_config.json")
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
@@ -63,6 +70,15 @@ SERVER_FLAGS = (
     Flag("--queue-timeout", "queue_timeout", float, "seconds a request may wait to start before it is refused with HTTP 503 (default: no limit)"),
     Flag("--log-level", "log_level", str, "log level of the server and the engine", "info", choices=LOG_LEVELS),
     Flag("--tool-call-parser", "tool_call_parser", str, "how tool calls are read from the output (hermes, llama3_json, mistral, pythonic, json); auto: from the chat template", "auto"),
+    Flag("--chat-template", "chat_template", str, "a Jinja chat template (a file, or the template itself) used instead of the model's own"),
+    Flag("--generation-config", "generation_config", str, GENERATION_CONFIG_HELP, "auto"),
+    Flag("--enable-auto-tool-choice", "enable_auto_tool_choice", None, "accepted for vLLM compatibility: tool_choice=auto is always on when a request sends tools", False, action="store_true"),
+    Flag("--enable-log-requests", "log_requests", None, "log each request (prompt cut to --max-log-len, sampling parameters)", False, action="store_true"),
+    Flag("--disable-log-requests", "disable_log_requests", None, "do not log requests (the default; vLLM's older flag)", False, action="store_true"),
+    Flag("--max-log-len", "max_log_len", int, "characters of a prompt shown in request logs (default: all)"),
+    Flag("--uvicorn-log-level", "uvicorn_log_level", str, "uvicorn's own log level (default: --log-level)", choices=LOG_LEVELS + ("trace",)),
+    Flag("--response-role", "response_role", str, "role of the generated message: assistant only", "assistant", choices=("assistant",)),
+    Flag("--disable-fastapi-docs", "disable_fastapi_docs", None, "no /docs, /redoc and /openapi.json", False, action="store_true"),
 )
 
 SAMPLING_FLAGS = (
@@ -83,7 +99,7 @@ def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...], prefix: 
         kwargs: dict[str, Any] = {"dest": prefix + f.dest, "help": f.help, "default": f.default}
         if f.action:
             kwargs["action"] = f.action
-        if f.type is not None and f.action != "store_true":
+        if f.type is not None and f.action is None:
             kwargs["type"] = f.type
             kwargs["metavar"] = f.dest.upper()
         if f.choices:
@@ -91,11 +107,33 @@ def add_flags(parser: argparse.ArgumentParser, flags: tuple[Flag, ...], prefix: 
             kwargs["metavar"] = "{" + ",".join(f.choices) + "}"
         if f.default is not None and f.action is None:
             kwargs["help"] += f" (default: {f.default})"
-        parser.add_argument(f.name, **kwargs)
+        parser.add_argument(f.name, *f.aliases, **kwargs)
+
+
+def compat_flags() -> tuple[Flag, ...]:
+    """vLLM's engine flags that tokenmill accepts (``tokenmill.vllm_compat``)."""
+    from tokenmill.vllm_compat import COMPAT_OPTIONS
+
+    aliases = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
+               "data_parallel_size": ("-dp",)}
+    return tuple(
+        Flag("--" + o.name.replace("_", "-"), o.name, o.type, o.meaning, o.default,
+             action="store_true" if o.type is None else None, aliases=aliases.get(o.name, ()))
+        for o in COMPAT_OPTIONS
+    )
+
+
+def add_engine_flags(group) -> None:
+    """Engine flags, then vLLM's compatible ones (documented as such in --help)."""
+    add_flags(group, ENGINE_FLAGS)
+    add_flags(group, compat_flags())
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {f.dest: getattr(args, f.dest) for f in ENGINE_FLAGS if f.dest != "model"}
+    """LLM(...) options: the engine flags, and vLLM's compatible ones when present."""
+    opts = {f.dest: getattr(args, f.dest) for f in ENGINE_FLAGS if f.dest != "model"}
+    opts.update({f.dest: getattr(args, f.dest) for f in compat_flags() if hasattr(args, f.dest)})
+    return opts
 
 
 def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,5 +146,13 @@ def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+SERVER_ONLY_FLAGS = frozenset({"enable_auto_tool_choice", "disable_log_requests",
+                               "response_role"})
+"""Accepted for vLLM compatibility, with nothing to configure (see their help)."""
+
+
 def server_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {f.dest: getattr(args, f.dest) for f in SERVER_FLAGS}
+    opts = {f.dest: getattr(args, f.dest) for f in SERVER_FLAGS if f.dest not in SERVER_ONLY_FLAGS}
+    if getattr(args, "disable_log_requests", False):
+        opts["log_requests"] = False
+    return opts

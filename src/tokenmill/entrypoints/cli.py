@@ -7,9 +7,9 @@ import logging
 import sys
 
 from tokenmill.entrypoints.args import (
-    ENGINE_FLAGS,
     SAMPLING_FLAGS,
     SERVER_FLAGS,
+    add_engine_flags,
     add_flags,
     engine_options,
     sampling_options,
@@ -33,15 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
                           description="Interactive chat. Type /reset to start over, /exit or Ctrl-D to quit.")
     chat.add_argument("--system", help="system prompt for the conversation")
     for p in (gen, chat):
-        add_flags(p.add_argument_group("engine"), ENGINE_FLAGS)
+        add_engine_flags(p.add_argument_group("engine"))
         add_flags(p.add_argument_group("sampling"), SAMPLING_FLAGS, prefix="s_")
         p.add_argument("--quiet", action="store_true", help="no loading progress on stderr")
-    _add_serve(sub)
+    add_serve_flags(_add_serve(sub))
     return parser
 
 
-def _add_serve(sub) -> None:
-    serve = sub.add_parser(
+def _add_serve(sub) -> argparse.ArgumentParser:
+    return sub.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: the embedded SmolLM2-135M-Instruct) over an "
         "OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, "
@@ -49,13 +49,20 @@ def _add_serve(sub) -> None:
         "drains (finishes accepted requests, refuses new ones with 503); a second one exits "
         "at once.",
     )
+
+
+def add_serve_flags(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``tokenmill serve``'s arguments (also those of ``python -m
+    tokenmill.entrypoints.openai.api_server``)."""
     serve.add_argument("model_arg", nargs="?", metavar="MODEL",
                        help="HF checkpoint folder or .gguf file (same as --model)")
     add_flags(serve.add_argument_group("server"), SERVER_FLAGS)
     from tokenmill.entrypoints.openai.limits import LIMIT_FLAGS
 
     add_flags(serve.add_argument_group("limits"), LIMIT_FLAGS)
-    add_flags(serve.add_argument_group("engine"), ENGINE_FLAGS)
+    add_engine_flags(serve.add_argument_group(
+        "engine", "vLLM's engine flags are accepted too: each says what it means here"))
+    return serve
 
 
 def _version() -> str:
@@ -143,11 +150,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenmill.entrypoints.openai.launcher import OpenAIServer
     from tokenmill.entrypoints.openai.limits import limit_options
     from tokenmill.entrypoints.openai.state import ServerConfig, model_name_of
+    from tokenmill.vllm_compat import check_compat_options
 
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}")
     model = args.model_arg or args.model
     options = engine_options(args)
+    check_compat_options(dict(options))  # refuse before loading (the load runs in a thread)
     config = ServerConfig(**server_options(args), limits=limit_options(args))
     name = model_name_of(model, options.get("served_model_name"))
 

@@ -95,12 +95,49 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     logits[index] = sub
 
 
+def apply_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Rows with ``params.allowed_token_ids``: every other logit becomes -inf."""
+    for i, row in enumerate(rows):
+        allowed = row.params.allowed_token_ids
+        if allowed:
+            keep = logits[i, _long(allowed, logits)]
+            logits[i] = _NEG_INF
+            logits[i, _long(allowed, logits)] = keep
+
+
+def apply_request_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Each row's own ``params.logits_processors`` (vLLM's per-request callables):
+    ``f(output_ids, row_logits)`` or ``f(prompt_ids, output_ids, row_logits)`` -> logits."""
+    for i, row in enumerate(rows):
+        for f in row.params.logits_processors or ():
+            out_ids = list(row.output_token_ids)
+            if _arity(f) >= 3:
+                result = f(list(row.prompt_token_ids), out_ids, logits[i])
+            else:
+                result = f(out_ids, logits[i])
+            if result is not None and result is not logits[i]:
+                logits[i] = result
+
+
+def _arity(f) -> int:
+    import inspect
+
+    try:
+        params = inspect.signature(f).parameters.values()
+    except (TypeError, ValueError):
+        return 2
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
+
+
 DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (
     apply_logit_bias,
+    apply_allowed_tokens,
     apply_min_tokens,
     apply_penalties,
+    apply_request_processors,
 )
-"""The built-in row processors, in vLLM's order of application."""
+"""The built-in row processors, in vLLM's order of application (per-request callables
+last, as vLLM v0 ran them after its own)."""
 
 
 # ---- filters for random rows -----------------------------------------------------
@@ -142,7 +179,7 @@ def apply_top_k_top_p(
 # ---- helpers ---------------------------------------------------------------------
 
 
-def upload(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def upload(values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list as a tensor on ``device`` without waiting for the device: on CUDA
     through pinned memory and a non-blocking copy (a pageable copy synchronizes the
     stream, which would stall the step queued behind it with asynchronous scheduling)."""
@@ -151,7 +188,7 @@ def upload(values: Sequence[int] | Sequence[float], dtype: torch.dtype, device: 
     return torch.tensor(values, dtype=dtype).pin_memory().to(device, non_blocking=True)
 
 
-def _long(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+def _long(values: Sequence[int] | Sequence[Sequence[int]], like: torch.Tensor) -> torch.Tensor:
     return upload(values, torch.int64, like.device)
 
 

@@ -65,7 +65,8 @@ class OpenAIServer:
         """1 once the server was forced to stop (a second signal, or a drain past its time)."""
         lim = self.config.limits
         self.port: int = self._socket.getsockname()[1]
-        uv_config = uvicorn.Config(self.app, log_level=self.config.log_level, lifespan="on",
+        uv_level = self.config.uvicorn_log_level or self.config.log_level
+        uv_config = uvicorn.Config(self.app, log_level=uv_level, lifespan="on",
                                    timeout_keep_alive=lim.timeout_keep_alive,
                                    limit_concurrency=lim.limit_concurrency,
                                    http=with_header_timeout(lim.timeout_headers))

@@ -79,6 +79,12 @@ class SamplingRequest(OpenAIModel):
     echo: bool = False
     priority: int = 0
     """vLLM: lower is scheduled first (FCFS within a priority)."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM: keep only the last k prompt tokens."""
+    allowed_token_ids: list[int] | None = None
+    """vLLM: only these token ids may be generated."""
+    bad_words: list[str] | None = None
+    """vLLM: refused for now (a 400 that says so); see SamplingParams.bad_words."""
     cache_salt: str | None = None
     """vLLM: only requests with the same salt share prefix-cache blocks."""
     # structured output: at most one of these (see entrypoints/openai/structured.py)

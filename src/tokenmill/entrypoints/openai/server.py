@@ -74,7 +74,9 @@ def build_app(state: ServerState, on_startup: Callable[[], None] | None = None,
         if on_shutdown is not None:
             on_shutdown()
 
-    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan)
+    docs = {} if not state.config.disable_fastapi_docs else {
+        "docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan, **docs)
     app.state.tokenmill = state
     install_handlers(app)
 
@@ -120,7 +122,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request("send exactly one of 'prompt' (text) or 'messages' (a chat)")
         if body.messages is not None:
             ids = tok.apply_chat_template(
-                body.messages, chat_template=body.chat_template,
+                body.messages, chat_template=body.chat_template or state.template_override,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, tools=body.tools,
                 **(body.chat_template_kwargs or {}),

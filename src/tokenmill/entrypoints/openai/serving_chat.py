@@ -28,6 +28,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     SSE_DONE,
     chat_logprobs,
     check_common,
+    log_request,
     prompt_logprobs_json,
     raise_if_failed,
     sse,
@@ -57,11 +58,11 @@ class ChatHandler:
         _check_supported(req)
         tokenizer = self.state.tokenizer
         tools = tool_setup(req, self.state.config.tool_call_parser,
-                           req.chat_template or tokenizer.chat_template)
+                           req.chat_template or self.state.chat_template)
         conversation = [with_tool_arguments(_flatten(i, m)) for i, m in enumerate(req.messages)]
         prompt_ids = tokenizer.apply_chat_template(
             conversation,
-            chat_template=req.chat_template,
+            chat_template=req.chat_template or self.state.template_override,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             tools=req.tools,
@@ -84,6 +85,8 @@ class ChatHandler:
         )
         echo = _echo_text(req, conversation)
         rid = random_id("chatcmpl")
+        prompt_ids = params.truncate_prompt(prompt_ids)
+        log_request(self.state.config, rid, prompt_ids, params, tokenizer)
         add = llm.add_request(prompt_ids, params, rid, options=to_request_options(req))
         stream = await unless_disconnected(raw, add)
         try:

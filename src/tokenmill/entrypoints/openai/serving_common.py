@@ -4,6 +4,7 @@ formats, SSE framing, merging streams, and abandoning work when the client leave
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from typing import TypeVar
@@ -27,6 +28,7 @@ from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 from tokenmill.structured_output import StructuredOutputsParams
 
 T = TypeVar("T")
+request_logger = logging.getLogger("tokenmill.requests")
 
 LOGPROB_FLOOR = -9999.0
 """JSON has no -inf: logprobs below this are reported as this (vLLM does the same)."""
@@ -83,7 +85,22 @@ def to_sampling_params(
         logit_bias=req.logit_bias,
         output_kind=kind,
         structured_outputs=structured_outputs,
+        truncate_prompt_tokens=req.truncate_prompt_tokens,
+        allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words,
     )
+
+
+def log_request(config, rid: str, prompt_ids: Sequence[int], params: SamplingParams,
+                tokenizer) -> None:
+    """--enable-log-requests: one INFO line per request (prompt cut to --max-log-len)."""
+    if not config.log_requests:
+        return
+    text = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
+    if config.max_log_len is not None:
+        text = text[: config.max_log_len]
+    request_logger.info("request %s: %d prompt tokens %r, %s", rid, len(prompt_ids), text,
+                        params)
 
 
 def to_request_options(req: SamplingRequest) -> RequestOptions:

@@ -22,6 +22,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     SSE_DONE,
     check_common,
     completion_logprobs,
+    log_request,
     merge_streams,
     prompt_logprobs_json,
     raise_if_failed,
@@ -65,12 +66,14 @@ class CompletionHandler:
             kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
             structured_outputs=guide_of(req),
         )
+        prompts = [(text, params.truncate_prompt(ids)) for text, ids in prompts]
         rid = random_id("cmpl")
         streams: list[RequestStream] = []
         merged = None
         try:
             options = to_request_options(req)
             for i, (text, ids) in enumerate(prompts):
+                log_request(self.state.config, f"{rid}-{i}", ids, params, self.state.tokenizer)
                 add = llm.add_request(ids, params, f"{rid}-{i}", prompt=text, options=options)
                 streams.append(await unless_disconnected(raw, add))
             reply = _Reply(rid, self.state.model_name, req, prompts, self.state.tokenizer)

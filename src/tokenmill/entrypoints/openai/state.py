@@ -9,7 +9,7 @@ from pathlib import Path
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.entrypoints.openai.errors import APIError, unavailable
 from tokenmill.entrypoints.openai.limits import ServerLimits
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, generation_defaults
 from tokenmill.tokenizer import Tokenizer
 
 
@@ -34,6 +34,20 @@ class ServerConfig:
     pythonic, json); auto: chosen from the chat template."""
     limits: ServerLimits = field(default_factory=ServerLimits)
     """Bounds on what one request or connection may cost (``limits.py``)."""
+    chat_template: str | None = None
+    """A Jinja chat template, or the path of a file holding one, used instead of the
+    model's own (a request's ``chat_template`` still wins)."""
+    generation_config: str = "auto"
+    """Default sampling parameters: auto (the checkpoint's generation_config.json), vllm
+    (the library defaults) or a folder holding a generation_config.json."""
+    log_requests: bool = False
+    """Log each request: its id, prompt (cut to ``max_log_len``) and sampling parameters."""
+    max_log_len: int | None = None
+    """Characters of a prompt shown in request logs; None = all."""
+    uvicorn_log_level: str | None = None
+    """uvicorn's own log level; None = ``log_level``."""
+    disable_fastapi_docs: bool = False
+    """Serve no /docs, /redoc or /openapi.json."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -42,10 +56,17 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
+        if self.max_log_len is not None and self.max_log_len < 0:
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if self.tool_call_parser != "auto":
             from tokenmill.parsers.tools import get_tool_parser
 
             get_tool_parser(self.tool_call_parser)
+
+
+def _is_file(text: str) -> bool:
+    """A --chat-template value is a path unless it looks like a template."""
+    return "{" not in text and "\n" not in text and Path(text).is_file()
 
 
 def model_name_of(path: str | None, served_model_name: str | None) -> str:
@@ -69,6 +90,12 @@ class ServerState:
     load_error: BaseException | None = None
     draining: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    template_override: str | None = field(init=False)
+    """--chat-template's text (read once when it names a file)."""
+
+    def __post_init__(self) -> None:
+        text = self.config.chat_template
+        self.template_override = Path(text).read_text() if text and _is_file(text) else text
 
     @property
     def ready(self) -> bool:
@@ -91,7 +118,12 @@ class ServerState:
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams from the checkpoint's generation_config.json."""
         gen = self.require_llm().engine.loaded.checkpoint.generation_config
-        return SamplingParams.from_generation_config(gen) if gen else SamplingParams()
+        return generation_defaults(self.config.generation_config, gen)
+
+    @property
+    def chat_template(self) -> str | None:
+        """--chat-template, else the model's own."""
+        return self.template_override or self.tokenizer.chat_template
 
     def check_model(self, name: str | None, required: bool = False) -> None:
         """``required``: OpenAI's completion routes make ``model`` a required field."""

@@ -13,13 +13,13 @@ from typing import Any
 
 from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, SamplingRequest
+from tokenmill.errors import InvalidRequestError
 from tokenmill.parsers.tools import ToolParser, resolve_tool_parser
 from tokenmill.parsers.tools.forced import (
     NamedToolParser,
     RequiredToolParser,
     forced_guide,
 )
-from tokenmill.errors import InvalidRequestError
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.tokenizer import chat
 

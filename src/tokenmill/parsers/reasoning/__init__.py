@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from tokenmill.parsers.reasoning.base import ReasoningParser, ReasoningSplit
 from tokenmill.errors import InvalidRequestError
+from tokenmill.parsers.reasoning.base import ReasoningParser, ReasoningSplit
 
 _THINK = "tokenmill.parsers.reasoning.think"
 REASONING_PARSERS: dict[str, tuple[str, str]] = {

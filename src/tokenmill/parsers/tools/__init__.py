@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import importlib
 
-from tokenmill.parsers.tools.base import ParsedTools, ToolCall, ToolParser
 from tokenmill.errors import InvalidRequestError
+from tokenmill.parsers.tools.base import ParsedTools, ToolCall, ToolParser
 
 _PKG = "tokenmill.parsers.tools"
 TOOL_PARSERS: dict[str, tuple[str, str]] = {
