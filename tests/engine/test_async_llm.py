@@ -106,3 +106,30 @@ def test_leaving_the_stream_frees_blocks_within_one_step(async_llm, tiny_llm):
         del engine.step
     # at most the step already running when close() was called; none after it
     assert len(steps) - closed_at <= 1
+
+
+def test_final_only_requests_cost_the_engine_one_output(tiny_llm):
+    """The engine honours FINAL_ONLY on the async path too (it used to run every request
+    as DELTA and fold the deltas back in the stream: an output per token per request)."""
+    front = AsyncLLM(tiny_llm.engine)
+    routed: dict[str, int] = {}
+    real = front._route
+
+    def count(outputs):
+        for out in outputs:
+            routed[out.request_id] = routed.get(out.request_id, 0) + 1
+        real(outputs)
+
+    front._route = count
+
+    async def main():
+        final = [o async for o in front.generate("one", _params(RequestOutputKind.FINAL_ONLY), "f")]
+        delta = [o async for o in front.generate("two", _params(RequestOutputKind.DELTA), "d")]
+        return final, delta
+
+    try:
+        final, delta = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert routed == {"f": 1, "d": 8}
+    assert len(final) == 1 and len(final[0].outputs[0].token_ids) == 8

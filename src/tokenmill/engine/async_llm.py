@@ -12,8 +12,7 @@ other thread) sends it commands through a queue, like an actor:
 Between commands the thread runs ``engine.step()`` while there is work, so all
 live requests batch together, and hands each request's outputs to the event
 loop of the coroutine that added it (one ``call_soon_threadsafe`` per loop per
-step). The engine always runs with ``output_kind=DELTA``; each ``RequestStream``
-turns the deltas back into the kind the caller asked for.
+step). Outputs come in the request's own ``output_kind`` (the engine folds them).
 
 Admission control happens on the caller's side, at once: more than
 ``max_queued_requests`` requests waiting to start raises ``QueueFullError``; a
@@ -41,7 +40,7 @@ from tokenmill.engine.request import RequestOptions
 from tokenmill.engine.request_stream import ACCEPTED, RequestStream
 from tokenmill.errors import DrainingError, EngineDeadError, QueueFullError, QueueTimeoutError
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -148,11 +147,9 @@ class AsyncLLM:
         and the engine's ``ValueError`` (bad prompt or parameters) after it looked.
         """
         self._admit()
-        engine_params = params.clone()
-        engine_params.output_kind = RequestOutputKind.DELTA
         rid = request_id or uuid.uuid4().hex
         stream = RequestStream(rid, self, asyncio.get_running_loop(), params.output_kind)
-        self._commands.put(_Add(stream, list(prompt_token_ids), engine_params, prompt, options))
+        self._commands.put(_Add(stream, list(prompt_token_ids), params, prompt, options))
         try:
             await stream.wait_accepted()
         except asyncio.CancelledError:

@@ -1,18 +1,18 @@
-"""One request's outputs as an async stream, in the ``output_kind`` its caller asked for.
+"""One request's outputs as an async stream.
 
-``AsyncLLM``'s engine thread puts DELTA outputs (and errors) on each stream's queue
-through the stream's event loop; the stream folds them back into CUMULATIVE or
-FINAL_ONLY outputs when those were asked for.
+``AsyncLLM``'s engine thread puts the engine's outputs (and errors) on each stream's
+queue through the stream's event loop. They come in the ``output_kind`` the caller asked
+for: the engine's output processor is the one place that folds kinds (a FINAL_ONLY
+request costs no per-step output at all).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
 
 ACCEPTED = object()
@@ -45,7 +45,6 @@ class RequestStream:
         self.finished = False
         self._owner = owner
         self._queue: asyncio.Queue = asyncio.Queue()
-        self._acc = _Accumulator()
 
     def put(self, item: object) -> None:
         """Called on the stream's event loop: an output, ``ACCEPTED`` or an error."""
@@ -70,18 +69,8 @@ class RequestStream:
                 raise item
             assert isinstance(item, RequestOutput)
             self.finished = item.finished
-            out = self._convert(item)
-            if out is not None:
-                return out
+            return item
         raise StopAsyncIteration
-
-    def _convert(self, delta: RequestOutput) -> RequestOutput | None:
-        if self.kind is RequestOutputKind.DELTA:
-            return delta
-        merged = self._acc.add(delta)
-        if self.kind is RequestOutputKind.CUMULATIVE:
-            return _copy_output(merged)
-        return merged if merged.finished else None
 
     def close(self) -> None:
         """Abort the request unless it already finished (idempotent)."""
@@ -91,30 +80,3 @@ class RequestStream:
 
     async def aclose(self) -> None:
         self.close()
-
-
-@dataclass
-class _Accumulator:
-    """Folds DELTA outputs into one cumulative ``RequestOutput``."""
-
-    out: RequestOutput | None = None
-    comps: dict[int, CompletionOutput] = field(default_factory=dict)
-
-    def add(self, delta: RequestOutput) -> RequestOutput:
-        for d in delta.outputs:
-            comp = self.comps.setdefault(d.index, CompletionOutput(d.index, "", []))
-            comp.text += d.text
-            comp.token_ids = [*comp.token_ids, *d.token_ids]
-            if d.logprobs is not None:
-                comp.logprobs = [*(comp.logprobs or []), *d.logprobs]
-            comp.cumulative_logprob = d.cumulative_logprob
-            comp.finish_reason = d.finish_reason
-            comp.stop_reason = d.stop_reason
-        outputs = [self.comps[i] for i in sorted(self.comps)]
-        earlier = self.out.prompt_logprobs if self.out is not None else None
-        self.out = replace(delta, outputs=outputs, prompt_logprobs=delta.prompt_logprobs or earlier)
-        return self.out
-
-
-def _copy_output(out: RequestOutput) -> RequestOutput:
-    return replace(out, outputs=[replace(c, token_ids=list(c.token_ids)) for c in out.outputs])
