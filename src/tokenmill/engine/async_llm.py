@@ -146,6 +146,8 @@ class AsyncLLM:
         Raises ``QueueFullError``, ``DrainingError`` or ``EngineDeadError`` at once,
         and the engine's ``ValueError`` (bad prompt or parameters) after it looked.
         """
+        if params.structured_outputs is not None:  # a compile error is a ValueError now
+            await self._precompile(params)
         self._admit()
         rid = request_id or uuid.uuid4().hex
         stream = RequestStream(rid, self, asyncio.get_running_loop(), params.output_kind)
@@ -156,6 +158,17 @@ class AsyncLLM:
             self.abort(rid)
             raise
         return stream
+
+    async def _precompile(self, params: SamplingParams) -> None:
+        """Compile the request's grammar before queueing it (limits checked first); raises
+        the compile's InvalidRequestError, or a timeout past the limits' compile_timeout."""
+        structured = self.engine.structured
+        future = structured.precompile(params.structured_outputs)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
+                                   structured.limits.compile_timeout)
+        except asyncio.TimeoutError as e:
+            raise structured.compile_timeout_error() from e
 
     async def generate(
         self,

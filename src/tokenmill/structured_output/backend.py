@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.structured_output.limits import GrammarLimits
 from tokenmill.structured_output.params import GrammarSpec
 
 BACKENDS = {
@@ -56,6 +57,9 @@ class GrammarMatcher(ABC):
 class CompiledGrammar(ABC):
     """A grammar compiled for one tokenizer; shared by every request with its spec."""
 
+    cost_bytes: int = 0
+    """Estimated memory it holds (set by the manager after compiling it)."""
+
     @abstractmethod
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the start of the grammar."""
@@ -90,9 +94,11 @@ class StructuredOutputBackend(ABC):
 
 
 def create_backend(
-    name: str, hf_tokenizer, vocab_size: int, eos_token_ids: Iterable[int]
+    name: str, hf_tokenizer, vocab_size: int, eos_token_ids: Iterable[int],
+    limits: GrammarLimits | None = None,
 ) -> StructuredOutputBackend:
-    """The backend called ``name`` (or the first installed one for ``auto``)."""
+    """The backend called ``name`` (or the first installed one for ``auto``); ``limits``
+    bound what its native compiler may build (lexer states, row sizes)."""
     if name not in BACKEND_CHOICES:
         raise InvalidRequestError(
             f"structured_outputs_backend={name!r} is unknown; use one of {', '.join(BACKEND_CHOICES)}"
@@ -106,7 +112,7 @@ def create_backend(
         except ImportError as e:
             errors.append(f"{candidate}: {e}")
             continue
-        return backend_cls(hf_tokenizer, vocab_size, list(eos_token_ids))
+        return backend_cls(hf_tokenizer, vocab_size, list(eos_token_ids), limits)
     raise InvalidRequestError(
         "no structured output backend is installed (" + "; ".join(errors)
         + "); pip install llguidance"

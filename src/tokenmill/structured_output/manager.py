@@ -3,10 +3,15 @@
 1. ``validate`` (when a request is added): the guide is well formed, and the
    backend can build it (no tokenizer work, so it is fast). Bad input raises
    ``InvalidRequestError`` before anything is queued.
+   Before that, ``GrammarLimits`` are checked in Python (``limits.py``): nothing over
+   a limit reaches the native compiler.
 2. ``submit``: the request's grammar compiles in a thread pool (cached by spec;
    requests with the same spec share one compile). Until it is ready the request
    waits here, not in the scheduler, so compiling never stalls the engine loop.
-3. ``collect``: requests whose grammar is ready go on to the scheduler.
+   The server calls ``precompile`` first (from its event loop), so that a grammar
+   that fails to compile is a 400 before the request is queued.
+3. ``collect``: requests whose grammar is ready go on to the scheduler; a compile
+   that fails or runs past ``compile_timeout`` fails its requests.
 4. Per step, ``prepare`` (before the model runs) starts filling one bitmask row per
    constrained row in a background thread; ``mask_logits`` (a sampler row processor)
    collects it and sets the disallowed logits to -inf.
@@ -16,8 +21,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -31,6 +38,14 @@ from tokenmill.structured_output.backend import (
     create_backend,
 )
 from tokenmill.structured_output.bitmask import allocate_bitmask, apply_bitmask
+from tokenmill.structured_output.compile_cache import (
+    MIN_COST,
+    TEXT_COST,
+    CompilePool,
+    GrammarCache,
+    resident_bytes,
+)
+from tokenmill.structured_output.limits import GrammarLimitError, GrammarLimits, check_grammar
 from tokenmill.structured_output.params import GrammarSpec, StructuredOutputsParams
 from tokenmill.structured_output.state import StepResult, StructuredRequest
 
@@ -44,7 +59,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256
-"""Compiled grammars kept (least recently used ones are dropped)."""
+"""Validated specs remembered (by digest), so a repeated guide is not validated again."""
 
 
 class StructuredOutputManager:
@@ -55,6 +70,7 @@ class StructuredOutputManager:
         vocab_size: int,
         reasoning_parser: type[ReasoningParser] | None = None,
         compile_threads: int = 2,
+        limits: GrammarLimits | None = None,
     ) -> None:
         self.backend_name = backend_name
         self.reasoning_parser = reasoning_parser
@@ -64,11 +80,13 @@ class StructuredOutputManager:
         self._vocab_size = vocab_size
         self._backend: StructuredOutputBackend | None = None
         self._backend_lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-        self._threads = compile_threads
-        self._cache: OrderedDict[GrammarSpec, Future[CompiledGrammar]] = OrderedDict()
-        self._validated: OrderedDict[GrammarSpec, None] = OrderedDict()
-        self._waiting: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
+        self.limits = limits or GrammarLimits()
+        """Bounds on every request's grammar (the server sets them from its flags)."""
+        self._pool = CompilePool(compile_threads)
+        self._cache: GrammarCache[CompiledGrammar] = GrammarCache(self.limits.cache_bytes)
+        self._validated: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()  # _validated; the cache has its own
+        self._waiting: dict[str, tuple[Request, Future[CompiledGrammar], float]] = {}
         self._mask_thread: ThreadPoolExecutor | None = None
         self._prepared: tuple[list[StructuredRequest], Future[torch.Tensor]] | None = None
 
@@ -87,18 +105,48 @@ class StructuredOutputManager:
             if self._backend is None:
                 tok = self._tokenizer
                 self._backend = create_backend(
-                    self.backend_name, tok.hf, self._vocab_size, sorted(tok.eos_token_ids)
+                    self.backend_name, tok.hf, self._vocab_size, sorted(tok.eos_token_ids),
+                    self.limits,
                 )
             return self._backend
 
+    def set_limits(self, limits: GrammarLimits) -> None:
+        """New bounds (before the first request: the backend is built with them)."""
+        self.limits = limits
+        self._cache.max_bytes = limits.cache_bytes
+        with self._backend_lock:
+            self._backend = None
+
     # -- adding requests -------------------------------------------------------------
     def validate(self, guide: StructuredOutputsParams) -> GrammarSpec:
-        """The guide's spec; raises InvalidRequestError naming what is wrong with it."""
+        """The guide's spec; raises InvalidRequestError naming what is wrong with it.
+
+        The limits first (Python only), then the backend's own check, which runs on a
+        compile thread (a big native stack), waited for here."""
         spec = guide.spec()
-        if spec not in self._validated and spec not in self._cache:
-            self.backend.validate(spec)
-            self._remember(self._validated, spec, None)
+        key = _digest(spec)
+        with self._lock:
+            known = key in self._validated or spec in self._cache
+        if not known:
+            check_grammar(spec, self.limits)
+            future = self._pool.submit(self.backend.validate, spec)
+            try:
+                future.result(self.limits.compile_timeout)
+            except TimeoutError as e:
+                raise self.compile_timeout_error() from e
+            with self._lock:
+                self._remember(self._validated, key, None)
         return spec
+
+    def precompile(self, guide: StructuredOutputsParams) -> Future[CompiledGrammar]:
+        """Check the limits and start (or find) the guide's compile; thread-safe.
+
+        For callers outside the engine thread that want a compile error before they
+        add the request (the server: a 400 instead of a failed stream)."""
+        spec = guide.spec()
+        if spec not in self._cache:
+            check_grammar(spec, self.limits)
+        return self._compiled(spec)
 
     def submit(self, req: Request, spec: GrammarSpec) -> bool:
         """Attach the request's state and start its compile; True if it is ready now."""
@@ -107,22 +155,47 @@ class StructuredOutputManager:
         if future.done() and future.exception() is None:
             req.structured.matcher = future.result().matcher()
             return True
-        self._waiting[req.request_id] = (req, future)
+        self._waiting[req.request_id] = (req, future, time.monotonic())
         return False
 
     def _compiled(self, spec: GrammarSpec) -> Future[CompiledGrammar]:
-        future = self._cache.get(spec)
-        if future is None:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self._threads, thread_name_prefix="tokenmill-grammar")
-            future = self._pool.submit(self._compile, spec)
-        self._remember(self._cache, spec, future)
+        holder: list[Future[CompiledGrammar]] = []
+
+        def start() -> Future[CompiledGrammar]:
+            holder.append(self._pool.submit(self._compile, spec))
+            return holder[0]
+
+        future = self._cache.get_or_start(spec, start)
+        if holder:  # a new compile: its size is known when it finishes
+            future.add_done_callback(lambda f: self._account(spec, f))
         return future
 
     def _compile(self, spec: GrammarSpec) -> CompiledGrammar:
-        return self.backend.compile(spec)
+        before = resident_bytes()
+        grammar = self.backend.compile(spec)
+        cost = max(resident_bytes() - before, TEXT_COST * len(spec.text), MIN_COST)
+        grammar.cost_bytes = cost
+        return grammar
 
-    def _remember(self, cache: OrderedDict, key, value) -> None:
+    def _account(self, spec: GrammarSpec, future: Future[CompiledGrammar]) -> None:
+        cost = MIN_COST
+        if future.exception() is None:
+            cost = future.result().cost_bytes
+        self._cache.set_cost(spec, future, cost)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Estimated memory of the compiled grammars kept (at most ``limits.cache_bytes``,
+        plus the newest one)."""
+        return self._cache.num_bytes
+
+    def compile_timeout_error(self) -> GrammarLimitError:
+        return GrammarLimitError(
+            f"the grammar did not compile within {self.limits.compile_timeout:g} s "
+            "(compile_timeout; server flag --grammar-compile-timeout)")
+
+    @staticmethod
+    def _remember(cache: OrderedDict, key, value) -> None:
         cache[key] = value
         cache.move_to_end(key)
         while len(cache) > CACHE_SIZE:
@@ -137,8 +210,12 @@ class StructuredOutputManager:
         """Requests whose compile finished: (ready ones, (failed one, error message))."""
         ready: list[Request] = []
         failed: list[tuple[Request, str]] = []
-        for rid, (req, future) in list(self._waiting.items()):
+        now = time.monotonic()
+        for rid, (req, future, since) in list(self._waiting.items()):
             if not future.done():
+                if now - since > self.limits.compile_timeout:
+                    del self._waiting[rid]
+                    failed.append((req, str(self.compile_timeout_error())))
                 continue
             del self._waiting[rid]
             error = future.exception()
@@ -153,7 +230,8 @@ class StructuredOutputManager:
     def wait(self, timeout: float) -> None:
         """Block until a compile finishes or ``timeout`` seconds pass (an idle engine)."""
         if self._waiting:
-            wait([f for _, f in self._waiting.values()], timeout, return_when="FIRST_COMPLETED")
+            wait([f for _, f, _ in self._waiting.values()], timeout,
+                 return_when="FIRST_COMPLETED")
 
     def discard(self, request_id: str) -> Request | None:
         """Forget a waiting request (aborted before its grammar was ready)."""
@@ -213,9 +291,15 @@ class StructuredOutputManager:
         return result
 
     def shutdown(self) -> None:
-        for pool in (self._pool, self._mask_thread):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
+        if self._mask_thread is not None:
+            self._mask_thread.shutdown(wait=False, cancel_futures=True)
+
+
+def _digest(spec: GrammarSpec) -> bytes:
+    text = repr((spec.kind, spec.any_whitespace, spec.additional_properties,
+                 spec.whitespace_pattern)) + spec.text
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _bit(k: int) -> int:
