@@ -79,13 +79,27 @@ def test_whitespace_between_json_tokens_is_bounded(backend, encode):
     assert not all(compact.accept_token(t) for t in encode('{"a": 1}'))
 
 
-def test_additional_properties_can_be_closed(backend, encode):
+def test_objects_are_closed_unless_the_schema_or_the_option_opens_them(backend, encode):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     extra = '{"a": 1, "b": 2}'
-    open_ = _matcher(backend, json=schema)
-    assert all(open_.accept_token(t) for t in encode(extra))
-    closed = _matcher(backend, json=schema, disable_additional_properties=True)
-    assert not all(closed.accept_token(t) for t in encode(extra))
+    for guide, accepted in (({}, False), ({"disable_additional_properties": True}, False),
+                            ({"allow_additional_properties": True}, True)):
+        m = _matcher(backend, json=schema, **guide)
+        assert all(m.accept_token(t) for t in encode(extra)) is accepted, guide
+    stated = _matcher(backend, json={**schema, "additionalProperties": True})
+    assert all(stated.accept_token(t) for t in encode(extra))
+    nested = _matcher(backend, json={"type": "object", "properties": {"o": schema}})
+    assert not all(nested.accept_token(t) for t in encode('{"o": {"a": 1, "b": 2}}'))
+
+
+@pytest.mark.parametrize("grammar,text", [
+    ('?start: pair\npair: WORD "=" WORD\nWORD: /[a-z]+/', "ab=cd"),  # Lark, vLLM's style
+    ('root ::= "yes" | "no"', "no"),  # GBNF
+    ('start: "x"+  // a comment with ::= in it', "xxx"),
+])
+def test_grammar_syntax_is_detected(backend, encode, grammar, text):
+    m = _matcher(backend, grammar=grammar)
+    assert all(m.accept_token(t) for t in encode(text)) and m.is_accepting()
 
 
 def test_structural_tag_constrains_only_the_tagged_part(backend, encode):

@@ -11,6 +11,7 @@ checked by the backend when the request is added (``StructuredOutputManager.vali
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -21,6 +22,15 @@ MODES = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 DEFAULT_JSON_WHITESPACE = r"[\x20\x09]{1,4}|\x0D?\x0A[\x20\x09]{0,32}"
 """Whitespace allowed between two JSON tokens: a few spaces, or one line break and an
 indentation. Bounded, so that a small model can not loop on whitespace forever."""
+
+
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w.-]*\s*::=", re.MULTILINE)
+
+
+def grammar_format(text: str) -> str:
+    """The grammar's syntax: "gbnf" when a line defines a rule with ``::=`` (the test vLLM
+    uses), else "lark" (a Lark grammar may start with ``?start:``)."""
+    return "gbnf" if _GBNF_RULE.search(text) else "lark"
 
 
 @dataclass(frozen=True)
@@ -34,8 +44,9 @@ class GrammarSpec:
     a JSON list, or the structural tag as canonical JSON."""
     any_whitespace: bool = True
     """JSON modes: allow any whitespace between tokens (False: compact JSON only)."""
-    additional_properties: bool = True
-    """JSON modes: False sets additionalProperties=false where a schema leaves it open."""
+    additional_properties: bool = False
+    """JSON modes: False sets additionalProperties=false where a schema lists properties and
+    leaves it unset (vLLM's default); True reads an unset one as JSON Schema does (open)."""
     whitespace_pattern: str | None = None
     """JSON modes: the regex whitespace between tokens must match (overrides the above)."""
 
@@ -60,7 +71,13 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     """JSON modes: generate compact JSON (no whitespace between tokens)."""
     disable_additional_properties: bool = False
-    """JSON modes: objects may not carry keys that their schema does not list."""
+    """vLLM's name; objects are closed by default now (see ``allow_additional_properties``):
+    True keeps them closed even with ``allow_additional_properties``."""
+    allow_additional_properties: bool = False
+    """JSON modes: an object schema that lists properties and does not set
+    ``additionalProperties`` allows extra keys (JSON Schema's own reading). By default
+    such objects are closed to their listed properties, as vLLM does, so a model can not
+    add keys until max_tokens; a schema that sets ``additionalProperties`` is kept as is."""
     whitespace_pattern: str | None = None
     """JSON modes: a regex for the whitespace allowed between JSON tokens (default:
     ``DEFAULT_JSON_WHITESPACE``, one line break at most)."""
@@ -111,8 +128,9 @@ class StructuredOutputsParams:
             text = _canonical_json("structural_tag", value)
         else:
             text = value
-        return GrammarSpec(kind, text, not self.disable_any_whitespace,
-                           not self.disable_additional_properties, self.whitespace_pattern)
+        open_objects = self.allow_additional_properties and not self.disable_additional_properties
+        return GrammarSpec(kind, text, not self.disable_any_whitespace, open_objects,
+                           self.whitespace_pattern)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StructuredOutputsParams:
