@@ -253,9 +253,12 @@ class SamplingParams:
 
     @property
     def reads_output_tokens(self) -> bool:
-        """Picking a token reads the tokens generated so far (penalties, min_tokens, a
-        grammar): the step cannot be scheduled before the previous token is known."""
-        return (self.uses_penalties or self.min_tokens > 0 or self.structured_outputs is not None
+        """Picking a token reads the tokens generated so far (penalties, a grammar, a
+        per-request logits processor): the step cannot be scheduled before the previous
+        token is on the host. (Penalties and per-request callables read host-side token
+        lists; a grammar advances on the host. ``min_tokens`` reads only a count, which
+        includes the tokens in flight: it does not need this.)"""
+        return (self.uses_penalties or self.structured_outputs is not None
                 or bool(self.logits_processors))
 
     def truncate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:

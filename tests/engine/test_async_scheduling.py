@@ -101,13 +101,12 @@ def test_seeded_sampling_logprobs_and_n_match_sync(tiny_llama_dir, monkeypatch):
 
 
 def test_history_reading_requests_step_synchronously(tiny_llama_dir, monkeypatch):
-    """While a request with penalties, min_tokens or a grammar is live, no step takes its
-    input tokens from the device (``count_pending`` asserts it); the outputs are unchanged."""
+    """While a request with penalties or a grammar is live, no step takes its input tokens
+    from the device (``count_pending`` asserts it); the outputs are unchanged."""
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     params = [
         plain,
         SamplingParams(temperature=0, max_tokens=8, repetition_penalty=1.3, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=8, min_tokens=4),
         SamplingParams(temperature=0, max_tokens=8,
                        structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),  # fmt: skip
     ]
@@ -117,6 +116,21 @@ def test_history_reading_requests_step_synchronously(tiny_llama_dir, monkeypatch
         )
         assert_same(expected, got)
         assert counts[:3] == [0, 0, 0]
+
+
+def test_min_tokens_overlaps_steps(tiny_llama_dir, monkeypatch):
+    """min_tokens reads only how many tokens came, in flight ones included: its steps
+    overlap, and EOS (made likely by a bias) is still held back until min_tokens."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, min_tokens=k, logit_bias={2: 8.0})
+        for k in (0, 1, 4, 7)
+    ]
+    expected, got, counts = run_both(tiny_llama_dir, PROMPTS[:4], params, monkeypatch)
+    assert_same(expected, got)
+    lengths = [len(o.outputs[0].token_ids) for o in got]
+    assert all(n >= k for n, k in zip(lengths, (0, 1, 4, 7)))
+    assert lengths[0] < 7 and got[0].outputs[0].finish_reason == "stop"  # the bias bites
+    assert max(counts) > 0
 
 
 def test_abort_while_a_step_is_in_flight(tiny_llama_dir):

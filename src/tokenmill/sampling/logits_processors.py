@@ -56,11 +56,14 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-    """Forbid EOS and stop_token_ids while fewer than min_tokens tokens were generated."""
+    """Forbid EOS and stop_token_ids while fewer than min_tokens tokens were generated.
+
+    Only the count matters, not the tokens: tokens still in flight (asynchronous
+    scheduling) count too, so min_tokens needs no synchronous steps."""
     row_idx: list[int] = []
     tok_idx: list[int] = []
     for i, row in enumerate(rows):
-        if len(row.output_token_ids) >= row.params.min_tokens:
+        if len(row.output_token_ids) + row.num_placeholders - 1 >= row.params.min_tokens:
             continue
         banned = row.eos_token_ids.union(row.params.stop_token_ids or ())
         row_idx.extend([i] * len(banned))

@@ -43,12 +43,23 @@ class SamplingRow(Protocol):
     """What the sampler reads of one row: ``RowState``'s fields. The engine's ``Request``
     has them under the same names and is passed as is (no per-row object per step)."""
 
-    params: SamplingParams
-    prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]
-    generator: torch.Generator | None
-    eos_token_ids: frozenset[int]
-    structured: StructuredRequest | None
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+    @property
+    def generator(self) -> torch.Generator | None: ...
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+    @property
+    def structured(self) -> StructuredRequest | None: ...
+    @property
+    def num_placeholders(self) -> int:
+        """Tokens in flight, the one this row samples included: the row's outputs so far
+        number ``len(output_token_ids) + num_placeholders - 1``."""
+        ...
 
 
 @dataclass
@@ -69,6 +80,8 @@ class RowState:
     """Suppressed, with ``params.stop_token_ids``, while len(output) < min_tokens."""
     structured: StructuredRequest | None = None
     """The request's grammar state (read by the structured-output mask processor)."""
+    num_placeholders: int = 1
+    """Tokens in flight, this row's included (``SamplingRow.num_placeholders``)."""
 
 
 @dataclass(frozen=True)
@@ -155,7 +168,9 @@ class Sampler:
         for process in self.processors:
             process(logits, rows)
         token_ids = self._pick(logits, rows)  # [N]
-        logprobs = None if raw_logprobs is None else _gather_logprobs(raw_logprobs, k, token_ids)
+        logprobs = None
+        if raw_logprobs is not None and k is not None:
+            logprobs = _gather_logprobs(raw_logprobs, k, token_ids)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

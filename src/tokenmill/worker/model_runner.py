@@ -122,7 +122,7 @@ class ModelRunner:
         pinned = self.host_ids.pinned
         if pinned:  # queued before the step's event, so collect's wait covers them
             lp = _copy_to_host(lp)
-            prompt_lp = {r: (a, t, _copy_to_host(x)) for r, (a, t, x) in prompt_lp.items()}
+            prompt_lp = {r: (a, t, _to_pinned(x)) for r, (a, t, x) in prompt_lp.items()}
         self._last_sampled = None if sampled is None else (sampled, seqs, first_rows)
         ids = self.host_ids.copy(sampled) if sampled is not None else None
         # A step of prompt chunks samples nothing, yet may copy prompt logprobs back.
@@ -234,6 +234,13 @@ def _entries(lp, token_ids: list[int]) -> list[TokenLogprobs]:
             lp.top_logprobs.tolist(),
         )
     ]
+
+
+def _to_pinned(lp: LogprobsTensors) -> LogprobsTensors:
+    """``_copy_to_host`` of tensors that are there."""
+    out = _copy_to_host(lp)
+    assert out is not None
+    return out
 
 
 def _copy_to_host(lp: LogprobsTensors | None) -> LogprobsTensors | None:

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill import __version__
+from tokenmill.entrypoints.openai.body_limit import BodyLimitMiddleware
 from tokenmill.entrypoints.openai.errors import APIError, bad_request, install_handlers
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -47,13 +48,14 @@ class APIKeyMiddleware:
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
         given = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(given, self.expected):
+        scheme, _, token = given.partition(b" ")  # the scheme is case-insensitive (RFC 9110)
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
             return await self.app(scope, receive, send)
         message = ("missing API key: send 'Authorization: Bearer <key>'" if not given
                    else "invalid API key")
@@ -84,7 +86,8 @@ def build_app(state: ServerState, on_startup: Callable[[], None] | None = None,
     async def _gone(_: Request, __: ClientGone) -> Response:
         return Response(status_code=499)  # nobody reads it: the client left
 
-    if state.config.api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=state.config.limits.max_request_body_bytes)
+    if state.config.api_key:  # added last: checked first, before a body is read
         app.add_middleware(APIKeyMiddleware, api_key=state.config.api_key)
     _add_routes(app, state)
     return app

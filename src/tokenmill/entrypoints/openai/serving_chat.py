@@ -36,6 +36,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     to_sampling_params,
     unless_disconnected,
 )
+from tokenmill.entrypoints.openai.preprocess import render_chat
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.entrypoints.openai.structured import (
     keeps_special_tokens,
@@ -60,9 +61,9 @@ class ChatHandler:
         tools = tool_setup(req, self.state.config.tool_call_parser,
                            req.chat_template or self.state.chat_template)
         conversation = [with_tool_arguments(_flatten(i, m)) for i, m in enumerate(req.messages)]
-        prompt_ids = tokenizer.apply_chat_template(
-            conversation,
-            chat_template=req.chat_template or self.state.template_override,
+        prompt_ids = render_chat(
+            self.state, tokenizer, conversation, request_template=req.chat_template,
+            server_template=self.state.template_override, prompt_logprobs=req.prompt_logprobs,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             tools=req.tools,

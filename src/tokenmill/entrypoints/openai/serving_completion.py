@@ -31,6 +31,7 @@ from tokenmill.entrypoints.openai.serving_common import (
     to_sampling_params,
     unless_disconnected,
 )
+from tokenmill.entrypoints.openai.preprocess import prepare_prompts
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.entrypoints.openai.structured import guide_of
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -53,10 +54,11 @@ class CompletionHandler:
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request(f"best_of={req.best_of} is not supported; leave it unset or "
                               f"equal to n={req.n}", "best_of")
-        prompts = self._prompts(req)
         prompt_lp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:  # echoed tokens need their logprobs too
             prompt_lp = max(prompt_lp or 0, req.logprobs)
+        prompts = await prepare_prompts(self.state, req.prompt, prompt_lp,
+                                        lambda: self._prompts(req))
         params = to_sampling_params(
             req,
             self.state.default_sampling_params(),
