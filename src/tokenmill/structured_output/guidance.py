@@ -22,6 +22,7 @@ from tokenmill.structured_output.backend import (
     GrammarMatcher,
     StructuredOutputBackend,
 )
+from tokenmill.structured_output.limits import GrammarLimitError, GrammarLimits
 from tokenmill.structured_output.params import (
     DEFAULT_JSON_WHITESPACE,
     GrammarSpec,
@@ -64,7 +65,8 @@ class GuidanceGrammar(CompiledGrammar):
 class GuidanceBackend(StructuredOutputBackend):
     name = "guidance"
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
+                 limits: GrammarLimits | None = None) -> None:
         if getattr(hf_tokenizer, "backend_tokenizer", None) is None:
             raise InvalidRequestError(
                 "structured output needs a fast tokenizer (tokenizer.json); this model's "
@@ -77,6 +79,12 @@ class GuidanceBackend(StructuredOutputBackend):
         self._lock = threading.Lock()
         self._special = _special_tokens(hf_tokenizer)
         self._executor = llguidance.LLExecutor()
+        limits = limits or GrammarLimits()
+        # Rows over max_items_in_row fail only at generation time; max_alternatives keeps
+        # requests below it. Short errors: verbose ones echo the whole grammar.
+        self._limits = llguidance.LLParserLimits(
+            max_items_in_row=max(2000, limits.max_alternatives + 64),
+            max_lexer_states=limits.max_lexer_states, verbose_errors=False)
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -93,15 +101,31 @@ class GuidanceBackend(StructuredOutputBackend):
         return (self._n_vocab + 31) // 32
 
     def validate(self, spec: GrammarSpec) -> None:
-        error = llguidance.LLMatcher.validate_grammar(self._grammar(spec))
+        error = llguidance.LLMatcher.validate_grammar(self._grammar(spec), limits=self._limits)
         if error:
             raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {error}")
 
     def compile(self, spec: GrammarSpec) -> GuidanceGrammar:
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, self._grammar(spec), log_level=0)
+        matcher = llguidance.LLMatcher(self.ll_tokenizer, self._grammar(spec), log_level=0,
+                                       limits=self._limits)
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {matcher.get_error()}")
+        self._probe(spec, matcher)
         return GuidanceGrammar(matcher)
+
+    def _probe(self, spec: GrammarSpec, matcher: llguidance.LLMatcher) -> None:
+        """Take the first step on a copy: a grammar that allows nothing at all ($ref
+        cycles llguidance resolves to nothing), or that trips a lexer or parser limit on
+        its first token, is refused now rather than failing mid-generation."""
+        probe = matcher.deep_copy()
+        mask = probe.compute_bitmask()
+        if probe.is_error() or (probe.is_stopped() and not probe.is_accepting()):
+            raise GrammarLimitError(f"the {_WHAT[spec.kind]} can never be satisfied"
+                                    f"{_reason(probe)}")
+        token = _first_allowed(mask, set(self._eos or ()))
+        if token is not None and not probe.consume_token(token):
+            raise GrammarLimitError(f"the {_WHAT[spec.kind]} is too complex to generate: "
+                                    f"{_short(probe.get_error())}")
 
     def fill_bitmasks(self, matchers: Sequence[tuple[GrammarMatcher, int]],
                       bitmask: torch.Tensor) -> None:
@@ -174,6 +198,28 @@ _WHAT = {
     "choice": "choice",
     "structural_tag": "structural tag",
 }
+
+
+def _reason(matcher: llguidance.LLMatcher) -> str:
+    error = _short(matcher.get_error())
+    return f" ({error})" if error else " (it allows no output)"
+
+
+def _short(error: str) -> str:
+    """The first line of an llguidance error (it may append its state dump)."""
+    return error.split("\n", 1)[0][:300]
+
+
+def _first_allowed(mask: bytes, skip: set[int]) -> int | None:
+    """The lowest token id set in an llguidance bitmask (little-endian bits), not in skip."""
+    for i, byte in enumerate(mask):
+        while byte:
+            bit = (byte & -byte).bit_length() - 1
+            token = i * 8 + bit
+            if token not in skip:
+                return token
+            byte &= byte - 1
+    return None
 
 
 def _json_options(spec: GrammarSpec) -> dict:

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tokenmill import __version__
 from tokenmill.entrypoints.openai.body_limit import BodyLimitMiddleware
 from tokenmill.entrypoints.openai.errors import APIError, bad_request, install_handlers
+from tokenmill.entrypoints.openai.preprocess import check_unicode, off_loop, render_chat
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -124,15 +125,18 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of 'prompt' (text) or 'messages' (a chat)")
         if body.messages is not None:
-            ids = tok.apply_chat_template(
-                body.messages, chat_template=body.chat_template or state.template_override,
+            ids = await off_loop(
+                state, render_chat, state, tok, body.messages,
+                request_template=body.chat_template, server_template=state.template_override,
+                prompt_logprobs=None,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message, tools=body.tools,
                 **(body.chat_template_kwargs or {}),
             )
         else:
             special = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = tok.encode(body.prompt or "", add_special_tokens=special)
+            check_unicode(body.prompt, "prompt")
+            ids = await off_loop(state, tok.encode, body.prompt or "", add_special_tokens=special)
         strs = tok.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
         return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
                                 token_strs=strs)
