@@ -23,6 +23,11 @@ def check_prompt(prompt_ids: list[int], vocab_size: int, max_model_len: int) -> 
 
 def resolve_max_tokens(params: SamplingParams, prompt_len: int, max_model_len: int) -> int:
     room = max_model_len - prompt_len
+    if params.min_tokens > room:
+        raise ContextLengthError(
+            f"min_tokens={params.min_tokens} exceeds max_model_len - prompt_len = "
+            f"{max_model_len} - {prompt_len} = {room}: the request could never finish as asked"
+        )
     if params.max_tokens is None:
         return room
     if params.max_tokens > room:
