@@ -8,16 +8,19 @@ steps what this built.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.hooks import RequestHook
 from tokenmill.engine.loading import LoadedModel, kv_cache_blocks, load_model
 from tokenmill.executor import Executor, UniProcExecutor
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.sampling import Sampler
 from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.structured_output.hook import StructuredOutputHook
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.threads import configure_threads
 from tokenmill.worker.model_runner import ModelRunner, allocate_kv_caches, make_runner
@@ -33,11 +36,15 @@ class EngineParts:
     kv: KVCacheManager
     scheduler: Scheduler
     structured: StructuredOutputManager
+    hooks: tuple[RequestHook, ...]
+    """Structured output's hook first, then the caller's (a proposer...)."""
     runner: ModelRunner
     executor: Executor
 
 
-def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> EngineParts:
+def build_engine(
+    config: EngineConfig, loaded: LoadedModel | None = None, hooks: Sequence[RequestHook] = ()
+) -> EngineParts:
     configure_threads()  # before loading: repacking quantized weights uses the pool
     loaded = loaded or load_model(config)
     num_blocks = kv_cache_blocks(config, loaded)
@@ -59,9 +66,11 @@ def build_engine(config: EngineConfig, loaded: LoadedModel | None = None) -> Eng
     structured = StructuredOutputManager.from_config(
         config, loaded.tokenizer, loaded.model.vocab_size
     )
-    sampler = Sampler(generator, extra_processors=(structured.mask_logits,))
+    all_hooks = (StructuredOutputHook(structured), *hooks)
+    processors = tuple(h.logits_processor for h in all_hooks if h.logits_processor is not None)
+    sampler = Sampler(generator, extra_processors=processors)
     runner = make_runner(
         config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len
     )
     logger.info("KV cache: %d blocks x %d tokens", num_blocks, config.block_size)
-    return EngineParts(loaded, kv, scheduler, structured, runner, UniProcExecutor(runner))
+    return EngineParts(loaded, kv, scheduler, structured, all_hooks, runner, UniProcExecutor(runner))

@@ -27,7 +27,6 @@ from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import make_generator
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler.request import Request, RequestStatus
-from tokenmill.structured_output.state import StepResult as GrammarStep
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -41,7 +40,7 @@ class LLMEngine:
         hooks: Sequence[RequestHook] = (),
     ) -> None:
         self.config = config
-        parts = build_engine(config, loaded)
+        parts = build_engine(config, loaded, hooks)
         self.loaded = parts.loaded
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len
@@ -50,8 +49,9 @@ class LLMEngine:
         self.structured = parts.structured
         self.executor = parts.executor
         self.pipeline = StepPipeline(parts.executor)
-        self.hooks = list(hooks)
-        """Request hooks, called in order (``engine/hooks.py``)."""
+        self.hooks = parts.hooks
+        """Request hooks, called in order (``engine/hooks.py``): structured output, then
+        the caller's."""
         self.processor = OutputProcessor(self.tokenizer)
         self.overlap = config.overlaps_steps()
         """Asynchronous scheduling: launch step N+1 before waiting for step N."""
@@ -88,8 +88,7 @@ class LLMEngine:
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         check_params(params, self.vocab_size, self.config.max_logprobs)
         max_tokens = resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len)
-        guide = params.structured_outputs
-        spec = self.structured.validate(guide) if guide is not None else None
+        contexts = [hook.check(params) for hook in self.hooks]
         options = options or RequestOptions()
         children = [
             self._child(prompt_token_ids, params, max_tokens, request_id, i, options)
@@ -103,10 +102,9 @@ class LLMEngine:
             completions=[CompletionOutput(i, "", []) for i in range(params.n)],
         )
         self.processor.add(parent, children)
-        for child in children:  # a child whose grammar still compiles waits in self.structured
-            for hook in self.hooks:
-                hook.on_add(child)
-            if spec is None or self.structured.submit(child, spec):
+        for child in children:  # a child a hook holds (its grammar compiles) waits there
+            held = [not hook.on_add(child, ctx) for hook, ctx in zip(self.hooks, contexts)]
+            if not any(held):
                 self.scheduler.add(child)
         self.stats.on_added(request_id, children)
         return request_id
@@ -130,8 +128,9 @@ class LLMEngine:
         out = None
         for cid in list(self.processor.child_ids(request_id)):
             req = self.scheduler.finish(cid, RequestStatus.FINISHED_ABORTED)
-            if req is None and (req := self.structured.discard(cid)) is not None:
-                req.status = RequestStatus.FINISHED_ABORTED
+            for hook in self.hooks:
+                if req is None and (req := hook.discard(cid)) is not None:
+                    req.status = RequestStatus.FINISHED_ABORTED
             if req is not None:
                 out = self._finish(req) or out
         return out
@@ -143,7 +142,7 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         """Whether a live request waits for steps. (A step in flight whose requests have
         all ended, say aborted, carries nothing: the next step collects and drops it.)"""
-        return self.scheduler.has_unfinished() or self.structured.has_waiting
+        return self.scheduler.has_unfinished() or any(hook.has_held for hook in self.hooks)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (running requests keep theirs). Returns how many."""
@@ -171,7 +170,7 @@ class LLMEngine:
         A live request whose sampling reads its tokens so far (penalties, min_tokens, a
         grammar) needs them on the host before it is scheduled: steps then do not overlap.
         """
-        outputs = self._admit_compiled()
+        outputs = self._admit_ready()
         overlap = self.overlap and not self.scheduler.num_sync_only
         if not overlap:
             outputs += self._apply(self.pipeline.drain())
@@ -181,10 +180,12 @@ class LLMEngine:
         if sched.is_empty:
             outputs += self._apply(self.pipeline.drain())
             if not outputs:
-                self.structured.wait(timeout=0.05)  # idle but for compiles: wait for one
+                for hook in self.hooks:  # idle but for held requests: wait for one
+                    hook.wait(timeout=0.05)
             return outputs
         self.stats.on_scheduled(sched)
-        self.structured.prepare(sched)  # grammar masks compute while the model runs
+        for hook in self.hooks:
+            hook.on_scheduled(sched)
         keep = overlap and self.scheduler.has_unfinished()  # else nobody waits for it: drain
         return outputs + self._apply(self.pipeline.launch(sched, keep_in_flight=keep))
 
@@ -223,9 +224,7 @@ class LLMEngine:
                 if not req.is_finished:
                     self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             self.stats.on_tokens(progress, now)
-            for hook in self.hooks:
-                hook.after_tokens(req, num_new)
-            error = self._advance_grammar(req) if req.structured is not None else None
+            error = self._run_after_tokens(req, num_new)
             if req.is_finished:
                 self._log_reuse(req)
                 emitted = self._finish(req, error)
@@ -235,36 +234,34 @@ class LLMEngine:
                 outputs.append(emitted)
         return outputs
 
-    def _admit_compiled(self) -> list[RequestOutput]:
-        """Schedule the requests whose grammar compiled; fail those whose compile failed."""
-        ready, failed = self.structured.collect()
-        for req in ready:
-            self.scheduler.add(req)
+    def _admit_ready(self) -> list[RequestOutput]:
+        """Schedule the requests hooks held that may run now; fail those that failed."""
         outputs = []
-        for req, message in failed:
-            req.status = RequestStatus.FINISHED_ERROR
-            out = self._finish(req, message)
-            if out is not None:
-                outputs.append(out)
+        for hook in self.hooks:
+            ready, failed = hook.ready()
+            for req in ready:
+                self.scheduler.add(req)
+            for req, message in failed:
+                req.status = RequestStatus.FINISHED_ERROR
+                out = self._finish(req, message)
+                if out is not None:
+                    outputs.append(out)
         return outputs
 
-    def _advance_grammar(self, req: Request) -> str | None:
-        """Feed the new token to the request's grammar: a complete grammar stops the request
-        (also one that reached max_tokens with it: it is complete, not truncated). A
-        grammar's request never has drafts: it gets one token per step."""
-        if req.status is RequestStatus.FINISHED_STOPPED:  # EOS or a stop string
-            return None
-        result = self.structured.advance(req)
-        if result is GrammarStep.COMPLETE:
+    def _run_after_tokens(self, req: Request, num_new: int) -> str | None:
+        """Hooks see the new tokens; one may end the request (the first error wins)."""
+        error = None
+        for hook in self.hooks:
+            outcome = hook.after_tokens(req, num_new)
+            if outcome is None:
+                continue
             if not req.is_finished:
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-            elif req.status is RequestStatus.FINISHED_LENGTH:
-                req.status = RequestStatus.FINISHED_STOPPED
-        elif result is GrammarStep.REJECTED:
-            if not req.is_finished:
-                self.scheduler.finish(req.request_id, RequestStatus.FINISHED_ERROR)
-            return f"the grammar rejected token {req.output_token_ids[-1]}"
-        return None
+                self.scheduler.finish(req.request_id, outcome.status)
+            elif (outcome.status is RequestStatus.FINISHED_STOPPED
+                  and req.status is RequestStatus.FINISHED_LENGTH):  # fmt: skip
+                req.status = RequestStatus.FINISHED_STOPPED  # complete at max_tokens
+            error = error or outcome.error
+        return error
 
     def _log_reuse(self, req: Request) -> None:
         if self.kv.enable_prefix_caching and logger.isEnabledFor(logging.INFO):

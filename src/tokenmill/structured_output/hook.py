@@ -1,0 +1,59 @@
+"""Structured output as a request hook: the engine loop knows nothing of grammars.
+
+The hook validates a request's guide at the boundary, holds the request while its
+grammar compiles, starts each step's bitmask while the model runs, masks the logits,
+and feeds every new token to the grammar (a complete grammar stops the request, a
+rejected token fails it)."""
+
+from __future__ import annotations
+
+from tokenmill.engine.hooks import Outcome, RequestHook
+from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler import SchedulerOutput
+from tokenmill.scheduler.request import Request, RequestStatus
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.structured_output.params import GrammarSpec
+from tokenmill.structured_output.state import StepResult
+
+
+class StructuredOutputHook(RequestHook):
+    def __init__(self, manager: StructuredOutputManager) -> None:
+        self.manager = manager
+        self.logits_processor = manager.mask_logits
+
+    def check(self, params: SamplingParams) -> GrammarSpec | None:
+        guide = params.structured_outputs
+        return self.manager.validate(guide) if guide is not None else None
+
+    def on_add(self, request: Request, ctx: GrammarSpec | None) -> bool:
+        return ctx is None or self.manager.submit(request, ctx)
+
+    @property
+    def has_held(self) -> bool:
+        return self.manager.has_waiting
+
+    def ready(self) -> tuple[list[Request], list[tuple[Request, str]]]:
+        return self.manager.collect()
+
+    def wait(self, timeout: float) -> None:
+        self.manager.wait(timeout)
+
+    def discard(self, request_id: str) -> Request | None:
+        return self.manager.discard(request_id)
+
+    def on_scheduled(self, sched: SchedulerOutput) -> None:
+        self.manager.prepare(sched)  # grammar masks compute while the model runs
+
+    def after_tokens(self, request: Request, num_new: int) -> Outcome | None:
+        """Feed the new token to the grammar (a grammar's request never has drafts: one
+        token per step). An EOS or a stop string that already stopped it ends it as is."""
+        if request.structured is None or request.status is RequestStatus.FINISHED_STOPPED:
+            return None
+        assert num_new == 1, "a grammar's request gets one token per step"
+        result = self.manager.advance(request)
+        if result is StepResult.COMPLETE:
+            return Outcome(RequestStatus.FINISHED_STOPPED)
+        if result is StepResult.REJECTED:
+            token = request.output_token_ids[-1]
+            return Outcome(RequestStatus.FINISHED_ERROR, f"the grammar rejected token {token}")
+        return None
