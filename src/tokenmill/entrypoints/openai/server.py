@@ -32,9 +32,11 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenmill.entrypoints.openai.serving_chat import ChatHandler
 from tokenmill.entrypoints.openai.serving_common import ClientGone
 from tokenmill.entrypoints.openai.serving_completion import CompletionHandler
+from tokenmill.entrypoints.openai.serving_responses import ResponsesHandler
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.metrics.prometheus import make_registry
 
@@ -97,6 +99,7 @@ def build_app(state: ServerState, on_startup: Callable[[], None] | None = None,
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     chat = ChatHandler(state)
     completion = CompletionHandler(state)
+    responses = ResponsesHandler(state, chat)
     registry = make_registry(
         lambda: state.llm.stats if state.llm is not None else None,
         lambda: state.llm.engine.kv.usage if state.llm is not None else 0.0,
@@ -111,6 +114,27 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await completion.create(body, raw)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, raw: Request) -> Response:
+        return await responses.create(body, raw)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return responses.get(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return responses.delete(response_id)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        return responses.cancel(response_id)
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(response_id: str, limit: int = 20, order: str = "desc",
+                               after: str | None = None) -> dict[str, Any]:
+        return responses.input_items(response_id, limit, order, after)
 
     @app.get("/v1/models")
     async def list_models() -> ModelList:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenmill.engine.async_llm import RequestStream
 from tokenmill.entrypoints.openai.chat_output import ChatOutputParser, ChatStreamer
 from tokenmill.entrypoints.openai.errors import bad_request, from_exception
+from tokenmill.entrypoints.openai.preprocess import off_loop, render_chat
 from tokenmill.entrypoints.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -36,7 +38,6 @@ from tokenmill.entrypoints.openai.serving_common import (
     to_sampling_params,
     unless_disconnected,
 )
-from tokenmill.entrypoints.openai.preprocess import render_chat
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.entrypoints.openai.structured import (
     keeps_special_tokens,
@@ -45,7 +46,19 @@ from tokenmill.entrypoints.openai.structured import (
     with_tool_arguments,
 )
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling_params import MAX_LOGPROBS, RequestOutputKind
+from tokenmill.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+
+@dataclass(frozen=True)
+class PreparedChat:
+    """A chat request turned into engine inputs, and the parser of its output."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    parser: ChatOutputParser
+    top_n: int | None
+    echo: str
 
 
 class ChatHandler:
@@ -53,8 +66,18 @@ class ChatHandler:
         self.state = state
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        llm = self.state.require_llm()
         self.state.check_model(req.model, required=True)
+        prep = await off_loop(self.state, self.prepare, req, "chatcmpl")
+        stream, first = await self.start(prep, req, raw)
+        reply = _Reply(prep.rid, self.state.model_name, req, prep.top_n, prep.echo, prep.parser,
+                       self.state.tokenizer)
+        if req.stream:
+            return StreamingResponse(reply.stream(first, stream), media_type="text/event-stream")
+        return JSONResponse(reply.full(first).model_dump())
+
+    def prepare(self, req: ChatCompletionRequest, id_prefix: str) -> PreparedChat:
+        """Render the conversation and build the sampling parameters (raises APIError)."""
+        llm = self.state.require_llm()
         check_common(req)
         _check_supported(req)
         tokenizer = self.state.tokenizer
@@ -84,11 +107,17 @@ class ChatHandler:
             structured_outputs=tools.guide,
             keep_special_tokens=keeps_special_tokens(tokenizer, reasoning, tools.parser),
         )
-        echo = _echo_text(req, conversation)
-        rid = random_id("chatcmpl")
-        prompt_ids = params.truncate_prompt(prompt_ids)
-        log_request(self.state.config, rid, prompt_ids, params, tokenizer)
-        add = llm.add_request(prompt_ids, params, rid, options=to_request_options(req))
+        return PreparedChat(random_id(id_prefix), params.truncate_prompt(prompt_ids), params,
+                            parser, top_n, _echo_text(req, conversation))
+
+    async def start(self, prep: PreparedChat, req: ChatCompletionRequest, raw: Request
+                    ) -> tuple[RequestStream, RequestOutput]:
+        """Queue the request; its stream and first output (the final one when not streamed)."""
+        llm = self.state.require_llm()
+        log_request(self.state.config, prep.rid, prep.prompt_ids, prep.params,
+                    self.state.tokenizer)
+        add = llm.add_request(prep.prompt_ids, prep.params, prep.rid,
+                              options=to_request_options(req))
         stream = await unless_disconnected(raw, add)
         try:
             first = await unless_disconnected(raw, anext(stream))
@@ -96,10 +125,7 @@ class ChatHandler:
         except BaseException:
             stream.close()
             raise
-        reply = _Reply(rid, self.state.model_name, req, top_n, echo, parser, tokenizer)
-        if req.stream:
-            return StreamingResponse(reply.stream(first, stream), media_type="text/event-stream")
-        return JSONResponse(reply.full(first).model_dump())
+        return stream, first
 
 
 def _check_supported(req: ChatCompletionRequest) -> None:

@@ -48,6 +48,11 @@ class ServerConfig:
     """uvicorn's own log level; None = ``log_level``."""
     disable_fastapi_docs: bool = False
     """Serve no /docs, /redoc or /openapi.json."""
+    responses_store_size: int = 1024
+    """Most /v1/responses kept in memory (store=true) for GET, input_items and
+    previous_response_id; the oldest are forgotten first."""
+    responses_store_max_age: float = 3600.0
+    """Seconds a stored response is kept."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -56,6 +61,9 @@ class ServerConfig:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
         if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
+        if self.responses_store_size < 0 or self.responses_store_max_age <= 0:
+            raise ValueError("responses_store_size must be >= 0 and responses_store_max_age "
+                             "> 0")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if self.tool_call_parser != "auto":

@@ -1,0 +1,262 @@
+"""OpenAI's Responses API: the request body, its translation to a chat request, and the
+output items and response object built from a parsed answer."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import Field
+
+from tokenmill.entrypoints.openai.errors import bad_request
+from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIModel
+from tokenmill.parsers.tools import ToolCall
+
+BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview",
+                  "code_interpreter", "image_generation", "mcp", "local_shell", "custom")
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+class ResponsesRequest(OpenAIModel):
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    """{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}."""
+    reasoning: dict[str, Any] | None = None
+    """{"effort": ..., "summary": ...}: effort goes to the chat template."""
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    background: bool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["auto", "disabled"] = "disabled"
+    service_tier: str | None = None
+    seed: int | None = None
+    """tokenmill: a per-request sampling seed."""
+
+
+# -- request -> chat messages ---------------------------------------------------------------
+def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """``input`` as a list of items, each with an id (what input_items lists)."""
+    if isinstance(req.input, str):
+        return [{"type": "message", "id": item_id("msg"), "role": "user", "status": "completed",
+                 "content": [{"type": "input_text", "text": req.input}]}]
+    items = []
+    for i, item in enumerate(req.input):
+        if not isinstance(item, dict):
+            raise bad_request(f"input[{i}] must be an object", "input")
+        kind = item.get("type", "message")
+        if kind not in ("message", "function_call", "function_call_output", "reasoning"):
+            raise bad_request(f"input[{i}] has type {kind!r}; supported: message, "
+                              "function_call, function_call_output, reasoning", "input")
+        item = {**item, "type": kind}
+        item.setdefault("id", item_id({"message": "msg", "function_call": "fc",
+                                       "reasoning": "rs"}.get(kind, "fco")))
+        if kind == "message" and isinstance(item.get("content"), str):
+            text_type = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": text_type, "text": item["content"]}]
+        items.append(item)
+    return items
+
+
+def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Input or output items -> chat messages (consecutive calls share one assistant turn)."""
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        kind = item["type"]
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise bad_request(f"input[{i}].role must be user, system, developer or "
+                                  f"assistant, got {role!r}", "input")
+            messages.append({"role": "system" if role == "developer" else role,
+                             "content": _text_of(i, item.get("content"))})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if not all(isinstance(v, str) for v in (call["id"], item.get("name"),
+                                                    item.get("arguments"))):
+                raise bad_request(f"input[{i}] (function_call) needs call_id, name and "
+                                  "arguments strings", "input")
+            last = messages[-1] if messages else None
+            if last and last["role"] == "assistant" and last.get("tool_calls"):
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            if not isinstance(item.get("call_id"), str) or output is None:
+                raise bad_request(f"input[{i}] (function_call_output) needs call_id and "
+                                  "output", "input")
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": output if isinstance(output, str) else
+                             _text_of(i, output)})
+        # reasoning items are not shown to the model again
+    return messages
+
+
+def _text_of(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"input[{i}].content must be a string or a list of parts", "input")
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text", "text", "summary_text"):
+            raise bad_request(f"input[{i}].content has a part of type {kind!r}; only text "
+                              "parts are supported", "input")
+        texts.append(part.get("text", ""))
+    return "\n".join(texts)
+
+
+def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
+                    items: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request that answers ``req`` after ``history`` (previous_response_id)."""
+    messages = list(history)
+    if req.instructions:
+        messages = [{"role": "system", "content": req.instructions},
+                    *[m for m in messages if m["role"] != "system"]]
+    messages += to_messages(items)
+    body: dict[str, Any] = {
+        "model": req.model, "messages": messages, "stream": req.stream,
+        "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
+        "top_p": req.top_p, "seed": req.seed, "parallel_tool_calls": req.parallel_tool_calls,
+        "tools": _chat_tools(req.tools), "response_format": _response_format(req.text),
+    }
+    if req.tools:
+        body["tool_choice"] = _chat_tool_choice(req.tool_choice)
+    effort = (req.reasoning or {}).get("effort")
+    if effort is not None:
+        body["reasoning_effort"] = effort
+    return ChatCompletionRequest(**body)
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            what = "a built-in tool" if kind in BUILT_IN_TOOLS else "an unknown tool type"
+            raise bad_request(f"tools[{i}] is {what} ({kind!r}); only function tools are "
+                              "supported", "tools")
+        fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request(f"tool_choice {choice!r} is not supported; use auto, none, required or "
+                      '{"type": "function", "name": ...}', "tool_choice")
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if not fmt or fmt.get("type") == "text":
+        return None
+    if fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {
+            "name": fmt.get("name", "response"), "schema": fmt.get("schema"),
+            "strict": fmt.get("strict")}}
+    raise bad_request(f"text.format type {fmt.get('type')!r} is not supported; use text, "
+                      "json_object or json_schema", "text")
+
+
+# -- parsed answer -> output items -------------------------------------------------------------
+def reasoning_item(text: str, rid: str | None = None) -> dict[str, Any]:
+    return {"type": "reasoning", "id": rid or item_id("rs"), "status": "completed",
+            "summary": [{"type": "summary_text", "text": text}]}
+
+
+def message_item(text: str, mid: str | None = None, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": mid or item_id("msg"), "role": "assistant",
+            "status": status, "content": [output_text(text)]}
+
+
+def output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def call_item(call: ToolCall, call_id: str, fid: str | None = None,
+              status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": fid or item_id("fc"), "call_id": call_id,
+            "name": call.name, "arguments": call.arguments, "status": status}
+
+
+class ResponseObject(OpenAIModel):
+    """The ``response`` object (also the payload of response.created/completed events)."""
+
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int = Field(default_factory=lambda: int(time.time()))
+    status: str = "in_progress"
+    model: str
+    output: list[dict[str, Any]] = Field(default_factory=list)
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, Any] | None = None
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: str | dict[str, Any] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
+    reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None,
+                                                               "summary": None})
+    previous_response_id: str | None = None
+    store: bool = True
+    background: bool = False
+    truncation: str = "disabled"
+    metadata: dict[str, str] = Field(default_factory=dict)
+    user: str | None = None
+    usage: dict[str, Any] | None = None
+
+    @classmethod
+    def start(cls, rid: str, model: str, req: ResponsesRequest) -> ResponseObject:
+        return cls(id=rid, model=model, instructions=req.instructions,
+                   max_output_tokens=req.max_output_tokens, temperature=req.temperature,
+                   top_p=req.top_p, tools=req.tools or [], tool_choice=req.tool_choice,
+                   parallel_tool_calls=req.parallel_tool_calls,
+                   text=req.text or {"format": {"type": "text"}},
+                   reasoning=req.reasoning or {"effort": None, "summary": None},
+                   previous_response_id=req.previous_response_id, store=req.store,
+                   metadata=req.metadata or {}, user=req.user, truncation=req.truncation)
+
+
+def usage(prompt: int, completion: int, cached: int, reasoning: int) -> dict[str, Any]:
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
+            "total_tokens": prompt + completion}
+
+
+def finish(resp: ResponseObject, finish_reason: str | None) -> None:
+    """Status from the finish reason: a cut answer is incomplete (max_output_tokens)."""
+    if finish_reason == "length":
+        resp.status = "incomplete"
+        resp.incomplete_details = {"reason": "max_output_tokens"}
+    elif finish_reason == "cancelled":
+        resp.status = "cancelled"
+    else:
+        resp.status = "completed"
