@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 
+from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.loader.checkpoint import Checkpoint
 from tokenmill.loader.gguf_file import GgufFile, GgufTensorInfo, read_gguf
 from tokenmill.loader.gguf_names import (
@@ -77,10 +78,19 @@ class GgufWeights:
         last_log = start = time.perf_counter()
         for done, (index, mapped) in enumerate(self.names, 1):
             info = self.file.tensors[index]
-            if keep_quantized and _keeps_blocks(info.qtype, info.shape, mapped.transform):
-                yield mapped.hf_name, self._blocks(info, mapped)
-            else:
-                yield mapped.hf_name, self._dequantized(info, mapped, dtype)
+            try:
+                if keep_quantized and _keeps_blocks(info.qtype, info.shape, mapped.transform):
+                    tensor: torch.Tensor | GgufBlocks = self._blocks(info, mapped)
+                else:
+                    tensor = self._dequantized(info, mapped, dtype)
+            except (RuntimeError, ValueError, IndexError, ZeroDivisionError) as e:
+                if isinstance(e, TokenmillError):
+                    raise
+                raise ModelLoadError(
+                    f"{self.file.path}: tensor {info.name} {info.shape} does not fit the "
+                    f"metadata ({type(e).__name__}: {e}); the file is corrupt"
+                ) from None
+            yield mapped.hf_name, tensor
             self.file.release(info)  # the pages of this tensor leave our resident memory
             if time.perf_counter() - last_log > _PROGRESS_EVERY_S:
                 last_log = time.perf_counter()

@@ -26,6 +26,10 @@ _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 _STRING, _ARRAY = 8, 9
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ARRAY_NESTING = 8
+"""Arrays of arrays deeper than this are refused (llama.cpp writes none; a crafted file
+nested thousands deep overflowed Python's recursion limit)."""
 # GGUF metadata value type -> struct format of one fixed-size value.
 _SCALAR_FORMATS = {
     0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
@@ -90,9 +94,13 @@ def read_gguf(path: Path) -> GgufFile:
         raise ModelLoadError(f"can not read {path}: {e}") from e
     try:
         return _parse(path, blob)
-    except (struct.error, UnicodeDecodeError, IndexError) as e:
+    except (ModelLoadError, UnsupportedModelError):
+        raise
+    except (struct.error, UnicodeDecodeError, IndexError, OverflowError, ValueError,
+            MemoryError) as e:
         raise ModelLoadError(
-            f"{path} is truncated or corrupt ({e}); download or assemble the file again"
+            f"{path} is truncated or corrupt ({type(e).__name__}: {e}); download or assemble "
+            "the file again"
         ) from e
 
 
@@ -104,9 +112,15 @@ def _parse(path: Path, blob: np.ndarray) -> GgufFile:
     if version not in _VERSIONS:
         raise ModelLoadError(f"{path} is GGUF v{version}; only v2 and v3 are read: re-convert it")
     reader = _Cursor(header, 24)
+    reader.need(n_kv, 12, "metadata table")
+    reader.need(n_tensors, 24, "tensor table")
     metadata = {reader.string(): reader.value() for _ in range(n_kv)}
     entries = [reader.tensor_entry() for _ in range(n_tensors)]
-    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 \
+            or alignment % 8:
+        raise ModelLoadError(f"{path} has general.alignment = {alignment!r}; GGUF requires a "
+                             "positive multiple of 8: the file is corrupt")
     data_start = -(-reader.pos // alignment) * alignment
     tensors = tuple(_tensor_info(path, data_start, *entry) for entry in entries)
     end = max((t.offset + t.nbytes for t in tensors), default=data_start)
@@ -130,6 +144,9 @@ def _tensor_info(
         ) from None
     shape = tuple(reversed(dims))
     block_size, type_size = GGML_QUANT_SIZES[qtype]
+    if not shape or shape[-1] % block_size:
+        raise ModelLoadError(f"tensor {name} of {path} has shape {shape}, whose rows are not "
+                             f"whole {qtype.name} blocks of {block_size}: the file is corrupt")
     nbytes = prod(shape) // block_size * type_size
     return GgufTensorInfo(name, shape, qtype, data_start + offset, nbytes)
 
@@ -145,12 +162,21 @@ class _Cursor:
         self.pos += struct.calcsize("<" + fmt)
         return values
 
+    def need(self, count: int, item_bytes: int, what: str) -> None:
+        """Refuse a count whose items can not fit in the bytes left (before looping on it)."""
+        left = len(self.buf) - self.pos
+        if count * item_bytes > left:
+            raise ModelLoadError(f"a GGUF {what} of {count} items at byte {self.pos} needs at "
+                                 f"least {count * item_bytes} bytes; {left} are left: the file "
+                                 "is truncated or corrupt")
+
     def string(self) -> str:
         (length,) = self.unpack("Q")
+        self.need(length, 1, "string")
         start, self.pos = self.pos, self.pos + length
         return bytes(self.buf[start : self.pos]).decode("utf-8")
 
-    def value(self, type_id: int | None = None) -> Any:
+    def value(self, type_id: int | None = None, depth: int = 0) -> Any:
         if type_id is None:
             (type_id,) = self.unpack("I")
         if type_id in _SCALAR_FORMATS:
@@ -158,23 +184,35 @@ class _Cursor:
         if type_id == _STRING:
             return self.string()
         if type_id == _ARRAY:
-            return self.array()
+            return self.array(depth + 1)
         raise ModelLoadError(f"unknown GGUF metadata value type {type_id} at byte {self.pos}")
 
-    def array(self) -> Any:
+    def array(self, depth: int = 1) -> Any:
+        if depth > _MAX_ARRAY_NESTING:
+            raise ModelLoadError(f"GGUF metadata arrays nested deeper than {_MAX_ARRAY_NESTING} "
+                                 f"at byte {self.pos}: the file is corrupt")
         item_type, count = self.unpack("IQ")
         if item_type in _SCALAR_FORMATS:
-            return list(self.unpack(f"{count}{_SCALAR_FORMATS[item_type]}"))
+            fmt = _SCALAR_FORMATS[item_type]
+            self.need(count, struct.calcsize(fmt), "metadata array")
+            return list(self.unpack(f"{count}{fmt}"))
         if item_type == _STRING:
+            self.need(count, 8, "string array")
             for _ in range(count):  # variable length: walk it, decode nothing
                 (length,) = struct.unpack_from("<Q", self.buf, self.pos)
-                self.pos += 8 + length
+                self.pos += 8
+                self.need(length, 1, "string")
+                self.pos += length
             return StringArray(count)
-        return [self.value(item_type) for _ in range(count)]  # nested arrays: rare and small
+        self.need(count, 12 if item_type == _ARRAY else 1, "metadata array")
+        return [self.value(item_type, depth) for _ in range(count)]
 
     def tensor_entry(self) -> tuple[str, tuple[int, ...], int, int]:
         name = self.string()
         (n_dims,) = self.unpack("I")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise ModelLoadError(f"tensor {name} has {n_dims} dimensions (GGUF allows 1 to "
+                                 f"{_MAX_DIMS}): the file is corrupt")
         dims = self.unpack(f"{n_dims}Q")
         type_id, offset = self.unpack("IQ")
         return name, dims, type_id, offset

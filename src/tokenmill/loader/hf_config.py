@@ -10,6 +10,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from tokenmill.errors import ModelLoadError
+
+try:
+    from huggingface_hub.errors import StrictDataclassClassValidationError as _INVALID
+except ImportError:  # older huggingface_hub: transformers raises ValueError instead
+    class _INVALID(Exception):  # type: ignore[no-redef]
+        """Never raised."""
+
 logger = logging.getLogger(__name__)
 
 # Keys of a per-layer-type ``rope_parameters`` (Gemma3): which alias each one feeds.
@@ -36,6 +44,9 @@ def _through_transformers(raw: dict[str, Any]) -> dict[str, Any]:
     kwargs = {k: v for k, v in raw.items() if k != "model_type"}
     try:
         config = AutoConfig.for_model(model_type, **kwargs).to_dict()
+    except _INVALID as e:  # transformers' own validators: the config contradicts itself
+        message = " ".join(str(e).split())
+        raise ModelLoadError(f"the model's config is inconsistent: {message}") from None
     except (ValueError, KeyError, TypeError) as e:
         logger.warning("config.json of model_type %r kept as written: %s", model_type, e)
         return dict(raw)
