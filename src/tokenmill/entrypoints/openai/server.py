@@ -32,10 +32,12 @@ from tokenmill.entrypoints.openai.protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from tokenmill.entrypoints.openai.protocol_messages import anthropic_error
 from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenmill.entrypoints.openai.serving_chat import ChatHandler
 from tokenmill.entrypoints.openai.serving_common import ClientGone
 from tokenmill.entrypoints.openai.serving_completion import CompletionHandler
+from tokenmill.entrypoints.openai.serving_messages import MessagesHandler
 from tokenmill.entrypoints.openai.serving_responses import ResponsesHandler
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.metrics.prometheus import make_registry
@@ -47,7 +49,8 @@ OPEN_PATHS = frozenset({"/health"})
 
 
 class APIKeyMiddleware:
-    """Plain ASGI (streaming-safe): ``Authorization: Bearer <key>`` on every other route."""
+    """Plain ASGI (streaming-safe): ``Authorization: Bearer <key>`` (or Anthropic's
+    ``x-api-key: <key>``) on every other route."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -56,14 +59,20 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
             return await self.app(scope, receive, send)
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        headers = dict(scope["headers"])
+        given = headers.get(b"authorization", b"")
         scheme, _, token = given.partition(b" ")  # the scheme is case-insensitive (RFC 9110)
         if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
             return await self.app(scope, receive, send)
-        message = ("missing API key: send 'Authorization: Bearer <key>'" if not given
-                   else "invalid API key")
+        x_api_key = headers.get(b"x-api-key")
+        if x_api_key is not None and hmac.compare_digest(x_api_key.strip(), self.expected):
+            return await self.app(scope, receive, send)
+        message = ("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+                   if not given and x_api_key is None else "invalid API key")
         error = APIError(401, message, type="authentication_error", code="invalid_api_key",
                          headers={"WWW-Authenticate": "Bearer"})
+        if scope["path"].startswith("/v1/messages"):
+            return await anthropic_error(error)(scope, receive, send)
         await error.response()(scope, receive, send)
 
 
@@ -100,6 +109,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     chat = ChatHandler(state)
     completion = CompletionHandler(state)
     responses = ResponsesHandler(state, chat)
+    messages = MessagesHandler(state, chat)
     registry = make_registry(
         lambda: state.llm.stats if state.llm is not None else None,
         lambda: state.llm.engine.kv.usage if state.llm is not None else 0.0,
@@ -114,6 +124,15 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
         return await completion.create(body, raw)
+
+    @app.post("/v1/messages")
+    async def create_message(raw: Request) -> Response:
+        """Anthropic's Messages API (errors in Anthropic's format)."""
+        return await messages.create(raw)
+
+    @app.post("/v1/messages/count_tokens")
+    async def count_message_tokens(raw: Request) -> Response:
+        return await messages.count_tokens(raw)
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
