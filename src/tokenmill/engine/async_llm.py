@@ -107,8 +107,14 @@ class AsyncLLM:
         # Owned by the engine thread:
         self._live: dict[str, _Live] = {}
         self._outbox: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, object]]] = {}
-        self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
-        self._thread.start()
+        self._thread = self._start()
+
+    def _start(self) -> threading.Thread:
+        """Start the engine thread; the front end is alive while the returned thread is.
+        (``EngineCoreClient`` starts an engine process and a thread that reads it instead.)"""
+        thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
+        thread.start()
+        return thread
 
     # -- state ------------------------------------------------------------------------
     @property
@@ -314,7 +320,7 @@ class AsyncLLM:
         for rid, live in list(self._live.items()):
             if live.started or now - live.arrival <= self.queue_timeout:
                 continue
-            self.engine.stats.mark_timed_out(rid)
+            self.engine.mark_timed_out(rid)
             self.engine.abort(rid)
             self._release(rid, QueueTimeoutError(
                 f"the request waited {now - live.arrival:.1f}s to start "
@@ -323,7 +329,7 @@ class AsyncLLM:
 
     def _mark_started(self) -> None:
         for rid, live in self._live.items():
-            if not live.started and self.engine.stats.is_started(rid):
+            if not live.started and self.engine.is_started(rid):
                 live.started = True
                 with self._lock:
                     self._num_queued -= 1

@@ -79,6 +79,7 @@ SERVER_FLAGS = (
     Flag("--uvicorn-log-level", "uvicorn_log_level", str, "uvicorn's own log level (default: --log-level)", choices=LOG_LEVELS + ("trace",)),
     Flag("--response-role", "response_role", str, "role of the generated message: assistant only", "assistant", choices=("assistant",)),
     Flag("--disable-fastapi-docs", "disable_fastapi_docs", None, "no /docs, /redoc and /openapi.json", False, action="store_true"),
+    Flag("--engine-process", "engine_process", str, "run the engine in its own process behind the server (on; vLLM's and SGLang's engine core) or in a thread of the server process (off); auto: off on CPU, see docs/architecture.md for the measurement", "auto", choices=("auto", "on", "off")),
     Flag("--responses-store-size", "responses_store_size", int, "most /v1/responses kept in memory for GET, input_items and previous_response_id (the oldest are forgotten first; lost on restart)", 1024),
     Flag("--responses-store-max-age", "responses_store_max_age", float, "seconds a stored /v1/responses response is kept", 3600.0),
 )

@@ -27,6 +27,7 @@ from types import FrameType
 
 import uvicorn
 
+from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.entrypoints.openai.connections import with_header_timeout
@@ -38,8 +39,9 @@ logger = logging.getLogger(__name__)
 FORCED_EXIT_FLUSH_S = 0.5
 """Seconds a forced exit gives the cut streams to send their error event."""
 
-EngineSource = LLMEngine | Callable[[], LLMEngine]
-"""A loaded engine, or a function that loads one (the server answers 503 meanwhile)."""
+EngineSource = LLMEngine | EngineConfig | Callable[[], LLMEngine | EngineConfig]
+"""A loaded engine, or what to load (the server answers 503 meanwhile): an ``EngineConfig``
+is loaded in a thread, or in the engine process (``ServerConfig.engine_process``)."""
 
 
 class OpenAIServer:
@@ -50,10 +52,14 @@ class OpenAIServer:
         model_name: str | None = None,
     ) -> None:
         self.config = config or ServerConfig()
+        if isinstance(engine, LLMEngine) and self.config.engine_process == "on":
+            raise ValueError("engine_process='on' loads the engine in its own process: pass "
+                             "an EngineConfig, not a loaded engine")
         if model_name is None:
-            if not isinstance(engine, LLMEngine):
+            if not isinstance(engine, LLMEngine | EngineConfig):
                 raise ValueError("pass model_name when the engine is loaded by the server")
-            model_name = model_name_of(engine.config.model, engine.config.served_model_name)
+            econf = engine.config if isinstance(engine, LLMEngine) else engine
+            model_name = model_name_of(econf.model, econf.served_model_name)
         self.state = ServerState(self.config, model_name)
         self._source = engine
         self._error: BaseException | None = None
@@ -134,13 +140,15 @@ class OpenAIServer:
     # -- lifecycle hooks ------------------------------------------------------------------
     def _on_startup(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if isinstance(self._source, LLMEngine):
-            self._attach(self._source)
+        source = self._source
+        if isinstance(source, LLMEngine):
+            self._attach(source)
         else:
-            threading.Thread(target=self._load, args=(self._source,), name="tokenmill-load",
+            factory = source if callable(source) else lambda: source
+            threading.Thread(target=self._load, args=(factory,), name="tokenmill-load",
                              daemon=True).start()
 
-    def _load(self, factory: Callable[[], LLMEngine]) -> None:
+    def _load(self, factory: Callable[[], LLMEngine | EngineConfig]) -> None:
         try:
             self._attach(factory())
         except BaseException as exc:  # noqa: BLE001 - reported by run() / wait_ready()
@@ -149,10 +157,22 @@ class OpenAIServer:
             self.state.load_error = exc
             self._uv.should_exit = True
 
-    def _attach(self, engine: LLMEngine) -> None:
+    def _attach(self, engine: LLMEngine | EngineConfig) -> None:
         cfg = self.config
+        if isinstance(engine, EngineConfig):
+            from tokenmill.engine.core_process import EngineCoreClient, use_engine_process
+
+            if use_engine_process(cfg.engine_process, engine):
+                self.state.llm = EngineCoreClient(engine, cfg.max_queued_requests,
+                                                  cfg.queue_timeout, cfg.limits.grammar)
+                self._log_serving()
+                return
+            engine = LLMEngine(engine)
         engine.structured.set_limits(cfg.limits.grammar)
         self.state.llm = AsyncLLM(engine, cfg.max_queued_requests, cfg.queue_timeout)
+        self._log_serving()
+
+    def _log_serving(self) -> None:
         # uvicorn's logger: shown with uvicorn's log config even when nobody set up logging
         logging.getLogger("uvicorn.error").info(
             "tokenmill is serving %r: OpenAI API at %s/v1", self.state.model_name, self.url

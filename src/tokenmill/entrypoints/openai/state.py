@@ -48,6 +48,10 @@ class ServerConfig:
     """uvicorn's own log level; None = ``log_level``."""
     disable_fastapi_docs: bool = False
     """Serve no /docs, /redoc or /openapi.json."""
+    engine_process: str = "auto"
+    """Where the engine runs: on (its own process behind the server, the engine core of
+    vLLM and SGLang), off (a thread of the server process), auto (``core_process.py``'s
+    ``use_engine_process``; the measurement behind it is in docs/architecture.md)."""
     responses_store_size: int = 1024
     """Most /v1/responses kept in memory (store=true) for GET, input_items and
     previous_response_id; the oldest are forgotten first."""
@@ -64,6 +68,8 @@ class ServerConfig:
         if self.responses_store_size < 0 or self.responses_store_max_age <= 0:
             raise ValueError("responses_store_size must be >= 0 and responses_store_max_age "
                              "> 0")
+        if self.engine_process not in ("auto", "on", "off"):
+            raise ValueError(f"engine_process must be auto, on or off, got {self.engine_process!r}")
         if self.max_log_len is not None and self.max_log_len < 0:
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len}")
         if self.tool_call_parser != "auto":
