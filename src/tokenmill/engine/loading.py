@@ -68,6 +68,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     with torch.device(device):  # parameters are created in place: no second copy
         kwargs = {"quant": plan} if plan else {}
         model = model_cls(ckpt.hf_config, dtype, max_positions=max_model_len, **kwargs)
+    _kv_blocks(config, model, dtype, max_model_len)  # too small a KV cache fails before the read
     model.load_weights(ckpt.weights(dtype, keep_quantized=plan is not None))
     model.eval()
     logger.info("model ready in %.1f s", time.perf_counter() - start)
@@ -81,10 +82,14 @@ def _stored_types(ckpt: Checkpoint) -> dict:
 
 def kv_cache_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     """How many KV blocks to allocate; the cache must hold one max_model_len sequence."""
-    m = loaded.model
-    elem = torch.tensor([], dtype=loaded.dtype).element_size()
+    return _kv_blocks(config, loaded.model, loaded.dtype, loaded.max_model_len)
+
+
+def _kv_blocks(config: EngineConfig, m: CausalLM, dtype: torch.dtype, max_model_len: int
+               ) -> int:
+    elem = torch.tensor([], dtype=dtype).element_size()
     block_bytes = 2 * m.num_layers * config.block_size * m.num_kv_heads * m.head_dim * elem
-    one_seq = -(-loaded.max_model_len // config.block_size)
+    one_seq = -(-max_model_len // config.block_size)
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks
     elif config.kv_cache_memory_bytes is not None:
@@ -94,7 +99,7 @@ def kv_cache_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     if blocks < one_seq:
         raise InvalidRequestError(
             f"the KV cache ({blocks} blocks of {config.block_size} tokens) can not hold one "
-            f"sequence of max_model_len={loaded.max_model_len} tokens ({one_seq} blocks): "
+            f"sequence of max_model_len={max_model_len} tokens ({one_seq} blocks): "
             "lower max_model_len or give the KV cache more memory"
         )
     return blocks

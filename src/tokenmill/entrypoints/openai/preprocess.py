@@ -114,6 +114,26 @@ def check_prompt_logprobs(state: ServerState, prompt_len: int, prompt_logprobs: 
             "prompt_logprobs")
 
 
+def check_tool_schemas(state: ServerState, tools: list | None) -> None:
+    """Every tool's ``parameters`` is a JSON schema the grammar backend accepts, under any
+    tool_choice (``required`` compiles it; ``auto`` would otherwise take a broken one)."""
+    from tokenmill.structured_output import StructuredOutputsParams
+
+    for i, tool in enumerate(tools or ()):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        params = function.get("parameters") if isinstance(function, dict) else None
+        if params is None:
+            continue
+        where = f"tools[{i}].function.parameters"
+        if not isinstance(params, dict):
+            raise bad_request(f"{where} must be a JSON schema object, got "
+                              f"{type(params).__name__}", "tools")
+        try:
+            state.require_llm().engine.structured.validate(StructuredOutputsParams(json=params))
+        except ValueError as e:
+            raise bad_request(f"{where} is not a usable JSON schema: {e}", "tools") from None
+
+
 # -- chat ------------------------------------------------------------------------------------
 def render_chat(state: ServerState, tokenizer: Tokenizer, conversation: list[Any], *,
                 request_template: str | None, server_template: str | None,
@@ -129,6 +149,7 @@ def render_chat(state: ServerState, tokenizer: Tokenizer, conversation: list[Any
     chars = check_unicode(conversation, "messages") + check_unicode(tools, "tools")
     max_len = state.max_model_len
     check_fits(chars, tokenizer, max_len, "conversation")
+    check_tool_schemas(state, tools)
     if request_template is None:
         ids = tokenizer.apply_chat_template(
             conversation, chat_template=server_template,
