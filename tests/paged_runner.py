@@ -10,16 +10,18 @@ from transformers import PreTrainedModel
 
 from tokenmill.attention import AttentionMetadata, ForwardContext
 from tokenmill.attention.backends import REFERENCE, AttentionBackend
+from tokenmill.layers.ops import Ops
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
 
 BLOCK_SIZE = 4
 
 
-def build_ours(hf_model: PreTrainedModel) -> CausalLM:
-    """Our model for ``hf_model``, built from its config dict and loaded from its state dict."""
+def build_ours(hf_model: PreTrainedModel, ops: Ops | None = None) -> CausalLM:
+    """Our model for ``hf_model``, built from its config dict and loaded from its state dict;
+    ``ops``: the layers' kernels and attention backend (None: selected for the CPU)."""
     config = hf_model.config.to_dict()
-    model = resolve_model_class([type(hf_model).__name__])(config, torch.float32)
+    model = resolve_model_class([type(hf_model).__name__])(config, torch.float32, ops=ops)
     model.load_weights(hf_model.state_dict().items())
     return model.eval()
 

@@ -35,8 +35,9 @@ class EngineConfig:
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     attention_backend: str = "auto"
     """Paged attention kernels (``tokenmill.attention.backends``): auto (triton on CUDA when
-    it is installed, else reference), reference (pure PyTorch, any device), triton (CUDA;
-    on CPU only under TRITON_INTERPRET=1, for tests)."""
+    it is installed; native for quantized weights computing in float32 on CPU; else
+    reference), reference (pure PyTorch, any device), triton (CUDA; on CPU only under
+    TRITON_INTERPRET=1, for tests), native (CPU C kernels, float32 activations only)."""
     quantization: str = "auto"
     """Weight format of the linear layers (``tokenmill.quant.plan.QUANTIZATIONS``): none
     (dense in dtype), gguf (a GGUF's 4-bit blocks as int4 groups, its other quantized

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention import AttentionMetadata
-from tokenmill.attention.backends import REFERENCE, AttentionBackend
+from tokenmill.attention import AttentionMetadata, AttentionParams
+from tokenmill.attention.backends import REFERENCE, AttentionBackend, AttentionImpl
 
 BLOCK_SIZE = 4
 
@@ -71,10 +71,16 @@ def with_padding(meta: AttentionMetadata, rows: int) -> AttentionMetadata:
     )
 
 
+def bound(backend: AttentionBackend, case: Case, window=None, softcap=None) -> AttentionImpl:
+    """``backend`` bound to the case's layer constants (as an attention layer binds it)."""
+    heads, kv_heads, head_dim = case.q.shape[1], case.kv.shape[2], case.q.shape[2]
+    return backend.bind(AttentionParams(heads, kv_heads, head_dim, case.scale, window, softcap))
+
+
 def run(backend: AttentionBackend, case: Case, window=None, softcap=None, meta=None):
     """(output [T, H, D], cache after the store) of ``backend`` on a copy of the cache."""
     cache = case.cache.clone()
-    out = backend.forward(case.q, case.kv, cache, meta or case.meta, case.scale, window, softcap)
+    out = bound(backend, case, window, softcap).forward(case.q, case.kv, cache, meta or case.meta)
     return out, cache
 
 

@@ -8,16 +8,17 @@ import sys
 import pytest
 import torch
 
+from tokenmill.attention import AttentionMetadata, ForwardContext
 from tokenmill.attention.backends import (
     BACKEND_CHOICES,
     REFERENCE,
     resolve_backend_name,
     select_backend,
 )
-from tokenmill.attention.metadata import AttentionMetadata, ForwardContext
 from tokenmill.config import EngineConfig
 from tokenmill.entrypoints.args import ENGINE_FLAGS
 from tokenmill.errors import InvalidRequestError
+from tokenmill.layers.ops import DEFAULT_OPS, select_ops
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -36,8 +37,12 @@ def test_reference_and_auto_on_cpu():
 
 
 def test_context_defaults_to_reference():
+    """A step context without a backend leaves each layer the one it was built with, and a
+    layer (or model) built without a selection runs the reference."""
     meta = AttentionMetadata.build([1], [1], [[0]], 4)
-    assert ForwardContext(meta, []).backend is REFERENCE
+    assert ForwardContext(meta, []).backend is None
+    assert DEFAULT_OPS.backend is REFERENCE
+    assert select_ops(CPU, torch.float32).backend is REFERENCE
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):

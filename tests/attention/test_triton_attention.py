@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _attn_cases import make_case, reference, run, with_padding
+from _attn_cases import bound, make_case, reference, run, with_padding
 
 triton = pytest.importorskip("triton")
 
@@ -75,7 +75,7 @@ def test_padding_rows_store_nothing_and_output_zeros(device):
     q = torch.cat([case.q, torch.randn_like(case.q[:2])])
     kv = torch.cat([case.kv, torch.randn_like(case.kv[:2])])
     cache = case.cache.clone()
-    out = _backend(device).forward(q, kv, cache, padded, case.scale)
+    out = bound(_backend(device), case).forward(q, kv, cache, padded)
     tol = 1e-5 if device.type == "cpu" else 2e-2
     torch.testing.assert_close(out[:3].float(), want, atol=tol, rtol=tol)
     assert torch.equal(out[3:], torch.zeros_like(out[3:]))

@@ -16,11 +16,11 @@ pytest.importorskip("triton")
 from paged_runner import PagedRunner, build_ours  # noqa: E402
 
 from tokenmill.layers import triton_ops  # noqa: E402
-from tokenmill.layers.fused import force_fused  # noqa: E402
 from tokenmill.layers.norm import RMSNorm  # noqa: E402
+from tokenmill.layers.ops import Ops, triton_kernels  # noqa: E402
 
 
-def _tiny_llama():
+def _tiny_llama(ops: Ops | None = None):
     """2 layers; hidden 96, head_dim 48 and intermediate 160 are not powers of two; weights
     at std 0.2 so that greedy choices are clear-cut."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -31,7 +31,7 @@ def _tiny_llama():
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
         tie_word_embeddings=False, initializer_range=0.2,
     )  # fmt: skip
-    model = build_ours(LlamaForCausalLM(config).eval())
+    model = build_ours(LlamaForCausalLM(config).eval(), ops)
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.exact = False
@@ -57,11 +57,9 @@ def _generate(model, prompts: list[list[int]], steps: int) -> tuple[list[list[in
 def test_greedy_tokens_match_without_fused_ops(device, monkeypatch):
     if device.type != "cpu":
         pytest.skip("the model runs in float32 on CPU here")
-    model = _tiny_llama()
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (9, 14)]
-    with force_fused(False):
-        want, want_logits = _generate(model, prompts, 16)
+    want, want_logits = _generate(_tiny_llama(Ops()), prompts, 16)  # PyTorch kernels
 
     calls = dict.fromkeys(("add_rms_norm", "rms_norm", "silu_and_mul", "rotate_"), 0)
     for name in calls:  # count the launches, so that the fused path is known to have run
@@ -72,8 +70,7 @@ def test_greedy_tokens_match_without_fused_ops(device, monkeypatch):
             return _op(*args)
 
         monkeypatch.setattr(triton_ops, name, counted)
-    with force_fused(True):
-        got, got_logits = _generate(model, prompts, 16)
+    got, got_logits = _generate(_tiny_llama(Ops(kernels=triton_kernels())), prompts, 16)
 
     assert got == want
     for a, b in zip(got_logits, want_logits):

@@ -14,8 +14,8 @@ pytest.importorskip("triton")
 
 from tokenmill.layers import triton_ops  # noqa: E402
 from tokenmill.layers.activation import GatedActivation  # noqa: E402
-from tokenmill.layers.fused import force_fused  # noqa: E402
 from tokenmill.layers.norm import RMSNorm  # noqa: E402
+from tokenmill.layers.ops import Ops, triton_kernels  # noqa: E402
 from tokenmill.layers.rotary import RopeConfig, RotaryEmbedding  # noqa: E402
 
 
@@ -28,19 +28,27 @@ def _tol(device: torch.device) -> dict[str, float]:
     return {"atol": 1e-5, "rtol": 1e-5} if device.type == "cpu" else {"atol": 3e-2, "rtol": 3e-2}
 
 
-def _both(fn: Callable[[], object]) -> tuple[object, object]:
-    """(PyTorch path, fused path) of the same call."""
-    with force_fused(False):
-        want = fn()
-    with force_fused(True):
-        got = fn()
-    return want, got
+TORCH, FUSED = Ops(), Ops(kernels=triton_kernels())
+"""The layers' PyTorch forms; the fused kernels (any tensor: on CPU interpreted)."""
+
+
+def _both(fn: Callable[[Ops], object]) -> tuple[object, object]:
+    """(PyTorch path, fused path) of the same call, on layers built with each selection."""
+    return fn(TORCH), fn(FUSED)
 
 
 def _norm(dim: int, unit_offset: bool, device: torch.device) -> RMSNorm:
     norm = RMSNorm(dim, 1e-6, unit_offset, _dtype(device), exact=False).to(device)
     norm.weight.data.copy_(torch.randn(dim) * 0.3 + (0.0 if unit_offset else 1.0))
     return norm
+
+
+def _with(norm: RMSNorm, ops: Ops) -> RMSNorm:
+    """The same norm (same weight) built with ``ops``."""
+    twin = RMSNorm(norm.weight.shape[0], norm.eps, norm.unit_offset, norm.weight.dtype,
+                   exact=False, ops=ops).to(norm.weight.device)  # fmt: skip
+    twin.weight.data.copy_(norm.weight)
+    return twin
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (5, 576), (3, 4000), (2, 3, 80)])
@@ -50,7 +58,7 @@ def test_rms_norm(device, shape, unit_offset):
     norm = _norm(shape[-1], unit_offset, device)
     x = torch.randn(shape, device=device).to(_dtype(device)) * 3
     x[0, ..., :] = 0  # a zero row stays zero (min_norm guard)
-    want, got = _both(lambda: norm(x))
+    want, got = _both(lambda ops: _with(norm, ops)(x))
     torch.testing.assert_close(got.float(), want.float(), **_tol(device))
     assert got.dtype == x.dtype and not got[0].any()
 
@@ -63,10 +71,9 @@ def test_add_rms_norm_updates_residual_in_place(device, shape, unit_offset):
     x = torch.randn(shape, device=device).to(_dtype(device))
     residual = torch.randn(shape, device=device).to(_dtype(device))
     results = []
-    for fused in (False, True):
+    for ops in (TORCH, FUSED):
         res = residual.clone()
-        with force_fused(fused):
-            normed, out_res = norm.forward_residual(x, res)
+        normed, out_res = _with(norm, ops).forward_residual(x, res)
         assert out_res is res
         results.append((normed, res))
     (want, want_res), (got, got_res) = results
@@ -81,16 +88,15 @@ def test_rms_norm_of_strided_heads(device):
     norm = _norm(d, False, device)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, device=device).to(_dtype(device))
     q = qkv[:, : heads * d].view(tokens, heads, d)
-    want, got = _both(lambda: norm(q))
+    want, got = _both(lambda ops: _with(norm, ops)(q))
     torch.testing.assert_close(got.float(), want.float(), **_tol(device))
 
 
 @pytest.mark.parametrize("shape", [(1, 128), (5, 1152), (3, 4096), (2, 3, 80)])
 def test_silu_and_mul(device, shape):
     torch.manual_seed(3)
-    act = GatedActivation("silu")
     x = torch.randn(shape, device=device).to(_dtype(device)) * 4
-    want, got = _both(lambda: act(x))
+    want, got = _both(lambda ops: GatedActivation("silu", ops)(x))
     assert got.shape == (*shape[:-1], shape[-1] // 2)
     torch.testing.assert_close(got.float(), want.float(), **_tol(device))
 
@@ -99,8 +105,7 @@ def test_other_activations_keep_pytorch(device, monkeypatch):
     calls = []
     monkeypatch.setattr(triton_ops, "silu_and_mul", lambda x: calls.append(x))
     x = torch.randn(2, 64, device=device)
-    with force_fused(True):
-        GatedActivation("gelu_pytorch_tanh")(x)
+    GatedActivation("gelu_pytorch_tanh", FUSED)(x)
     assert not calls
 
 
@@ -110,16 +115,16 @@ def test_rotary_in_place_is_bit_identical(device, head_dim):
     torch.manual_seed(4)
     tokens, heads, kv_heads = 5, 4, 2
     rope = RopeConfig(theta=500000.0, scaling="llama3", factor=8.0)
-    rotary = RotaryEmbedding(head_dim, 256, rope, _dtype(device)).to(device)
-    tables = rotary.tables(torch.randint(0, 256, (tokens,), device=device))
+    rotaries = [RotaryEmbedding(head_dim, 256, rope, _dtype(device), ops).to(device)
+                for ops in (TORCH, FUSED)]  # fmt: skip
+    tables = rotaries[0].tables(torch.randint(0, 256, (tokens,), device=device))
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(tokens, width, device=device).to(_dtype(device))
     results = []
-    for fused in (False, True):
+    for rotary in rotaries:
         packed = qkv.clone()
         qk = packed[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
-        with force_fused(fused):
-            assert rotary.rotate_(qk, tables) is qk
+        assert rotary.rotate_(qk, tables) is qk
         results.append(packed)
     torch.testing.assert_close(results[1], results[0], atol=0, rtol=0)  # v untouched too
 

@@ -11,6 +11,7 @@ from tokenmill import native
 from tokenmill.attention import AttentionMetadata, ForwardContext
 from tokenmill.loader import load_checkpoint
 from tokenmill.models import resolve_model_class
+from tokenmill.models.native_decode import NativeDecode
 from tokenmill.quant.plan import build_plan
 
 BLOCK = 16
@@ -65,8 +66,9 @@ def test_quantized_model_is_smaller(tmp_path) -> None:
 
 
 @torch.no_grad()
-def decode_logits(model, prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-    """Prefill each prompt alone, then decode all of them together, ``steps`` times."""
+def decode_logits(model, prompts: list[list[int]], steps: int, fast=None) -> list[torch.Tensor]:
+    """Prefill each prompt alone, then decode all of them together, ``steps`` times; the
+    decodes through ``fast`` (a ``NativeDecode``) when given."""
     shape = (2, 32, BLOCK, model.num_kv_heads, model.head_dim)
     caches = [torch.zeros(shape) for _ in range(model.num_layers)]
     tables = [[3 + 2 * i, 4 + 2 * i] if i % 2 else [20 + i, 9 + i] for i in range(len(prompts))]
@@ -81,8 +83,9 @@ def decode_logits(model, prompts: list[list[int]], steps: int) -> list[torch.Ten
         lens = [n + 1 for n in lens]
         meta = AttentionMetadata.build([1] * len(lens), lens, tables, BLOCK)
         positions = torch.tensor([n - 1 for n in lens])
+        forward = fast or model
         logits = model.compute_logits(
-            model(torch.tensor(last), positions, ForwardContext(meta, caches))
+            forward(torch.tensor(last), positions, ForwardContext(meta, caches))
         )
         out.append(logits)
         last = logits.argmax(-1).tolist()
@@ -93,10 +96,10 @@ def decode_logits(model, prompts: list[list[int]], steps: int) -> list[torch.Ten
 def test_native_decode_layers_equal_the_per_op_path(tmp_path) -> None:
     path = write_gguf(tmp_path / "m.gguf", synthetic_tensors([Q.Q4_1, Q.Q4_K, Q.Q8_0]))
     model = build(load_checkpoint(str(path)), torch.float32, "gguf")
-    assert model.model.native_decode is not None
+    fast = NativeDecode.build(model)
+    assert fast is not None and model.ops.backend.name == "native"
     prompts = [[1, 5, 9, 33, 2], [7, 7, 8, 12, 40, 41, 3, 5, 1, 2, 60, 61, 19]]
-    fused = decode_logits(model, prompts, steps=6)
-    model.model.native_decode = None  # per-op path: PyTorch glue around the same kernels
-    per_op = decode_logits(model, prompts, steps=6)
+    fused = decode_logits(model, prompts, steps=6, fast=fast)
+    per_op = decode_logits(model, prompts, steps=6)  # PyTorch glue around the same kernels
     for a, b in zip(fused, per_op):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())

@@ -13,9 +13,9 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.attention import AttentionMetadata
-from tokenmill.attention.backends import REFERENCE, AttentionBackend
-from tokenmill.scheduler.request import Request
+from tokenmill.attention.backends import REFERENCE, AttentionBackend, AttentionImpl, AttentionParams
 from tokenmill.scheduler import ScheduledSeq
+from tokenmill.scheduler.request import Request
 from tokenmill.worker.cuda_graphs import PAD_SLOT, PaddedDecode, decode_buckets, wants_cuda_graphs
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -31,14 +31,24 @@ class PadSkippingBackend(AttentionBackend):
     def __init__(self) -> None:
         self.seen: list[tuple[int, int]] = []  # (rows, real rows) per layer call
 
-    def forward(self, q, kv, kv_cache, meta, scale, sliding_window=None, softcap=None):
+    def bind(self, params: AttentionParams) -> AttentionImpl:
+        return _PadSkipping(params, self.seen)
+
+
+class _PadSkipping(AttentionImpl):
+    def __init__(self, params: AttentionParams, seen: list[tuple[int, int]]) -> None:
+        super().__init__(params)
+        self.seen = seen
+        self.reference = REFERENCE.bind(params)
+
+    def forward(self, q, kv, kv_cache, meta):
         real = int((meta.slot_mapping >= 0).sum())
         rows = q.shape[0]
         self.seen.append((rows, real))
         assert meta.slot_mapping[real:].eq(PAD_SLOT).all()  # padding is trailing
         assert meta.seq_lens_tensor[real:].eq(0).all() and not any(meta.seq_lens[real:])
         if real == rows:
-            return REFERENCE.forward(q, kv, kv_cache, meta, scale, sliding_window, softcap)
+            return self.reference.forward(q, kv, kv_cache, meta)
         sub = AttentionMetadata(
             slot_mapping=meta.slot_mapping[:real],
             query_start_loc=meta.query_start_loc[: real + 1],
@@ -48,9 +58,7 @@ class PadSkippingBackend(AttentionBackend):
             seq_lens_tensor=meta.seq_lens_tensor[:real],
         )
         out = torch.zeros_like(q)
-        out[:real] = REFERENCE.forward(
-            q[:real], kv[:real], kv_cache, sub, scale, sliding_window, softcap
-        )
+        out[:real] = self.reference.forward(q[:real], kv[:real], kv_cache, sub)
         return out
 
 

@@ -6,18 +6,15 @@ concatenated into one [T] vector. Sequence i owns rows
 ``seq_lens[i]`` tokens of context in the cache (its cached prefix plus its new
 tokens). KV caches are one tensor per layer of shape
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (0 = keys, 1 = values).
+``StateMetadata`` is the same step seen by layers with a fixed state slot per sequence.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from tokenmill.attention.backends import AttentionBackend
 
 
 @dataclass(frozen=True)
@@ -106,19 +103,34 @@ def _first_if_contiguous(table: Sequence[int], used: int) -> int | None:
     return table[0] if all(b == table[0] + j for j, b in enumerate(table[:used])) else None
 
 
-def _reference_backend() -> AttentionBackend:
-    from tokenmill.attention.backends import REFERENCE  # backends imports this module
-
-    return REFERENCE
-
-
 @dataclass(frozen=True)
-class ForwardContext:
-    """Passed explicitly to every model forward (no hidden globals)."""
+class StateMetadata:
+    """The step as layers with a state slot per sequence see it (``kv_cache/state_slots.py``).
 
-    attn: AttentionMetadata
-    kv_caches: list[torch.Tensor]
-    """One [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer."""
-    backend: AttentionBackend = field(default_factory=_reference_backend)
-    """Runs every layer's paged attention (``attention/backends.py``)."""
+    Sequence i's new tokens are rows ``query_start_loc[i]:query_start_loc[i+1]`` of the
+    batch (the attention metadata's offsets); its state lives in row ``slots[i]`` of each
+    such layer's ``[num_slots, *shape]`` tensor and holds the state after its cached tokens.
+    """
 
+    slots: torch.Tensor
+    """[B] int64 state slot of each sequence."""
+    fresh: torch.Tensor
+    """[B] bool: the sequence starts at token 0 this step (its slot's old values are stale:
+    a new request, or one preempted and recomputed)."""
+    slot_list: tuple[int, ...]
+    """The same slots on the host (for per-sequence loops)."""
+    fresh_list: tuple[bool, ...]
+
+    @classmethod
+    def build(cls, slots: Sequence[int], meta: AttentionMetadata) -> StateMetadata:
+        """From each sequence's slot and the step's attention metadata."""
+        qsl, device = meta.query_start_loc, meta.slot_mapping.device
+        fresh = tuple(
+            n == b - a for n, a, b in zip(meta.seq_lens, qsl, qsl[1:])
+        )  # all of its context is new
+        return cls(
+            torch.tensor(list(slots), dtype=torch.int64, device=device),
+            torch.tensor(fresh, dtype=torch.bool, device=device),
+            tuple(slots),
+            fresh,
+        )

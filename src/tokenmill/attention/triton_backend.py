@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention import triton_kernels
-from tokenmill.attention.backends import AttentionBackend
+from tokenmill.attention.backends import AttentionBackend, AttentionImpl, AttentionParams
 from tokenmill.attention.metadata import AttentionMetadata
 
 
@@ -21,25 +21,25 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
 
+    def bind(self, params: AttentionParams) -> AttentionImpl:
+        return TritonImpl(params)
+
+
+class TritonImpl(AttentionImpl):
     def forward(
-        self,
-        q: torch.Tensor,
-        kv: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
+        self, q: torch.Tensor, kv: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
+        p = self.params
         triton_kernels.store_kv(kv_cache, kv, meta.slot_mapping)
         if meta.is_all_decode:
             return triton_kernels.paged_attention(
-                q, kv_cache, meta.block_tables, meta.seq_lens_tensor, scale, sliding_window, softcap
-            )
+                q, kv_cache, meta.block_tables, meta.seq_lens_tensor, p.scale, p.sliding_window,
+                p.softcap,
+            )  # fmt: skip
         qsl = meta.query_start_loc_tensor
         if qsl is None:  # metadata built by hand, not by AttentionMetadata.build
             qsl = torch.tensor(meta.query_start_loc, dtype=torch.int64, device=q.device)
         return triton_kernels.paged_attention(
-            q, kv_cache, meta.block_tables, meta.seq_lens_tensor, scale, sliding_window, softcap,
-            query_start_loc=qsl, max_query_len=meta.max_query_len,
+            q, kv_cache, meta.block_tables, meta.seq_lens_tensor, p.scale, p.sliding_window,
+            p.softcap, query_start_loc=qsl, max_query_len=meta.max_query_len,
         )  # fmt: skip

@@ -11,6 +11,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.errors import InvalidRequestError
 from tokenmill.loader import Checkpoint, load_checkpoint
+from tokenmill.layers.ops import select_ops
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
 from tokenmill.quant.plan import auto_dtype, build_plan, resolve_quantization, stored_float_dtype
@@ -65,9 +66,11 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = load_tokenizer(ckpt, config.tokenizer)
     logger.info("building %s (%s, %s, weights %s) from %s", model_cls.__name__, dtype, device,
                 quantization, ckpt.path)
+    ops = select_ops(device, dtype, plan, config.attention_backend)  # every layer's kernels
+    logger.info("attention backend %s, layer kernels %s", ops.backend.name, ops.kernels.name)
     with torch.device(device):  # parameters are created in place: no second copy
         kwargs = {"quant": plan} if plan else {}
-        model = model_cls(ckpt.hf_config, dtype, max_positions=max_model_len, **kwargs)
+        model = model_cls(ckpt.hf_config, dtype, max_positions=max_model_len, ops=ops, **kwargs)
     _kv_blocks(config, model, dtype, max_model_len)  # too small a KV cache fails before the read
     model.load_weights(ckpt.weights(dtype, keep_quantized=plan is not None))
     model.eval()

@@ -38,7 +38,7 @@ ENGINE_FLAGS = (
     Flag("--tokenizer", "tokenizer", str, "HF tokenizer folder to use instead of the checkpoint's own"),
     Flag("--dtype", "dtype", str, "weights/compute dtype: auto (float32 on CPU, bfloat16 on CUDA; see --quantization), float32, bfloat16, float16", "auto"),
     Flag("--device", "device", str, "auto, cpu, cuda or cuda:N", "auto"),
-    Flag("--attention-backend", "attention_backend", str, "paged attention kernels: auto (triton on CUDA when installed, else reference), reference (pure PyTorch), triton", "auto", choices=("auto", "reference", "triton")),
+    Flag("--attention-backend", "attention_backend", str, "paged attention kernels: auto (triton on CUDA when installed, native for quantized float32 models on CPU, else reference), reference (pure PyTorch), triton, native (CPU C kernels, float32)", "auto", choices=("auto", "reference", "triton", "native")),
     Flag("--quantization", "quantization", str, "weight format: auto (on CPU a GGUF keeps its quantized weights unless --dtype float32/float16), none (dense), gguf, int8, int4", "auto", choices=("auto", "none", "gguf", "int8", "int4")),
     Flag("--max-model-len", "max_model_len", int, "longest prompt + output in tokens; may only lower the model's own limit"),
     Flag("--max-num-seqs", "max_num_seqs", int, "most requests batched in one engine step", 256),

@@ -54,7 +54,9 @@ def group_layers(specs: Sequence[CacheSpec]) -> tuple[CacheGroup, ...]:
     their page shape (one block table per request serves one page shape)."""
     kinds: dict[str, list[int]] = {"paged": [], "slots": [], "none": []}
     for i, spec in enumerate(specs):
-        kind = "paged" if isinstance(spec, FullAttention) else "slots" if uses_slots(spec) else "none"
+        kind = (
+            "paged" if isinstance(spec, FullAttention) else "slots" if uses_slots(spec) else "none"
+        )
         kinds[kind].append(i)
     keys = {specs[i].page_key() for i in kinds["paged"]}  # type: ignore[union-attr]
     if len(keys) > 1:

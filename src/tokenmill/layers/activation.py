@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.errors import UnsupportedModelError
-from tokenmill.layers.fused import fused_ops
+from tokenmill.layers.ops import DEFAULT_OPS, Ops
 
 # HF activation name -> elementwise function applied to the gate half.
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -23,7 +23,7 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 class GatedActivation(nn.Module):
     """act(gate) * up for x = [gate | up] ([..., 2 * I] -> [..., I])."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, ops: Ops | None = None) -> None:
         super().__init__()
         if name not in _ACTIVATIONS:
             raise UnsupportedModelError(
@@ -31,10 +31,11 @@ class GatedActivation(nn.Module):
             )
         self.name = name
         self.act = _ACTIVATIONS[name]
+        # One kernel for SiLU (Triton on CUDA); other activations stay PyTorch.
+        self._kernel = (ops or DEFAULT_OPS).kernels.silu_and_mul if self.act is F.silu else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused_ops(x) if self.act is F.silu else None  # CUDA: one Triton kernel
-        out = ops.silu_and_mul(x) if ops else None
+        out = self._kernel(x) if self._kernel is not None else None
         if out is not None:
             return out
         gate, up = x.chunk(2, dim=-1)

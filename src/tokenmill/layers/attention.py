@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill import native
-from tokenmill.attention import AttentionMetadata, ForwardContext
-from tokenmill.attention.reference import attend
+from tokenmill.attention import AttentionParams, StepContext
+from tokenmill.attention.backends import AttentionBackend, AttentionImpl
 from tokenmill.layers.linear import Linear, PackedLinear
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.ops import DEFAULT_OPS, Ops
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
 from tokenmill.quant.plan import QuantPlan, linear_method
 
@@ -41,7 +41,9 @@ class Attention(nn.Module):
     """hidden [T, hidden] -> [T, hidden]; writes this layer's K/V into ``ctx.kv_caches[layer_idx]``.
 
     q, k and v stay in the packed projection output: q/k norms and rotary work in place
-    there, so keys and values are stored with one copy straight from it.
+    there, so keys and values are stored with one copy straight from it. The attention
+    constants are bound to the backend of ``ops`` when the layer is built; a step context
+    that brings another backend (a test comparing two on one model) is bound once too.
 
     HF q_proj/k_proj/v_proj load into qkv_proj shards 0/1/2.
     """
@@ -54,6 +56,7 @@ class Attention(nn.Module):
         dtype: torch.dtype | None = None,
         quant: QuantPlan | None = None,
         prefix: str = "",
+        ops: Ops | None = None,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -81,13 +84,21 @@ class Attention(nn.Module):
         if spec.qk_norm_eps is not None:
             offset = spec.qk_norm_unit_offset
             exact = quant is None  # HF's rounding for dense models; fast once quantized
-            self.q_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype, exact)
-            self.k_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype, exact)
-        # Quantized models are not bit-exact with HF anyway: there the float32 steps around
-        # the matmuls may run as native kernels (rotary + K/V store, decode attention).
-        self.native_steps = quant is not None and spec.softcap is None
+            self.q_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype, exact, ops)
+            self.k_norm = RMSNorm(spec.head_dim, spec.qk_norm_eps, offset, dtype, exact, ops)
+        self.params = AttentionParams(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scale,
+            spec.sliding_window, spec.softcap,
+        )  # fmt: skip
+        self._bind((ops or DEFAULT_OPS).backend)
 
-    def forward(self, rope: RopeTables, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def _bind(self, backend: AttentionBackend) -> None:
+        self.backend = backend
+        self.impl: AttentionImpl = backend.bind(self.params)
+        """The backend bound to this layer's constants: ``forward(q, kv, cache, meta)``, or
+        ``forward_packed(qkv, rope, cache, meta)`` when it applies rotary itself."""
+
+    def forward(self, rope: RopeTables, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         spec, tokens = self.spec, hidden.shape[0]
         heads = spec.num_heads + spec.num_kv_heads
         qkv = self.qkv_proj(hidden)  # [T, (H + 2 KVH) * D]
@@ -96,35 +107,12 @@ class Attention(nn.Module):
             q, k = qk.split([spec.num_heads, spec.num_kv_heads], dim=1)
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
+        if ctx.backend is not None and ctx.backend is not self.backend:
+            self._bind(ctx.backend)
         kv_cache, meta = ctx.kv_caches[self.layer_idx], ctx.attn
-        if self.native_steps and native.takes(qkv, kv_cache, rope.cos):
-            return self.o_proj(self._native(qkv, rope, kv_cache, meta))
+        if self.impl.rotates:  # rotary fused with the K/V store
+            return self.o_proj(self.impl.forward_packed(qkv, rope, kv_cache, meta))
         self.rotary_emb.rotate_(qk, rope)  # q and k heads in one pass, in place
         kv = qkv[:, self.q_size :].view(tokens, 2, spec.num_kv_heads, spec.head_dim)
-        out = ctx.backend.forward(
-            qk[:, : spec.num_heads],
-            kv,
-            kv_cache,
-            meta,
-            spec.scale,
-            spec.sliding_window,
-            spec.softcap,
-        )  # [T, H, D]
+        out = self.impl.forward(qk[:, : spec.num_heads], kv, kv_cache, meta)  # [T, H, D]
         return self.o_proj(out.reshape(tokens, self.q_size))
-
-    def _native(
-        self, qkv: torch.Tensor, rope: RopeTables, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        """Rotary + K/V store in one call; decode attention in one call (prefill: PyTorch)."""
-        spec, tokens = self.spec, qkv.shape[0]
-        h, kvh, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
-        native.rope_store_kv(qkv, h, kvh, d, rope.cos, rope.sin, kv_cache, meta.slot_mapping)
-        if meta.is_all_decode:
-            return native.decode_attention(
-                qkv, h, kvh, d, kv_cache, meta.block_tables, meta.seq_lens_tensor,
-                max(meta.seq_lens), spec.scale, spec.sliding_window,
-            )  # fmt: skip
-        q = qkv[:, : self.q_size].view(tokens, h, d)
-        kv = qkv[:, self.q_size :].view(tokens, 2, kvh, d)
-        out = attend(q, kv, kv_cache, meta, spec.scale, spec.sliding_window, spec.softcap)
-        return out.reshape(tokens, self.q_size)

@@ -10,12 +10,16 @@ layer's ``LinearMethod`` (``tokenmill.quant``); the loader calls ``load_weight``
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.quant.methods import LinearMethod, Source, method_for
+
+if TYPE_CHECKING:
+    from tokenmill.attention import StepContext
 
 
 class Linear(nn.Module):
@@ -43,8 +47,8 @@ class Linear(nn.Module):
             else None
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] -> [..., out]."""
+    def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]. ``ctx``: the step (per-token adapters will read it)."""
         return self.method.apply(self, x, self.bias)
 
     def load_weight(self, src: Source, shard: int | None = None) -> None:

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from tokenmill.layers.activation import GatedActivation
 from tokenmill.layers.linear import Linear, PackedLinear
+from tokenmill.layers.ops import Ops
 from tokenmill.quant.plan import QuantPlan, linear_method
+
+if TYPE_CHECKING:
+    from tokenmill.attention import StepContext
 
 
 class GatedMLP(nn.Module):
@@ -22,6 +28,7 @@ class GatedMLP(nn.Module):
         dtype: torch.dtype | None = None,
         quant: QuantPlan | None = None,
         prefix: str = "",
+        ops: Ops | None = None,
     ) -> None:
         super().__init__()
         sizes = [intermediate_size] * 2
@@ -32,7 +39,7 @@ class GatedMLP(nn.Module):
             dtype,
             linear_method(quant, f"{prefix}.gate_up_proj", sizes, hidden_size),
         )
-        self.act = GatedActivation(hidden_act)
+        self.act = GatedActivation(hidden_act, ops)
         self.down_proj = Linear(
             intermediate_size,
             hidden_size,
@@ -41,5 +48,6 @@ class GatedMLP(nn.Module):
             linear_method(quant, f"{prefix}.down_proj", [hidden_size], intermediate_size),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, 2I] -> [T, I] -> [T, hidden]
+    def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, ctx)  # [T, 2I]
+        return self.down_proj(self.act(gate_up), ctx)  # [T, I] -> [T, hidden]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill import native
-from tokenmill.layers.fused import fused_ops
+from tokenmill.layers.ops import DEFAULT_OPS, Ops
 
 
 class RMSNorm(nn.Module):
@@ -16,7 +15,8 @@ class RMSNorm(nn.Module):
     casts the normalized input back to the input dtype and then multiplies by ``w``;
     Gemma multiplies by ``1 + w`` in float32 and casts the product. Otherwise (bfloat16 or
     float16 Llama norms, or ``exact=False``, which quantized models use) the same formula
-    runs in 4 ops instead of 8, since per-op cost dominates a decode step.
+    runs in 4 ops instead of 8, since per-op cost dominates a decode step; that fast form
+    runs as one kernel when ``ops`` has one (Triton on CUDA, native on CPU).
     """
 
     def __init__(
@@ -26,13 +26,18 @@ class RMSNorm(nn.Module):
         unit_offset: bool = False,
         dtype: torch.dtype | None = None,
         exact: bool = True,
+        ops: Ops | None = None,
     ) -> None:
         super().__init__()
+        kernels = (ops or DEFAULT_OPS).kernels
+        self._kernel = kernels.rms_norm
+        self._add_kernel = kernels.add_rms_norm
         self.eps = eps
         self.unit_offset = unit_offset
         self.exact = exact
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
-        self._min_norm = (dim * eps) ** 0.5
+        self.min_norm = (dim * eps) ** 0.5
+        """sqrt(dim * eps): the smallest norm a row is divided by (``_fast``)."""
         self._scaled: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,24 +54,18 @@ class RMSNorm(nn.Module):
         """x / max(||x||, sqrt(dim * eps)) * (w * sqrt(dim)): HF's x * rsqrt(mean(x^2) + eps)
         * w except that eps only guards tiny rows (far below bfloat16 resolution for real
         hidden states, and 0 stays 0); the norm accumulates in float32, one rounding."""
-        ops = fused_ops(x)  # CUDA: one Triton kernel (None: a layout it does not take)
-        out = ops.rms_norm(x, self._scaled_weight(), self._min_norm) if ops else None
-        if out is not None:
-            return out
-        if self._native(x):
-            return native.add_rms_norm(None, x, self._scaled_weight(), self._min_norm)
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(self._min_norm)
-        return torch.div(x, norm).mul_(self._scaled_weight())
+        if self._kernel is not None:  # None back: a layout the kernel does not take
+            out = self._kernel(x, self.scaled_weight(), self.min_norm)
+            if out is not None:
+                return out
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(self.min_norm)
+        return torch.div(x, norm).mul_(self.scaled_weight())
 
     def _takes_fast(self, x: torch.Tensor) -> bool:
         """Not HF's exact rounding: ``exact=False``, or a Llama norm below float32."""
         return not self.exact or (x.dtype != torch.float32 and not self.unit_offset)
 
-    def _native(self, x: torch.Tensor) -> bool:
-        """Rows of float32 in one native call (quantized models: ``exact=False``)."""
-        return not self.exact and x.dim() == 2 and x.is_contiguous() and native.takes(x)
-
-    def _scaled_weight(self) -> torch.Tensor:
+    def scaled_weight(self) -> torch.Tensor:
         """(w or 1 + w) * sqrt(dim) in float32, recomputed whenever the weight was written."""
         version = (self.weight.data_ptr(), self.weight._version)
         if self._scaled is None or self._scaled[0] != version:
@@ -78,14 +77,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add ``x`` to the residual stream (in place), then normalize: (normed, residual)."""
-        ops = fused_ops(residual) if self._takes_fast(residual) else None
-        if ops is not None:  # CUDA: add and norm in one Triton kernel
-            fused = ops.add_rms_norm(x, residual, self._scaled_weight(), self._min_norm)
+        if self._add_kernel is not None and self._takes_fast(residual):  # add + norm, one kernel
+            fused = self._add_kernel(x, residual, self.scaled_weight(), self.min_norm)
             if fused is not None:
                 return fused
-        if self._native(residual) and x.shape == residual.shape and native.takes(x):
-            normed = native.add_rms_norm(x, residual, self._scaled_weight(), self._min_norm)
-            return normed, residual
         residual.add_(x)
         return self(residual), residual
 

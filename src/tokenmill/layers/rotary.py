@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from tokenmill.layers.fused import fused_ops
+from tokenmill.layers.ops import DEFAULT_OPS, Ops
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,15 @@ class RotaryEmbedding(nn.Module):
     sin_cache: torch.Tensor  # [max_positions, D] = [-sin | sin], model dtype
 
     def __init__(
-        self, head_dim: int, max_positions: int, rope: RopeConfig, dtype: torch.dtype
+        self,
+        head_dim: int,
+        max_positions: int,
+        rope: RopeConfig,
+        dtype: torch.dtype,
+        ops: Ops | None = None,
     ) -> None:
         super().__init__()
+        self._kernel = (ops or DEFAULT_OPS).kernels.rotate_
         self.head_dim = head_dim
         self.max_positions = max_positions
         inv_freq = ROPE_SCALINGS[rope.scaling](rope, head_dim)  # [D/2]
@@ -113,8 +119,8 @@ class RotaryEmbedding(nn.Module):
         x * [cos|cos] + [x2|x1] * [-sin|sin]: each product and the sum rounded once, in
         x's dtype, bit-identical to HF's ``x * cos + rotate_half(x) * sin``.
         """
-        ops = fused_ops(x)  # CUDA: one Triton kernel, the same roundings
-        if ops and ops.rotate_(x, tables.cos, tables.sin) is not None:
+        kernel = self._kernel  # Triton on CUDA: one kernel, the same roundings
+        if kernel is not None and kernel(x, tables.cos, tables.sin) is not None:
             return x
         t, heads, d = x.shape
         swapped = x.reshape(t, heads, 2, d // 2).flip(2).view(t, heads, d)  # a copy

@@ -1,7 +1,7 @@
 """Fused Triton kernels of the small per-layer ops: (residual add +) RMSNorm, SiLU-and-mul,
 rotary in place. One launch each instead of 2-5 PyTorch kernels.
 
-Imported only through ``layers.fused.fused_ops`` (``import tokenmill`` never imports
+Imported only through ``layers.ops.triton_kernels`` (``import tokenmill`` never imports
 triton). Every launch reads only tensors and fixed shapes (no host sync), so it can be
 captured in a CUDA graph. Norm and activation compute in float32 and round once to the
 output dtype; rotary rounds each product and the sum as the PyTorch path does, so it stays

@@ -8,7 +8,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from tokenmill.attention import ForwardContext
+from tokenmill.attention import StepContext
+from tokenmill.kv_cache.spec import CacheSpec, FullAttention
+from tokenmill.layers.ops import Ops
 
 
 class CausalLM(nn.Module, ABC):
@@ -22,10 +24,19 @@ class CausalLM(nn.Module, ABC):
     num_kv_heads: int
     head_dim: int
     vocab_size: int
+    dtype: torch.dtype
+    """What activations and caches compute in."""
+    ops: Ops
+    """The kernels and attention backend its layers were built with (``layers/ops.py``)."""
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """One cache spec per layer (``kv_cache/spec.py``); default: full attention."""
+        spec = FullAttention(self.num_kv_heads, self.head_dim, self.dtype)
+        return [spec] * self.num_layers
 
     @abstractmethod
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
     ) -> torch.Tensor:
         """input_ids, positions [T] int64 -> hidden states [T, hidden_size]."""
 

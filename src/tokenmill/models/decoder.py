@@ -14,17 +14,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill import native
-from tokenmill.attention import ForwardContext
+from tokenmill.attention import StepContext
+from tokenmill.kv_cache.spec import CacheSpec, FullAttention, SlidingWindow
 from tokenmill.layers.attention import Attention, AttentionSpec
 from tokenmill.layers.linear import Linear, VocabEmbedding
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.ops import Ops, select_ops
 from tokenmill.layers.rotary import RopeConfig, RopeTables, RotaryEmbedding
 from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ArchConfig
-from tokenmill.models.native_decode import NativeDecode
-from tokenmill.models.native_decode import supports as native_decode_supports
 from tokenmill.models.weights import load_weights
 from tokenmill.quant.plan import QuantPlan, linear_method
 
@@ -66,6 +65,7 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         quant: QuantPlan | None = None,
+        ops: Ops | None = None,
     ) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
@@ -83,7 +83,7 @@ class DecoderLayer(nn.Module):
             softcap=spec.attn_softcap,
         )
         self.self_attn = Attention(
-            attn_spec, layer_idx, rotary, dtype, quant, f"{prefix}.self_attn"
+            attn_spec, layer_idx, rotary, dtype, quant, f"{prefix}.self_attn", ops
         )
         self.mlp = GatedMLP(
             cfg.hidden_size,
@@ -93,27 +93,28 @@ class DecoderLayer(nn.Module):
             dtype,
             quant,
             f"{prefix}.mlp",
+            ops,
         )
-        self.input_layernorm = _norm(cfg, spec, dtype, quant)
-        self.post_attention_layernorm = _norm(cfg, spec, dtype, quant)
+        self.input_layernorm = _norm(cfg, spec, dtype, quant, ops)
+        self.post_attention_layernorm = _norm(cfg, spec, dtype, quant, ops)
 
     def forward(
         self,
         rope: Mapping[RotaryEmbedding, RopeTables],
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        ctx: ForwardContext,
+        ctx: StepContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self._attention(rope, hidden, residual, ctx)
         hidden, residual = self.post_attention_layernorm.forward_residual(hidden, residual)
-        return self.mlp(hidden), residual
+        return self.mlp(hidden, ctx), residual
 
     def _attention(
         self,
         rope: Mapping[RotaryEmbedding, RopeTables],
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        ctx: ForwardContext,
+        ctx: StepContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Input norm (joining the residual stream) and self-attention."""
         if residual is None:
@@ -138,29 +139,35 @@ class SandwichDecoderLayer(DecoderLayer):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         quant: QuantPlan | None = None,
+        ops: Ops | None = None,
     ) -> None:
-        super().__init__(cfg, spec, layer_idx, rotary, dtype, quant)
-        self.pre_feedforward_layernorm = _norm(cfg, spec, dtype, quant)
-        self.post_feedforward_layernorm = _norm(cfg, spec, dtype, quant)
+        super().__init__(cfg, spec, layer_idx, rotary, dtype, quant, ops)
+        self.pre_feedforward_layernorm = _norm(cfg, spec, dtype, quant, ops)
+        self.post_feedforward_layernorm = _norm(cfg, spec, dtype, quant, ops)
 
     def forward(
         self,
         rope: Mapping[RotaryEmbedding, RopeTables],
         hidden: torch.Tensor,
         residual: torch.Tensor | None,
-        ctx: ForwardContext,
+        ctx: StepContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self._attention(rope, hidden, residual, ctx)
         hidden = self.post_attention_layernorm(hidden)
         hidden, residual = self.pre_feedforward_layernorm.forward_residual(hidden, residual)
-        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+        return self.post_feedforward_layernorm(self.mlp(hidden, ctx)), residual
 
 
 def _norm(
-    cfg: ArchConfig, spec: DecoderSpec, dtype: torch.dtype, quant: QuantPlan | None
+    cfg: ArchConfig,
+    spec: DecoderSpec,
+    dtype: torch.dtype,
+    quant: QuantPlan | None,
+    ops: Ops | None = None,
 ) -> RMSNorm:
     """HF's exact rounding for dense models (parity); the fast form once weights are quantized."""
-    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, spec.norm_unit_offset, dtype, quant is None)
+    offset, exact = spec.norm_unit_offset, quant is None
+    return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset, dtype, exact, ops)
 
 
 class DecoderModel(nn.Module):
@@ -173,6 +180,7 @@ class DecoderModel(nn.Module):
         dtype: torch.dtype,
         max_positions: int,
         quant: QuantPlan | None = None,
+        ops: Ops | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(
@@ -189,28 +197,35 @@ class DecoderModel(nn.Module):
         for i in range(cfg.num_layers):
             rope = cfg.rope_of(i)
             if rope not in ropes:
-                ropes[rope] = RotaryEmbedding(cfg.head_dim, max_positions, rope, dtype)
+                ropes[rope] = RotaryEmbedding(cfg.head_dim, max_positions, rope, dtype, ops)
         self.rotaries = nn.ModuleList(ropes.values())
         layer_cls = SandwichDecoderLayer if spec.sandwich_norms else DecoderLayer
         self.layers = nn.ModuleList(
-            layer_cls(cfg, spec, i, ropes[cfg.rope_of(i)], dtype, quant)
+            layer_cls(cfg, spec, i, ropes[cfg.rope_of(i)], dtype, quant, ops)
             for i in range(cfg.num_layers)
         )
-        self.norm = _norm(cfg, spec, dtype, quant)
-        # Quantized plain pre-norm layers: decode steps as one native call per layer.
-        self.native_decode = NativeDecode(self) if quant and native_decode_supports(self) else None
+        self.norm = _norm(cfg, spec, dtype, quant, ops)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+    def embed(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]: the table rows (scaled for Gemma), with the step's
+        ``input_embeds`` rows put over them."""
+        hidden = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * self.embed_scale
-        rope = {rotary: rotary.tables(positions) for rotary in self.rotaries}  # once per step
+        if ctx.input_embeds is not None:
+            hidden[ctx.input_embeds.rows] = ctx.input_embeds.values.to(hidden.dtype)
+        return hidden
+
+    def rope_tables(self, positions: torch.Tensor) -> dict[RotaryEmbedding, RopeTables]:
+        """Each rotary's cos/sin rows of the step's positions (gathered once per step)."""
+        return {rotary: rotary.tables(positions) for rotary in self.rotaries}
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
+    ) -> torch.Tensor:
+        hidden = self.embed(input_ids, ctx)  # [T, hidden]
+        rope = self.rope_tables(positions)
         residual: torch.Tensor | None = None
-        if self.native_decode is not None and ctx.attn.is_all_decode and native.takes(hidden):
-            hidden, residual = self.native_decode(hidden.contiguous(), rope, ctx)
-            return self.norm.forward_residual(hidden, residual)[0]
         for layer in self.layers:
             hidden, residual = layer(rope, hidden, residual, ctx)
         if residual is None:
@@ -233,17 +248,21 @@ class DecoderForCausalLM(CausalLM):
         dtype: torch.dtype,
         max_positions: int | None = None,
         quant: QuantPlan | None = None,
+        ops: Ops | None = None,
     ) -> None:
         super().__init__()
         cfg = ArchConfig.from_hf(hf_config)
         self.config = cfg
+        self.dtype = dtype
+        self.ops = ops or select_ops(torch.get_default_device(), dtype, quant)
+        """The kernels and attention backend of every layer, chosen once here."""
         self.spec = self.decoder_spec(cfg)
         self.num_layers = cfg.num_layers
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.vocab_size = cfg.vocab_size
         self.model = DecoderModel(
-            cfg, self.spec, dtype, max_positions or cfg.max_position_embeddings, quant
+            cfg, self.spec, dtype, max_positions or cfg.max_position_embeddings, quant, self.ops
         )
         self.lm_head: Linear | None = (
             None
@@ -265,9 +284,18 @@ class DecoderForCausalLM(CausalLM):
         )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
     ) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
+
+    def cache_specs(self) -> list[CacheSpec]:
+        """Paged K/V for every layer; sliding-window layers (Gemma3's local ones) say so."""
+        cfg, specs = self.config, []
+        for i in range(cfg.num_layers):
+            window = cfg.window_of(i)
+            kv = (cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            specs.append(SlidingWindow(*kv, window=window) if window else FullAttention(*kv))
+        return specs
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (soft-capped in float32 if set)."""

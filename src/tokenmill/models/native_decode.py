@@ -3,40 +3,36 @@
 At one token per sequence the arithmetic of a layer is small and Python-level operations
 (~40 per layer) cost more than the matmuls. When every layer is a plain pre-norm layer
 (Llama, Mistral, Qwen2: no q/k norms, no sandwich norms, no soft-capping) with weights the
-native layer takes (affine groups, 16-bit floats: ``LinearMethod.native_weight``), float32
-activations and the native kernels available, ``DecoderModel`` hands all-decode steps to
-``NativeDecode``: the same float32 computation as the per-op native path
-(``RMSNorm._fast``, ``Attention._native``), one ``decode_layer`` call per layer.
+native layer takes (affine groups, 16-bit floats: ``LinearMethod.native_weight``) and the
+model runs the native attention backend (float32, native kernels; chosen
+once at load, ``layers/ops.py``), ``NativeDecode.build`` gives an object that runs an
+all-decode step: the same float32 computation as the per-op native path (the native norm
+kernels, ``attention/native_backend.py``), one ``decode_layer`` call per layer. The runner
+owns it as a fast path (``worker/fast_path.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
-
 import torch
 
 from tokenmill import native
-from tokenmill.attention import ForwardContext
+from tokenmill.attention import StepContext
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
-
-if TYPE_CHECKING:
-    from tokenmill.models.decoder import DecoderModel
+from tokenmill.layers.rotary import RopeTables
+from tokenmill.models.base import CausalLM
+from tokenmill.models.decoder import DecoderForCausalLM, DecoderLayer, DecoderModel
 
 _ACTIVATIONS = {"silu": 0, "swish": 0, "gelu_pytorch_tanh": 1}
 
 
 def supports(model: DecoderModel) -> bool:
     """Whether every layer of ``model`` can run as one native call (checked once, at build)."""
-    from tokenmill.models.decoder import DecoderLayer
-
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if (
             type(layer) is not DecoderLayer
-            or not attn.native_steps
+            or attn.backend.name != "native"
             or attn.q_norm is not None
             or mlp.act.name not in _ACTIVATIONS
             or not all(p.method.native_weight(p) is not None for p in projections)
@@ -53,12 +49,29 @@ class NativeDecode:
         self._descs: tuple[tuple[int, ...], list] | None = None  # (cache addresses, descs)
         self._keep: list[torch.Tensor] = []  # tensors the descriptors point into
 
+    @classmethod
+    def build(cls, model: CausalLM) -> NativeDecode | None:
+        """The whole-layer decode of ``model``, or None when it can not run that way."""
+        if not isinstance(model, DecoderForCausalLM) or not supports(model.model):
+            return None
+        return cls(model.model)
+
     def __call__(
-        self, hidden: torch.Tensor, rope: Mapping[RotaryEmbedding, RopeTables], ctx: ForwardContext
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
+    ) -> torch.Tensor:
+        """One new token per sequence: input_ids, positions [B] -> final hidden [B, hidden]."""
+        hidden = self.model.embed(input_ids, ctx).contiguous()
+        rope = self.model.rope_tables(positions)
+        hidden, residual = self._layers(
+            hidden, rope[self.model.layers[0].self_attn.rotary_emb], ctx
+        )
+        return self.model.norm.forward_residual(hidden, residual)[0]
+
+    def _layers(
+        self, hidden: torch.Tensor, tables: RopeTables, ctx: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, hidden] float32 embeddings -> (last layer output, residual stream)."""
         meta, layers = ctx.attn, self.model.layers
-        tables = rope[layers[0].self_attn.rotary_emb]
         attn, mlp = layers[0].self_attn, layers[0].mlp
         batch, width = hidden.shape
         kvh, inter = attn.spec.num_kv_heads, mlp.down_proj.in_features
@@ -88,7 +101,7 @@ class NativeDecode:
             step.first_layer = 0
         return hidden, residual
 
-    def _layer_descs(self, kv_caches: list[torch.Tensor]) -> list:
+    def _layer_descs(self, kv_caches) -> list:
         key = tuple(c.data_ptr() for c in kv_caches)
         if self._descs is None or self._descs[0] != key:
             self._keep = []
@@ -98,11 +111,11 @@ class NativeDecode:
             self._descs = (key, descs)
         return self._descs[1]
 
-    def _describe(self, layer, kv_cache: torch.Tensor) -> native.LayerDesc:
+    def _describe(self, layer: DecoderLayer, kv_cache: torch.Tensor) -> native.LayerDesc:
         attn, mlp, spec = layer.self_attn, layer.mlp, layer.self_attn.spec
         norms = (
-            layer.input_layernorm._scaled_weight(),
-            layer.post_attention_layernorm._scaled_weight(),
+            layer.input_layernorm.scaled_weight(),
+            layer.post_attention_layernorm.scaled_weight(),
         )
         self._keep.extend(norms)
         _, blocks, block_size = kv_cache.shape[:3]
@@ -110,7 +123,7 @@ class NativeDecode:
             qkv=self._proj(attn.qkv_proj), o=self._proj(attn.o_proj),
             gate_up=self._proj(mlp.gate_up_proj), down=self._proj(mlp.down_proj),
             input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(),
-            min_norm=layer.input_layernorm._min_norm, scale=spec.scale,
+            min_norm=layer.input_layernorm.min_norm, scale=spec.scale,
             hidden=spec.hidden_size, q_heads=spec.num_heads, kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim, intermediate=mlp.down_proj.in_features,
             window=spec.sliding_window or 0, activation=_ACTIVATIONS[mlp.act.name],

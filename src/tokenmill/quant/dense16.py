@@ -16,7 +16,7 @@ import logging
 import torch
 
 from tokenmill.native import dense16
-from tokenmill.quant.methods import LinearMethod, check_rows, row_chunks, to_float
+from tokenmill.quant.base import LinearMethod, check_rows, row_chunks, to_float
 
 logger = logging.getLogger(__name__)
 

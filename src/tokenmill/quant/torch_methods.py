@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.quant.gguf_blocks import GROUP, affine_groups
-from tokenmill.quant.methods import LinearMethod, check_rows, row_chunks, to_float
+from tokenmill.quant.base import LinearMethod, check_rows, row_chunks, to_float
 
 _KERNEL_DTYPE = torch.bfloat16
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import AttentionMetadata, ForwardContext
-from tokenmill.attention.backends import REFERENCE, AttentionBackend, select_backend
+from tokenmill.attention.backends import REFERENCE, AttentionBackend
 from tokenmill.config import EngineConfig
 from tokenmill.models.base import CausalLM
 from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
@@ -21,6 +21,7 @@ from tokenmill.sampling.sampler import RowState, SamplingRow
 from tokenmill.sampling.logits_processors import upload
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.worker.cuda_graphs import PaddedDecode, wants_cuda_graphs
+from tokenmill.worker.fast_path import cpu_fast_path
 from tokenmill.worker.inputs import (
     HostIds,
     PendingTokens,
@@ -209,10 +210,12 @@ def make_runner(
     sampler: Sampler,
     max_model_len: int,
 ) -> ModelRunner:
-    """The engine's runner: the configured attention backend, and on CUDA (unless
-    ``enforce_eager``) decode graphs for a capturable backend, captured here, up front."""
-    backend = select_backend(config.attention_backend, device)
-    decode = None
+    """The engine's runner: the attention backend the model was built with (chosen once at
+    load, ``layers/ops.py``), and one fast path (``fast_path.FastPath``): on CUDA (unless
+    ``enforce_eager``) decode graphs for a capturable backend, captured here, up front; on
+    CPU the whole-layer native decode when the model runs it."""
+    backend = model.ops.backend
+    decode = cpu_fast_path(model, kv_caches, config.block_size, device)
     if wants_cuda_graphs(device, backend, config.enforce_eager):
         decode = PaddedDecode(
             model, kv_caches, config.block_size, max_model_len, config.max_num_seqs, device, backend
