@@ -26,6 +26,7 @@ from tokenmill.metrics.stats import EngineStats
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import make_generator
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.scheduler import SchedulerOutput
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.worker.model_runner import ModelRunner
 
@@ -52,10 +53,11 @@ class LLMEngine:
         self.hooks = parts.hooks
         """Request hooks, called in order (``engine/hooks.py``): structured output, then
         the caller's."""
-        self.processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        """Folded from the stages' event records (``metrics/stats.py``)."""
+        self.processor = OutputProcessor(self.tokenizer, self.stats.on_request_finished)
         self.overlap = config.overlaps_steps()
         """Asynchronous scheduling: launch step N+1 before waiting for step N."""
-        self.stats = EngineStats()
 
     @property
     def runner(self) -> ModelRunner:
@@ -106,7 +108,8 @@ class LLMEngine:
             held = [not hook.on_add(child, ctx) for hook, ctx in zip(self.hooks, contexts)]
             if not any(held):
                 self.scheduler.add(child)
-        self.stats.on_added(request_id, children)
+        self.stats.on_added()
+        self._update_gauges()
         return request_id
 
     def _child(self, prompt_ids, params, max_tokens, parent_id, index, options) -> Request:
@@ -133,7 +136,23 @@ class LLMEngine:
                     req.status = RequestStatus.FINISHED_ABORTED
             if req is not None:
                 out = self._finish(req) or out
+        self._update_gauges()
         return out
+
+    def is_started(self, request_id: str) -> bool:
+        """Whether a sequence of the live user request was scheduled (False once over)."""
+        parent = self.processor.parent(request_id)
+        return parent is not None and parent.started
+
+    def mark_timed_out(self, request_id: str) -> None:
+        """The request is about to be aborted for waiting too long: counted as refused."""
+        parent = self.processor.parent(request_id)
+        if parent is not None:
+            parent.timed_out = True
+
+    def _update_gauges(self) -> None:
+        running = len(self.scheduler.running)
+        self.stats.set_gauges(len(self.processor.children) - running, running)
 
     def live_request_ids(self) -> list[str]:
         """The user requests (not their n sequences) that have not finished."""
@@ -182,12 +201,25 @@ class LLMEngine:
             if not outputs:
                 for hook in self.hooks:  # idle but for held requests: wait for one
                     hook.wait(timeout=0.05)
+            self._update_gauges()
             return outputs
-        self.stats.on_scheduled(sched)
+        self._note_scheduled(sched)
         for hook in self.hooks:
             hook.on_scheduled(sched)
         keep = overlap and self.scheduler.has_unfinished()  # else nobody waits for it: drain
-        return outputs + self._apply(self.pipeline.launch(sched, keep_in_flight=keep))
+        outputs += self._apply(self.pipeline.launch(sched, keep_in_flight=keep))
+        self._update_gauges()
+        return outputs
+
+    def _note_scheduled(self, sched: SchedulerOutput) -> None:
+        """Metrics of the step's event records: first schedules start their request."""
+        self.stats.on_scheduled(sched)
+        now = time.monotonic()
+        for req in sched.first_scheduled:
+            parent = self.processor.parent(req.request_id)
+            if parent is not None and not parent.started:
+                parent.started = True
+                self.stats.on_started(parent.arrival, now)
 
     def _apply(self, results: list[StepResult]) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -285,5 +317,4 @@ class LLMEngine:
         """A sequence ended (its blocks are free): hooks, metrics, then its output."""
         for hook in self.hooks:
             hook.on_finish(req)
-        self.stats.on_finished(req.request_id)
         return self.processor.finish(req, error)

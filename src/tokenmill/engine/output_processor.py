@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.engine.stop_strings import StopStringMatcher
+from tokenmill.metrics.stats import RequestFinished
 from tokenmill.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
 from tokenmill.scheduler.request import Request, RequestStatus
@@ -26,6 +29,13 @@ class ParentState:
     error: str | None = None
     num_cached_tokens: int = 0
     """Prompt tokens the first child found in the prefix cache."""
+    arrival: float = field(default_factory=time.monotonic)
+    started: bool = False
+    """Some child was scheduled (queue time is measured up to then)."""
+    timed_out: bool = False
+    """Aborted for waiting past queue_timeout."""
+    reasons: list[str] = field(default_factory=list)
+    """Finish reason of each child that ended, in order."""
 
     @property
     def finished(self) -> bool:
@@ -58,8 +68,12 @@ class OutputProcessor:
     """Owns the user-request view: each parent (what the caller submitted) and its n
     child sequences; the rest of the engine sees only sequences."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, on_finished: Callable[[RequestFinished], None] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
+        self.on_finished = on_finished
+        """Called with the event record of every user request that ended."""
         self.children: dict[str, ChildState] = {}
         self._child_ids: dict[str, list[str]] = {}
         """Live parent id -> its children's ids (all of them until the last finishes)."""
@@ -69,6 +83,14 @@ class OutputProcessor:
 
     def live_parent_ids(self) -> list[str]:
         return list(self._child_ids)
+
+    def parent(self, request_id: str) -> ParentState | None:
+        """The live user request a sequence (or the user request id itself) belongs to."""
+        child = self.children.get(request_id)
+        if child is not None:
+            return child.parent
+        ids = self._child_ids.get(request_id)
+        return self.children[ids[0]].parent if ids and ids[0] in self.children else None
 
     def child_ids(self, request_id: str) -> list[str]:
         """The sequences of a live user request ([] when unknown or finished)."""
@@ -144,9 +166,15 @@ class OutputProcessor:
             comp.stop_reason = req.stop_reason  # a stop token id, or None
         comp.token_ids = list(req.output_token_ids)
         comp.finish_reason = req.status.value
-        child.parent.num_unfinished -= 1
-        if child.parent.finished:
-            del self._child_ids[child.parent.request_id]
+        parent = child.parent
+        parent.num_unfinished -= 1
+        parent.reasons.append(req.status.value)
+        if parent.finished:
+            del self._child_ids[parent.request_id]
+            if self.on_finished is not None:
+                self.on_finished(
+                    RequestFinished(tuple(parent.reasons), parent.arrival, parent.timed_out)
+                )
         if error is not None:
             child.parent.error = error
         return self._emit(child)

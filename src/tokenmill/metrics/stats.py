@@ -1,7 +1,10 @@
 """Counters, gauges and latency histograms of one engine, in one small dataclass.
 
-The engine owns an ``EngineStats`` and calls its ``on_*`` hooks from its own
-thread; the async front end adds its refusals. Readers (``/metrics``,
+The engine owns an ``EngineStats`` and folds into it the event records its stages
+return (``SchedulerOutput``: first-scheduled sequences and preemptions; ``Progress``:
+new tokens; ``RequestFinished``: a user request's end), from its own thread; the async
+front end adds its refusals. No request is mirrored here: per-sequence timing lives on
+the scheduler's ``Request``, per-request state on the output processor's parent. Readers (``/metrics``,
 ``LLM.get_scheduling_metrics``) only read. Invariant: every field has exactly one
 writing thread (the engine thread, except ``refused_queue_full`` and
 ``refused_draining``, written by the server's event loop), so no lock is needed.
@@ -20,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tokenmill.scheduler.request import Request
     from tokenmill.scheduler.output import SchedulerOutput
     from tokenmill.scheduler.scheduler import Progress
 
@@ -66,27 +68,15 @@ class Histogram:
         return self.sum / self.count if self.count else 0.0
 
 
-@dataclass
-class _Seq:
-    """Timing of one engine sequence (a child request)."""
+@dataclass(frozen=True)
+class RequestFinished:
+    """Event record: a user request (all its n sequences) ended."""
 
-    request: Request
-    parent: _Parent
-    running: bool = False
-    scheduled: bool = False
-    last_token: float | None = None
-
-
-@dataclass
-class _Parent:
-    """A user request: n child sequences, finished when all are."""
-
-    request_id: str
+    reasons: tuple[str, ...]
+    """Finish reason of each sequence, in the order they ended."""
     arrival: float
-    num_left: int
-    started: bool = False
     timed_out: bool = False
-    reasons: list[str] = field(default_factory=list)
+    """Aborted for waiting past queue_timeout (counted as refused)."""
 
 
 @dataclass
@@ -120,73 +110,50 @@ class EngineStats:
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e_latency: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
-    _seqs: dict[str, _Seq] = field(default_factory=dict, repr=False)
-    _parents: dict[str, _Parent] = field(default_factory=dict, repr=False)
 
     @property
     def refused(self) -> int:
         return self.refused_queue_full + self.refused_queue_timeout + self.refused_draining
 
-    # -- hooks called by the engine, on its thread ---------------------------------
-    def on_added(self, request_id: str, children: list[Request]) -> None:
-        parent = _Parent(request_id, arrival=min(c.arrival_time for c in children), num_left=len(children))
-        self._parents[request_id] = parent
-        for child in children:
-            self._seqs[child.request_id] = _Seq(child, parent)
+    # -- events, folded on the engine thread ----------------------------------------
+    def on_added(self) -> None:
         self.submitted += 1
-        self.num_waiting += len(children)
 
     def on_scheduled(self, sched: SchedulerOutput) -> None:
-        now = time.monotonic()
-        for rid in sched.preempted:
-            self.num_preemptions += 1
-            self._set_running(self._seqs.get(rid), False)
-        for s in sched.seqs:
-            seq = self._seqs.get(s.request.request_id)
-            if seq is None:
-                continue
-            self._set_running(seq, True)
-            if not seq.scheduled:
-                seq.scheduled = True
-                self.prompt_tokens += seq.request.num_prompt_tokens
-                if not seq.parent.started:
-                    seq.parent.started = True
-                    self.queue_time.observe(now - seq.parent.arrival)
+        self.num_preemptions += len(sched.preempted)
+        for req in sched.first_scheduled:
+            self.prompt_tokens += req.num_prompt_tokens
+
+    def on_started(self, arrival: float, now: float) -> None:
+        """A user request's first sequence was scheduled for the first time."""
+        self.queue_time.observe(now - arrival)
 
     def on_tokens(self, progress: Progress, now: float) -> None:
-        """A request got ``num_new`` output tokens this step (one inter-token gap)."""
-        seq = self._seqs.get(progress.request.request_id)
-        if seq is None:
-            return
+        """A sequence got ``num_new`` output tokens this step (one inter-token gap)."""
+        req = progress.request
         self.generation_tokens += progress.num_new
-        if seq.last_token is None:
-            self.time_to_first_token.observe(now - seq.parent.arrival)
+        if req.last_token_time is None:
+            self.time_to_first_token.observe(now - req.arrival_time)
         else:
-            self.inter_token_latency.observe(now - seq.last_token)
-        seq.last_token = now
+            self.inter_token_latency.observe(now - req.last_token_time)
+        req.last_token_time = now
 
-    def on_finished(self, child_id: str) -> None:
-        """A sequence finished (its status is final); the engine forgets it next."""
-        seq = self._seqs.pop(child_id, None)
-        if seq is None:
-            return
-        self._set_running(seq, None)
-        parent = seq.parent
-        parent.reasons.append(seq.request.status.value)
-        parent.num_left -= 1
-        if parent.num_left == 0:
-            self._finish_parent(parent)
+    def on_request_finished(self, event: RequestFinished) -> None:
+        if event.timed_out:
+            self.refused_queue_timeout += 1
+        elif "error" in event.reasons:
+            self.failed += 1
+        elif "cancelled" in event.reasons:
+            self.cancelled += 1
+        else:
+            self.completed += 1
+            self.finished_reasons[event.reasons[-1]] += 1
+            self.e2e_latency.observe(time.monotonic() - event.arrival)
 
-    def mark_timed_out(self, request_id: str) -> None:
-        """The request is about to be aborted for waiting too long: count it as refused."""
-        parent = self._parents.get(request_id)
-        if parent is not None:
-            parent.timed_out = True
-
-    def is_started(self, request_id: str) -> bool:
-        """Whether any sequence of the request was scheduled (False once it is gone)."""
-        parent = self._parents.get(request_id)
-        return parent is not None and parent.started
+    def set_gauges(self, num_waiting: int, num_running: int) -> None:
+        """Sequences waiting (queued, preempted or held) and holding KV blocks."""
+        self.num_waiting = num_waiting
+        self.num_running = num_running
 
     # -- reading --------------------------------------------------------------------
     def scheduling_metrics(self) -> dict[str, float | int]:
@@ -202,34 +169,3 @@ class EngineStats:
             "queued": self.num_waiting,
             "running": self.num_running,
         }
-
-    # -- internals --------------------------------------------------------------
-    def _set_running(self, seq: _Seq | None, running: bool | None) -> None:
-        """Move a sequence between the gauges; None = it left both."""
-        if seq is None:
-            return
-        if seq.running:
-            self.num_running -= 1
-        else:
-            self.num_waiting -= 1
-        if running is None:
-            return
-        seq.running = running
-        if running:
-            self.num_running += 1
-        else:
-            self.num_waiting += 1
-
-    def _finish_parent(self, parent: _Parent) -> None:
-        self._parents.pop(parent.request_id, None)
-        if parent.timed_out:
-            self.refused_queue_timeout += 1
-            return
-        if "error" in parent.reasons:
-            self.failed += 1
-        elif "cancelled" in parent.reasons:
-            self.cancelled += 1
-        else:
-            self.completed += 1
-            self.finished_reasons[parent.reasons[-1]] += 1
-            self.e2e_latency.observe(time.monotonic() - parent.arrival)

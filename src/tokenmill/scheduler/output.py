@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenmill.scheduler.request import Request
 from tokenmill.kv_cache.block_table import BlockTableArray
+from tokenmill.scheduler.request import Request
 
 
 @dataclass(slots=True)
@@ -48,6 +48,8 @@ class SchedulerOutput:
     preempted: tuple[str, ...] = ()
     tables: BlockTableArray | None = None
     """Every block table as a row of one array: the runner gathers the step's rows."""
+    first_scheduled: tuple[Request, ...] = ()
+    """Event record: the requests scheduled for the first time in this step."""
 
     @property
     def num_tokens(self) -> int:

@@ -57,6 +57,8 @@ class Request:
     """The request's own RNG when params.seed is set (on the logits' device)."""
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    last_token_time: float | None = None
+    """When the latest output tokens arrived (inter-token latency)."""
     priority: int = 0
     """Lower runs first; FCFS within a priority."""
     cache_key: bytes = b""

@@ -17,9 +17,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.scheduler.output import ScheduledSeq, SchedulerOutput
+from tokenmill.scheduler.request import Request, RequestStatus
 
 
 @dataclass(slots=True)
@@ -97,10 +97,11 @@ class Scheduler:
                 continue
             chosen.append((req, n))
             budget -= n
+        first: list[Request] = []
         if not preempted:
-            self._admit_waiting(budget, chosen, preempted)
+            self._admit_waiting(budget, chosen, preempted, first)
         seqs = tuple(self._scheduled(req, n) for req, n in chosen)
-        return SchedulerOutput(seqs, tuple(preempted), self.kv.tables)
+        return SchedulerOutput(seqs, tuple(preempted), self.kv.tables, tuple(first))
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
         """Record the chunk as computed now (the model runs it before anything reads the
@@ -167,7 +168,11 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.sort_key)
 
     def _admit_waiting(
-        self, budget: int, chosen: list[tuple[Request, int]], preempted: list[str]
+        self,
+        budget: int,
+        chosen: list[tuple[Request, int]],
+        preempted: list[str],
+        first: list[Request],
     ) -> None:
         scheduled = {r.request_id for r, _ in chosen}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -179,6 +184,7 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
                 req.num_cached_tokens = req.num_computed_tokens
+                first.append(req)
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             n = self._chunk(req, budget)
             chosen.append((req, n))
