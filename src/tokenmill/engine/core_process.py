@@ -52,6 +52,7 @@ from tokenmill.engine.engine_core import (
 from tokenmill.engine.request_stream import ACCEPTED, RequestStream
 from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.metrics.stats import EngineStats
+from tokenmill.outputs import RequestOutput
 from tokenmill.structured_output.limits import GrammarLimits
 from tokenmill.structured_output.manager import StructuredOutputManager
 
@@ -113,11 +114,20 @@ class _Forward:
         self.put = put
 
 
+@dataclass(frozen=True)
+class _Open:
+    """A request in the engine process: its stream, and the prompt its outputs lack."""
+
+    stream: RequestStream
+    prompt: str | None
+    prompt_token_ids: list[int]
+
+
 @dataclass
 class _Pending:
-    """What the reader thread resolves: streams by request id, calls by id."""
+    """What the reader thread resolves: open requests by id, calls by id."""
 
-    streams: dict[str, RequestStream] = field(default_factory=dict)
+    streams: dict[str, _Open] = field(default_factory=dict)
     calls: dict[int, Any] = field(default_factory=dict)
     closed: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -243,7 +253,9 @@ class EngineCoreClient(AsyncLLM):
         with self._pending.lock:
             closed = self._pending.closed
             if not closed:
-                self._pending.streams[stream.request_id] = stream
+                self._pending.streams[stream.request_id] = _Open(
+                    stream, cmd.prompt, cmd.prompt_token_ids
+                )
         if closed:
             self._done(started=False)
             stream.put(self._dead or EngineDeadError("the engine process has exited"))
@@ -285,15 +297,17 @@ class EngineCoreClient(AsyncLLM):
     def _on_outputs(self, msg: StepOutputs) -> None:
         streams = self._pending.streams
         for rid, item in msg.items:
-            stream = streams.get(rid)
-            if stream is None:
+            request = streams.get(rid)
+            if request is None:
                 continue
             if item is None:
                 item = ACCEPTED
-            elif isinstance(item, BaseException) or getattr(item, "finished", False):
+            elif isinstance(item, RequestOutput):
+                item.prompt, item.prompt_token_ids = request.prompt, request.prompt_token_ids
+            if isinstance(item, BaseException) or getattr(item, "finished", False):
                 with self._pending.lock:
                     streams.pop(rid, None)
-            self._send(stream, item)
+            self._send(request.stream, item)
         queued, live = self._core_counts
         with self._lock:
             self._num_queued += msg.num_queued - queued
@@ -319,8 +333,8 @@ class EngineCoreClient(AsyncLLM):
             self._pending.closed = True
             streams, self._pending.streams = self._pending.streams, {}
             calls, self._pending.calls = self._pending.calls, {}
-        for stream in streams.values():
-            self._send(stream, error)
+        for request in streams.values():
+            self._send(request.stream, error)
         with self._lock:
             self._num_queued = self._num_live = 0
         for future in calls.values():

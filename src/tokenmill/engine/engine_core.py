@@ -21,6 +21,7 @@ admits, so they start at 0 and only fall; the server applies the differences). T
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import pickle
 import signal
@@ -37,6 +38,7 @@ from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import RequestOptions
 from tokenmill.engine.request_stream import ACCEPTED
 from tokenmill.metrics.stats import EngineStats
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.limits import GrammarLimits
 
@@ -121,8 +123,9 @@ class Snapshot:
 @dataclass(frozen=True)
 class StepOutputs:
     items: list[tuple[str, object]]
-    """(request id, item): a ``RequestOutput``, an exception that ends the request, or
-    None: the engine accepted the request."""
+    """(request id, item): a ``RequestOutput`` without its prompt (``prompt`` None,
+    ``prompt_token_ids`` empty: the server has them), an exception that ends the request,
+    or None: the engine accepted the request."""
     num_queued: int
     num_live: int
     snapshot: Snapshot | None = None
@@ -271,6 +274,10 @@ class EngineCore(AsyncLLM):
 
 
 def _wire(item: object) -> object:
+    """An item as it crosses the pipe: outputs leave their prompt behind (every delta
+    would carry it again), exceptions are made portable."""
+    if isinstance(item, RequestOutput):
+        return dataclasses.replace(item, prompt=None, prompt_token_ids=[])
     return portable(item) if isinstance(item, BaseException) else item
 
 
