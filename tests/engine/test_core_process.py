@@ -18,7 +18,13 @@ from tokenmill import RequestOutputKind, SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_process import EngineCoreClient
 from tokenmill.engine.engine import LLMEngine
-from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.errors import (
+    DrainingError,
+    EngineDeadError,
+    InvalidRequestError,
+    QueueFullError,
+    QueueTimeoutError,
+)
 
 
 def _config(path, **overrides) -> EngineConfig:
@@ -167,3 +173,38 @@ def test_a_crash_in_the_engine_fails_requests(tiny_llama_dir, breaker, message):
     finally:
         client.shutdown(timeout=10)
     assert client.process.exitcode in (1, 3) and not client.process.is_alive()
+
+
+def test_admission_queue_full_and_queue_timeout(tiny_llama_dir):
+    """The server side refuses past max_queued_requests; the engine side drops a request
+    that waited past queue_timeout; the counts follow the child's."""
+    client = EngineCoreClient(
+        _config(tiny_llama_dir, max_num_seqs=1), max_queued_requests=1, queue_timeout=0.5
+    )
+    try:
+
+        async def main():
+            await client.call(functools.partial(_slow_steps, seconds=0.02))
+            running = await client.add_request([5, 6, 7], _params(max_tokens=100))
+            await running.__anext__()  # A runs (max_num_seqs=1)
+            waiting = await client.add_request([8, 9], _params(max_tokens=2))
+            assert client.num_queued == 1
+            with pytest.raises(QueueFullError):
+                await client.add_request([8, 9], _params(max_tokens=2))
+            with pytest.raises(QueueTimeoutError):
+                async for _ in waiting:
+                    pass
+            running.close()
+            client.stop_accepting()
+            with pytest.raises(DrainingError):
+                await client.add_request([8, 9], _params(max_tokens=2))
+            assert await client.drain(timeout=10)
+
+        asyncio.run(asyncio.wait_for(main(), 60))
+        assert client.num_live == 0 and client.num_queued == 0
+        stats = client.stats
+        assert stats.refused_queue_full == 1 and stats.refused_draining == 1
+        _wait(lambda: client.stats.refused_queue_timeout == 1)
+    finally:
+        client.shutdown()
+    assert client.process.exitcode == 0
