@@ -253,13 +253,12 @@ class SamplingParams:
 
     @property
     def reads_output_tokens(self) -> bool:
-        """Picking a token reads the tokens generated so far (penalties, a grammar, a
-        per-request logits processor): the step cannot be scheduled before the previous
-        token is on the host. (Penalties and per-request callables read host-side token
-        lists; a grammar advances on the host. ``min_tokens`` reads only a count, which
-        includes the tokens in flight: it does not need this.)"""
-        return (self.uses_penalties or self.structured_outputs is not None
-                or bool(self.logits_processors))
+        """Picking a token reads the tokens generated so far on the host (a grammar, which
+        advances there; a per-request logits processor, a Python callable): the step
+        cannot be scheduled before the previous token is on the host. ``min_tokens``
+        reads only a count, which includes the tokens in flight, and penalties count the
+        token in flight on the device (``sampler.InFlightRow``): neither needs this."""
+        return self.structured_outputs is not None or bool(self.logits_processors)
 
     def truncate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The prompt as ``truncate_prompt_tokens`` asks: its last k tokens (or all)."""

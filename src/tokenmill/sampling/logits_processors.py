@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from tokenmill.sampling.in_flight import InFlightRow
+
 if TYPE_CHECKING:
     from tokenmill.sampling.sampler import SamplingRow
 
@@ -87,6 +89,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     sub = logits[index]  # [S, V]
     vocab = logits.shape[1]
     out_counts = _token_counts([r.output_token_ids for r in sel_rows], vocab, sub)  # [S, V]
+    _count_in_flight(out_counts, sel_rows)
     rep = [r.params.repetition_penalty for r in sel_rows]
     if any(p != 1.0 for p in rep):
         seen = _token_mask([r.prompt_token_ids for r in sel_rows], vocab, sub) | (out_counts > 0)
@@ -216,6 +219,20 @@ def _token_counts(
     counts = torch.zeros(len(token_lists), vocab + 1, dtype=like.dtype, device=like.device)
     counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=like.dtype))
     return counts[:, :vocab]
+
+
+def _count_in_flight(counts: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """counts [S, V] += each row's output token still in flight (``InFlightRow``: on the
+    device, read there; no host sync)."""
+    found = [(i, row) for i, row in enumerate(rows) if isinstance(row, InFlightRow)]
+    if not found:
+        return
+    source = found[0][1].source
+    assert all(row.source is source for _, row in found), "one previous step's ids"
+    ids = source[_long([row.index for _, row in found], counts)]
+    counts.index_put_((_long([i for i, _ in found], counts), ids),
+                      torch.ones(len(found), dtype=counts.dtype, device=counts.device),
+                      accumulate=True)  # fmt: skip
 
 
 def _token_mask(

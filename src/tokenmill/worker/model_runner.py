@@ -8,17 +8,21 @@ input tokens then taken on the device from this step's sampled ids (``PendingTok
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention import AttentionMetadata, ForwardContext
+from tokenmill.attention import AttentionMetadata, StateMetadata, StepContext
 from tokenmill.attention.backends import REFERENCE, AttentionBackend
 from tokenmill.config import EngineConfig
+from tokenmill.kv_cache.spec import FullAttention, allocate_caches
 from tokenmill.models.base import CausalLM
 from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
-from tokenmill.sampling.sampler import RowState, SamplingRow
+from tokenmill.sampling.in_flight import InFlightRow
 from tokenmill.sampling.logits_processors import upload
+from tokenmill.sampling.sampler import RowState, SamplingRow
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.worker.cuda_graphs import PaddedDecode, wants_cuda_graphs
 from tokenmill.worker.fast_path import cpu_fast_path
@@ -72,14 +76,24 @@ class ModelRunnerOutput:
 
 
 def allocate_kv_caches(
-    model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> list[torch.Tensor]:
-    """One zeroed [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer.
+    model: CausalLM,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_slots: int = 1,
+) -> list[torch.Tensor | None]:
+    """One zeroed cache tensor per layer, as its spec says (``model.cache_specs()``): a
+    [2, num_blocks, block_size, kv_heads, head_dim] page tensor for attention layers (in
+    ``dtype``), a [num_slots, ...] state tensor for state-slot layers, None for none.
 
     Zeroed, not empty: padded positions are masked but still multiplied by 0.
     """
-    shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(model.num_layers)]
+    specs = [
+        dataclasses.replace(s, dtype=dtype) if isinstance(s, FullAttention) else s
+        for s in model.cache_specs()
+    ]
+    return allocate_caches(specs, num_blocks, block_size, num_slots, device)
 
 
 class ModelRunner:
@@ -96,8 +110,12 @@ class ModelRunner:
         sampler: Sampler,
         backend: AttentionBackend | None = None,
         decode: PaddedDecode | None = None,
+        state_slot: Callable[[str], int] | None = None,
     ) -> None:
         self.model = model
+        self.state_slot = state_slot
+        """Request id -> its state slot (``KVCacheCoordinator.state_slot``) when the model
+        has state-slot layers (``kv_cache/spec.py``); None: attention layers only."""
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -115,9 +133,10 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the step's forward pass and sampling on the device and the copy of the
         sampled ids back; returns without waiting (on CUDA) for any of it."""
-        hidden, qsl = self._forward(sched)
         seqs = sched.seqs
-        first_rows, sample_rows, rows = _sample_rows(seqs, qsl)
+        pending = self._pending_tokens(seqs)
+        hidden, qsl = self._forward(sched, pending)
+        first_rows, sample_rows, rows = _sample_rows(seqs, qsl, pending)
         sampled, lp = self._sample(rows, sample_rows, hidden) if rows else (None, None)
         prompt_lp = self._prompt_logprobs(seqs, qsl, hidden)
         pinned = self.host_ids.pinned
@@ -130,16 +149,17 @@ class ModelRunner:
         done = record_event() if pinned and (ids is not None or prompt_lp) else None
         return LaunchedStep(seqs, first_rows, ids, done, lp, prompt_lp)
 
-    def _forward(self, sched: SchedulerOutput) -> tuple[torch.Tensor, tuple[int, ...]]:
+    def _forward(
+        self, sched: SchedulerOutput, pending: PendingTokens | None
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
         """hidden [T, hidden] of the step's tokens and the query offsets (B+1) of its
         sequences: through the padded decode path (CUDA graphs) when it takes the step."""
         seqs = sched.seqs
-        pending = self._pending_tokens(seqs)
         if self.decode is not None and self.decode.takes(seqs):
             hidden = self.decode.run(seqs, sched.tables, pending)  # [B, hidden]: row i = seq i
             return hidden, tuple(range(len(seqs) + 1))
         inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending)
-        hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(inputs.meta))
+        hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(inputs.meta, seqs))
         return hidden, inputs.meta.query_start_loc
 
     def _sample(
@@ -178,8 +198,12 @@ class ModelRunner:
         rows = tuple(row_of[seqs[i].request.request_id] for i in waiting)
         return PendingTokens(source, tuple(waiting), rows)
 
-    def _ctx(self, meta: AttentionMetadata) -> ForwardContext:
-        return ForwardContext(meta, self.kv_caches, self.backend)
+    def _ctx(self, meta: AttentionMetadata, seqs: tuple[ScheduledSeq, ...] = ()) -> StepContext:
+        """The step context; with state-slot layers, each sequence's slot in it."""
+        if self.state_slot is None:
+            return StepContext(meta, self.kv_caches, self.backend)
+        slots = [self.state_slot(s.request.request_id) for s in seqs]
+        return StepContext(meta, self.kv_caches, self.backend, StateMetadata.build(slots, meta))
 
     def _prompt_logprobs(
         self, seqs: tuple[ScheduledSeq, ...], qsl: tuple[int, ...], hidden: torch.Tensor
@@ -209,20 +233,27 @@ def make_runner(
     device: torch.device,
     sampler: Sampler,
     max_model_len: int,
+    state_slot: Callable[[str], int] | None = None,
 ) -> ModelRunner:
     """The engine's runner: the attention backend the model was built with (chosen once at
     load, ``layers/ops.py``), and one fast path (``fast_path.FastPath``): on CUDA (unless
     ``enforce_eager``) decode graphs for a capturable backend, captured here, up front; on
-    CPU the whole-layer native decode when the model runs it."""
+    CPU the whole-layer native decode when the model runs it. ``state_slot``: the KV
+    coordinator's slot lookup for models with state-slot layers (they run eagerly: the
+    fast paths carry no state slots)."""
     backend = model.ops.backend
     decode = cpu_fast_path(model, kv_caches, config.block_size, device)
-    if wants_cuda_graphs(device, backend, config.enforce_eager):
+    if state_slot is not None:
+        decode = None
+    elif wants_cuda_graphs(device, backend, config.enforce_eager):
         decode = PaddedDecode(
             model, kv_caches, config.block_size, max_model_len, config.max_num_seqs, device, backend
         )
         with torch.inference_mode():
             decode.capture_all()
-    return ModelRunner(model, kv_caches, config.block_size, device, sampler, backend, decode)
+    return ModelRunner(
+        model, kv_caches, config.block_size, device, sampler, backend, decode, state_slot
+    )
 
 
 def _entries(lp, token_ids: list[int]) -> list[TokenLogprobs]:
@@ -258,13 +289,19 @@ def _copy_to_host(lp: LogprobsTensors | None) -> LogprobsTensors | None:
 
 
 def _sample_rows(
-    seqs: tuple[ScheduledSeq, ...], qsl: tuple[int, ...]
+    seqs: tuple[ScheduledSeq, ...], qsl: tuple[int, ...], pending: PendingTokens | None = None
 ) -> tuple[tuple[int, ...], list[int], list[SamplingRow]]:
     """(first sampled row per sequence, the hidden rows that sample, their sampling states).
 
     A sequence samples at its last token and, with drafts, at each draft's position too
     (row j scores the token after the drafts before j, so its state has them appended:
-    penalties and min_tokens then see what a plain decode would have seen)."""
+    penalties and min_tokens then see what a plain decode would have seen). A sequence
+    whose latest token is still in flight (``pending``) and whose sampling reads its
+    tokens (penalties) gets an ``InFlightRow``: that token is read on the device."""
+    in_flight = {}
+    if pending is not None:
+        in_flight = {i: row for i, row in zip(pending.seqs, pending.rows)
+                     if seqs[i].request.params.uses_penalties}  # fmt: skip
     first_rows: list[int] = []
     hidden_rows: list[int] = []
     states: list[SamplingRow] = []
@@ -276,7 +313,11 @@ def _sample_rows(
         last = qsl[i + 1] - 1
         if not drafts:
             hidden_rows.append(last)
-            states.append(req)  # the request is its own sampling state: no object per row
+            if i in in_flight:
+                assert pending is not None
+                states.append(InFlightRow(req, pending.source, in_flight[i]))
+            else:
+                states.append(req)  # the request is its own sampling state: no object per row
             continue
         hidden_rows.extend(range(last - len(drafts), last + 1))
         states.append(req)
