@@ -17,7 +17,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.hooks import RequestHook
 from tokenmill.engine.loading import LoadedModel, kv_cache_blocks, load_model
 from tokenmill.executor import Executor, UniProcExecutor
-from tokenmill.kv_cache import KVCacheManager
+from tokenmill.kv_cache import KVCacheCoordinator, KVCacheManager, make_kv_cache
 from tokenmill.sampling import Sampler
 from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.structured_output.hook import StructuredOutputHook
@@ -33,7 +33,7 @@ class EngineParts:
     """What one engine runs on; each part has one owner afterwards (the loop)."""
 
     loaded: LoadedModel
-    kv: KVCacheManager
+    kv: KVCacheManager | KVCacheCoordinator
     scheduler: Scheduler
     structured: StructuredOutputManager
     hooks: tuple[RequestHook, ...]
@@ -48,9 +48,10 @@ def build_engine(
     configure_threads()  # before loading: repacking quantized weights uses the pool
     loaded = loaded or load_model(config)
     num_blocks = kv_cache_blocks(config, loaded)
-    kv = KVCacheManager(
-        num_blocks, config.block_size, config.enable_prefix_caching,
+    kv = make_kv_cache(  # the manager itself unless some layer needs state slots
+        loaded.model.cache_specs(), num_blocks, config.block_size, config.enable_prefix_caching,
         max_blocks_per_seq=-(-loaded.max_model_len // config.block_size),
+        num_slots=config.max_num_seqs,
     )  # fmt: skip
     budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
     scheduler = Scheduler(
@@ -60,8 +61,9 @@ def build_engine(
         kv,
     )
     caches = allocate_kv_caches(
-        loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device
-    )
+        loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device,
+        num_slots=config.max_num_seqs,
+    )  # fmt: skip
     generator = torch.Generator(device=loaded.device).manual_seed(config.seed)
     structured = StructuredOutputManager.from_config(
         config, loaded.tokenizer, loaded.model.vocab_size
@@ -69,8 +71,9 @@ def build_engine(
     all_hooks = (StructuredOutputHook(structured), *hooks)
     processors = tuple(h.logits_processor for h in all_hooks if h.logits_processor is not None)
     sampler = Sampler(generator, extra_processors=processors)
+    state_slot = kv.state_slot if isinstance(kv, KVCacheCoordinator) else None
     runner = make_runner(
-        config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len
+        config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len, state_slot
     )
     logger.info("KV cache: %d blocks x %d tokens", num_blocks, config.block_size)
     return EngineParts(loaded, kv, scheduler, structured, all_hooks, runner, UniProcExecutor(runner))
