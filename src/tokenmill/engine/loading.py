@@ -10,8 +10,8 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.errors import InvalidRequestError
-from tokenmill.loader import Checkpoint, load_checkpoint
 from tokenmill.layers.ops import select_ops
+from tokenmill.loader import Checkpoint, load_checkpoint
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
 from tokenmill.quant.plan import auto_dtype, build_plan, resolve_quantization, stored_float_dtype

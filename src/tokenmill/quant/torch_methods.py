@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.quant.gguf_blocks import GROUP, affine_groups
 from tokenmill.quant.base import LinearMethod, check_rows, row_chunks, to_float
+from tokenmill.quant.gguf_blocks import GROUP, affine_groups
 
 _KERNEL_DTYPE = torch.bfloat16
 
