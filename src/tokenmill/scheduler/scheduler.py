@@ -110,11 +110,14 @@ class Scheduler:
         start = req.num_computed_tokens
         known_end = req.num_tokens_with_placeholders
         samples = start + n >= known_end
-        drafts = tuple(req.spec_token_ids[: start + n - known_end]) if samples else ()
-        req.spec_token_ids = []
+        drafts: tuple[int, ...] = ()
+        if req.spec_token_ids:  # (built per sequence per step: no list when no drafts)
+            if samples:
+                drafts = tuple(req.spec_token_ids[: start + n - known_end])
+                req.num_drafts_in_flight = len(drafts)
+            req.spec_token_ids = []
         req.num_computed_tokens = start + n
         req.num_placeholders += samples
-        req.num_drafts_in_flight = len(drafts)
         table, row = self.kv.table_and_row(req.request_id)
         return ScheduledSeq(req, start, n, table, samples, row, drafts)
 
@@ -228,6 +231,16 @@ class Scheduler:
             # Preempted while the step was in flight (it waits, holding no blocks, until
             # this result lands): its tokens count, its KV is gone anyway.
             preempted = req.status is RequestStatus.WAITING
+            if len(new) == 1 and not seq.draft_token_ids and not preempted:  # the common step
+                req.num_placeholders -= 1
+                self.kv.commit(req.request_id, req.cacheable_tokens, seq.end, req.cache_key)
+                req.output_token_ids.append(new[0])
+                req.all_token_ids.append(new[0])
+                status = req.check_stop(self.config.max_model_len)
+                if status is not None:
+                    self.finish(req.request_id, status)
+                progressed.append(Progress(req, 1))
+                continue
             end = seq.end
             if seq.samples:
                 req.num_placeholders -= 1

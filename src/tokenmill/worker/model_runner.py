@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -302,6 +303,14 @@ def _sample_rows(
     if pending is not None:
         in_flight = {i: row for i, row in zip(pending.seqs, pending.rows)
                      if seqs[i].request.params.uses_penalties}  # fmt: skip
+    if not in_flight and not _has_drafts(seqs):  # the common step: one row per sampler
+        sampling = [i for i, s in enumerate(seqs) if s.samples]
+        if len(sampling) == len(seqs):  # all of them (decode)
+            return tuple(range(len(seqs))), [qsl[i + 1] - 1 for i in sampling], [
+                s.request for s in seqs
+            ]
+        first = tuple(accumulate((s.samples for s in seqs), initial=0))[:-1]
+        return first, [qsl[i + 1] - 1 for i in sampling], [seqs[i].request for i in sampling]
     first_rows: list[int] = []
     hidden_rows: list[int] = []
     states: list[SamplingRow] = []
@@ -328,6 +337,10 @@ def _sample_rows(
     return tuple(first_rows), hidden_rows, states
 
 
+def _has_drafts(seqs: tuple[ScheduledSeq, ...]) -> bool:
+    return any(s.draft_token_ids for s in seqs)
+
+
 def verify_drafts(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
     """New tokens of a sequence from its sampled rows: each draft is accepted while it
     equals what was sampled at its position; the first sample that differs (or the one
@@ -342,10 +355,14 @@ def verify_drafts(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
 def _to_host(step: LaunchedStep, token_list: list[int]) -> ModelRunnerOutput:
     """Host-side outputs once the step's copies are on the host (``LaunchedStep.done``, the
     step's synchronisation point)."""
-    tokens: list[list[int]] = []
-    for s, row in zip(step.seqs, step.first_rows):
-        sampled = token_list[row : row + s.num_sample_rows]
-        tokens.append(verify_drafts(s.draft_token_ids, sampled) if s.draft_token_ids else sampled)
+    tokens: list[list[int]]
+    if len(token_list) == len(step.seqs) and not _has_drafts(step.seqs):  # one each (decode)
+        tokens = [[t] for t in token_list]
+    else:
+        tokens = []
+        for s, row in zip(step.seqs, step.first_rows):
+            sampled = token_list[row : row + s.num_sample_rows]
+            tokens.append(verify_drafts(s.draft_token_ids, sampled) if s.draft_token_ids else sampled)
     logprobs = None
     if step.logprobs is not None:
         entries = _entries(step.logprobs, token_list)
