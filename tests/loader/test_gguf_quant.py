@@ -8,7 +8,7 @@ from gguf.quants import dequantize as reference_dequantize
 from quant_blocks import random_raw
 
 from tokenmill.errors import UnsupportedModelError
-from tokenmill.loader.gguf_quant import SUPPORTED_QUANT_TYPES, check_supported, dequantize
+from tokenmill.quant.ggml_codec import SUPPORTED_QUANT_TYPES, check_supported, dequantize
 
 ROWS, COLS = 6, 512  # 512: a multiple of both block sizes (32 and 256)
 # Round-trip error bound of the quantizer, relative to the std of the data (1.0).

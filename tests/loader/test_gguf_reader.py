@@ -15,7 +15,7 @@ from gguf_synth import HEADS, KV_HEADS, synthetic_tensors, write_gguf
 from tokenmill.errors import ModelLoadError, UnsupportedModelError
 from tokenmill.loader import load_checkpoint
 from tokenmill.loader.gguf_file import StringArray, read_gguf
-from tokenmill.loader.gguf_quant import SUPPORTED_QUANT_TYPES
+from tokenmill.quant.ggml_codec import SUPPORTED_QUANT_TYPES
 
 ALL_TYPES = sorted(SUPPORTED_QUANT_TYPES, key=lambda t: t.name)
 _ATTENTION_MLP = {

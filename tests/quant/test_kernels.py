@@ -9,7 +9,7 @@ from quant_blocks import random_raw
 
 from tokenmill import native
 from tokenmill.layers.linear import Linear, PackedLinear, VocabEmbedding
-from tokenmill.loader.gguf_quant import SUPPORTED_QUANT_TYPES
+from tokenmill.quant.ggml_codec import SUPPORTED_QUANT_TYPES
 from tokenmill.quant.gguf_blocks import INT4_EXACT_TYPES, INT8_EXACT_TYPES, GgufBlocks
 from tokenmill.quant.methods import AffineGroupMethod
 from tokenmill.quant.torch_methods import TORCH_METHODS

@@ -27,8 +27,8 @@ from tokenmill.loader.gguf_names import (
     gguf_arch,
     map_tensor_name,
 )
-from tokenmill.loader.gguf_quant import check_supported, dequantize
 from tokenmill.loader.hf_config import normalize_hf_config
+from tokenmill.quant.ggml_codec import check_supported, dequantize
 from tokenmill.quant.gguf_blocks import DENSE_TYPES, GgufBlocks
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import Q4_K
 
-from tokenmill.loader.gguf_quant import dequantize as dequantize_raw
+from tokenmill.quant.ggml_codec import dequantize as dequantize_raw
 
 GROUP = 32
 """Elements per int4 group: one Q4_0/Q4_1 block, one Q4_K sub-block."""
