@@ -48,3 +48,20 @@ def table(rows: list[list[str]]) -> str:
     lines = [" | ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "-+-".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def wait_healthy(url: str, proc, timeout: float = 300) -> None:
+    """Poll ``url`` until it answers 200; raise if ``proc`` (a Popen) exits first."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout}s")

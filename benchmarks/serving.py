@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import table  # noqa: E402
+from common import table, wait_healthy  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -66,18 +66,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} not healthy after {timeout}s")
 
 
 def start_tokenmill(model: str, port: int, extra: list[str] = ()) -> subprocess.Popen:
@@ -91,7 +79,7 @@ def start_tokenmill(model: str, port: int, extra: list[str] = ()) -> subprocess.
 def start_llama_cpp(model: str, port: int, n_ctx: int) -> subprocess.Popen:
     """llama-cpp-python's server as vs_llamacpp.py starts it: concurrent requests queue
     (by default a new one cuts the running one short) and no AMX repack buffers."""
-    from vs_llamacpp import start_llama_cpp as start
+    from llama_server import start_llama_cpp as start
 
     return start(model, port, n_ctx, os.cpu_count() or 1, extra_bufts=False)
 

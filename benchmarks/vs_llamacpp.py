@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import copy_bandwidth, table  # noqa: E402
+from llama_server import NO_EXTRA_BUFTS, start_llama_cpp  # noqa: E402
 
 DECODE_PROMPT, PREFILL_LENS = 32, (32, 200)
 
@@ -131,21 +132,6 @@ def run_tokenmill(path: str, quantization: str, repeat: int, n: int) -> dict[str
     return res
 
 
-# -- llama.cpp -----------------------------------------------------------------------
-# llama.cpp's extra CPU buffer types include an AMX path that dies with SIGILL (tileloadd)
-# on some VMs that report AMX; without them llama.cpp runs its AVX-512 kernels. This
-# snippet turns them off in-process and in the server process.
-NO_EXTRA_BUFTS = """
-import llama_cpp.llama as _ll
-_default = _ll.llama_cpp.llama_model_default_params
-def _params():
-    p = _default()
-    p.use_extra_bufts = False
-    return p
-_ll.llama_cpp.llama_model_default_params = _params
-"""
-
-
 def run_llama_cpp(
     path: str, threads: int, repeat: int, n: int, extra_bufts: bool
 ) -> dict[str, float]:
@@ -185,23 +171,6 @@ def run_llama_cpp(
 
 
 # -- online: 16 concurrent requests ---------------------------------------------------
-def start_llama_cpp(path: str, port: int, n_ctx: int, threads: int, extra_bufts: bool):
-    import subprocess
-
-    from serving import wait_healthy
-
-    # --interrupt_requests False: queue concurrent requests; by default a new request cuts
-    # the running one short, which would count as (very) low throughput.
-    boot = ("" if extra_bufts else NO_EXTRA_BUFTS) + (
-        "import runpy, sys; sys.argv[0] = 'llama_cpp.server'; "
-        "runpy.run_module('llama_cpp.server', run_name='__main__')"
-    )
-    cmd = [sys.executable, "-c", boot, "--model", path, "--port", str(port), "--host",
-           "127.0.0.1", "--n_ctx", str(n_ctx), "--n_threads", str(threads),
-           "--interrupt_requests", "False"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_healthy(f"http://127.0.0.1:{port}/v1/models", proc)
-    return proc
 
 
 def run_servers(path: str, args, have_peer: bool, threads: int) -> dict[str, float]:

@@ -5,7 +5,7 @@ still ties the two modules together); only imports under ``if TYPE_CHECKING:`` (
 are exempt. Importing ``a.b.c`` also runs ``a/__init__``
 and ``a/b/__init__``, so a package's ``__init__`` is an edge too.
 
-    python tools/import_cycles.py src/tokenmill   # exit 1 and the cycles when there are any
+    python tools/import_cycles.py src/tokenmill benchmarks   # exit 1 and the cycles if any
 """
 
 from __future__ import annotations
@@ -16,7 +16,10 @@ from pathlib import Path
 
 
 def module_name(root: Path, path: Path) -> str:
-    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    """Dotted name of ``path``: under the package ``root``, or, for a folder of scripts
+    that import each other by bare name (``benchmarks/``), relative to ``root``."""
+    base = root.parent if (root / "__init__.py").exists() else root
+    parts = list(path.relative_to(base).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
