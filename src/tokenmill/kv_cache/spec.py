@@ -114,7 +114,7 @@ def allocate_caches(
     for spec in specs:
         if isinstance(spec, FullAttention):
             shape = spec.page_shape(num_blocks, block_size)
-        elif uses_slots(spec):
+        elif isinstance(spec, (RecurrentState, CrossAttention)):
             shape = spec.slot_shape(num_slots)
         else:
             caches.append(None)

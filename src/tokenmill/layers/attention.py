@@ -110,6 +110,7 @@ class Attention(nn.Module):
         if ctx.backend is not None and ctx.backend is not self.backend:
             self._bind(ctx.backend)
         kv_cache, meta = ctx.kv_caches[self.layer_idx], ctx.attn
+        assert kv_cache is not None, f"layer {self.layer_idx} has no paged cache"
         if self.impl.rotates:  # rotary fused with the K/V store
             return self.o_proj(self.impl.forward_packed(qkv, rope, kv_cache, meta))
         self.rotary_emb.rotate_(qk, rope)  # q and k heads in one pass, in place

@@ -218,7 +218,8 @@ class DecoderModel(nn.Module):
 
     def rope_tables(self, positions: torch.Tensor) -> dict[RotaryEmbedding, RopeTables]:
         """Each rotary's cos/sin rows of the step's positions (gathered once per step)."""
-        return {rotary: rotary.tables(positions) for rotary in self.rotaries}
+        rotaries: list[RotaryEmbedding] = list(self.rotaries)  # type: ignore[arg-type]
+        return {rotary: rotary.tables(positions) for rotary in rotaries}
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
@@ -290,7 +291,7 @@ class DecoderForCausalLM(CausalLM):
 
     def cache_specs(self) -> list[CacheSpec]:
         """Paged K/V for every layer; sliding-window layers (Gemma3's local ones) say so."""
-        cfg, specs = self.config, []
+        cfg, specs = self.config, list[CacheSpec]()
         for i in range(cfg.num_layers):
             window = cfg.window_of(i)
             kv = (cfg.num_kv_heads, cfg.head_dim, self.dtype)
