@@ -169,6 +169,7 @@ class AsyncLLM:
         """Compile the request's grammar before queueing it (limits checked first); raises
         the compile's InvalidRequestError, or a timeout past the limits' compile_timeout."""
         structured = self.engine.structured
+        assert params.structured_outputs is not None
         future = structured.precompile(params.structured_outputs)
         try:
             await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),

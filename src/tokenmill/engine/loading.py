@@ -80,7 +80,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 def _stored_types(ckpt: Checkpoint) -> dict:
     """HF tensor name -> GGML type, for a GGUF checkpoint."""
-    return ckpt.source.tensor_types() if hasattr(ckpt.source, "tensor_types") else {}
+    types = getattr(ckpt.source, "tensor_types", None)  # GGUF sources only
+    return types() if types is not None else {}
 
 
 def kv_cache_blocks(config: EngineConfig, loaded: LoadedModel) -> int:

@@ -16,8 +16,12 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenmill.kv_cache import KVCacheManager
+
+if TYPE_CHECKING:
+    from tokenmill.kv_cache.coordinator import KVCacheCoordinator
 from tokenmill.scheduler.output import ScheduledSeq, SchedulerOutput
 from tokenmill.scheduler.request import Request, RequestStatus
 
@@ -44,7 +48,7 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | KVCacheCoordinator) -> None:
         self.config = config
         self.kv = kv
         self.waiting: list[Request] = []  # sorted by sort_key

@@ -78,7 +78,7 @@ class PaddedDecode:
     def __init__(
         self,
         model: CausalLM,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[torch.Tensor | None],
         block_size: int,
         max_model_len: int,
         max_num_seqs: int,

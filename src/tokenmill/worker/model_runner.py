@@ -26,7 +26,7 @@ from tokenmill.sampling.logits_processors import upload
 from tokenmill.sampling.sampler import RowState, SamplingRow
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.worker.cuda_graphs import PaddedDecode, wants_cuda_graphs
-from tokenmill.worker.fast_path import cpu_fast_path
+from tokenmill.worker.fast_path import FastPath, cpu_fast_path
 from tokenmill.worker.inputs import (
     HostIds,
     PendingTokens,
@@ -105,12 +105,12 @@ class ModelRunner:
     def __init__(
         self,
         model: CausalLM,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[torch.Tensor | None],
         block_size: int,
         device: torch.device,
         sampler: Sampler,
         backend: AttentionBackend | None = None,
-        decode: PaddedDecode | None = None,
+        decode: FastPath | None = None,
         state_slot: Callable[[str], int] | None = None,
     ) -> None:
         self.model = model
@@ -230,7 +230,7 @@ class ModelRunner:
 def make_runner(
     config: EngineConfig,
     model: CausalLM,
-    kv_caches: list[torch.Tensor],
+    kv_caches: list[torch.Tensor | None],
     device: torch.device,
     sampler: Sampler,
     max_model_len: int,
@@ -243,15 +243,16 @@ def make_runner(
     coordinator's slot lookup for models with state-slot layers (they run eagerly: the
     fast paths carry no state slots)."""
     backend = model.ops.backend
-    decode = cpu_fast_path(model, kv_caches, config.block_size, device)
+    decode: FastPath | None = cpu_fast_path(model, kv_caches, config.block_size, device)
     if state_slot is not None:
         decode = None
     elif wants_cuda_graphs(device, backend, config.enforce_eager):
-        decode = PaddedDecode(
+        graphs = PaddedDecode(
             model, kv_caches, config.block_size, max_model_len, config.max_num_seqs, device, backend
         )
         with torch.inference_mode():
-            decode.capture_all()
+            graphs.capture_all()
+        decode = graphs
     return ModelRunner(
         model, kv_caches, config.block_size, device, sampler, backend, decode, state_slot
     )
