@@ -30,7 +30,8 @@ class EngineConfig:
     """HF tokenizer folder overriding the checkpoint's own tokenizer."""
     dtype: str = "auto"
     """Compute and KV dtype: auto (float32 on CPU, bfloat16 on CUDA; with quantized weights
-    see ``quantization``), float32, bfloat16, float16."""
+    see ``quantization``; on CPU a bfloat16/float16 HF checkpoint keeps its 16-bit weights
+    with float32 compute), float32, bfloat16, float16."""
     device: str = "auto"
     """auto (cuda if available, else cpu), cpu, cuda, cuda:N."""
     attention_backend: str = "auto"

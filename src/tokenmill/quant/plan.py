@@ -19,7 +19,8 @@ from tokenmill.quant.gguf_blocks import DENSE_TYPES, INT4_EXACT_TYPES
 from tokenmill.quant.methods import LinearMethod, method_for
 
 QUANTIZATIONS: Mapping[str, str] = {
-    "auto": "gguf on CPU for a GGUF checkpoint unless dtype is float32/float16; else none",
+    "auto": "gguf on CPU for a GGUF checkpoint unless dtype is float32/float16; on CPU with "
+    "dtype=auto a bf16/fp16 HF checkpoint keeps its 16-bit weights (KEPT_16BIT); else none",
     "none": "dense weights in the model dtype (GGUF tensors are dequantized)",
     "gguf": "keep a GGUF's precision: 4-bit block types as int4 groups of 32 (exact), other "
     "quantized types as int8 (groups of 32; PyTorch's fallback: per row), float tensors dense",
