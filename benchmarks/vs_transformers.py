@@ -1,12 +1,16 @@
 """tokenmill vs Hugging Face transformers on the same weights, side by side in one run.
 
     python benchmarks/vs_transformers.py [--model PATH.gguf|HF_DIR] [--threads 2]
+    python benchmarks/vs_transformers.py --hf16 bf16 --dtypes auto --hf-dtypes float32,auto
 
 Reports single-stream decode tokens/s, prefill tokens/s and aggregate throughput
-for concurrent requests of 128 output tokens, each as a ratio to transformers
-and to the memory-bandwidth limit (weight bytes read per decode step vs a copy
-bandwidth measured in this run). Default model: the embedded SmolLM2-135M
-(GGUF Q4_1), dequantized to float32 for both engines.
+for concurrent requests of 128 output tokens, each as a ratio to transformers (the
+first of ``--hf-dtypes``) and to the memory-bandwidth limit (weight bytes read per
+decode step vs a copy bandwidth measured in this run). Default model: the embedded
+SmolLM2-135M (GGUF Q4_1), dequantized to float32 for both engines. ``--hf16 bf16``
+(or fp16) runs an HF folder of the same model saved in that dtype (made once from the
+GGUF with transformers, cached under ``--cache``): tokenmill's ``dtype=auto`` keeps its
+16-bit weights; transformers' ``auto`` runs them as stored, ``float32`` upcast.
 """
 
 from __future__ import annotations
@@ -18,18 +22,52 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import best_of, copy_bandwidth, table, weight_bytes_per_decode_step  # noqa: E402
+from common import best_of, copy_bandwidth, table  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
 
-def load_hf(path: str):
+def load_hf(path: str, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    p = Path(path)
+    p, dt = Path(path), dtype if dtype == "auto" else getattr(torch, dtype)
     if p.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dt).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval()
+
+
+def make_hf16(gguf: str, dtype: str, cache: Path) -> str:
+    """An HF folder of the GGUF's model with its weights in ``dtype`` (made once)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = cache / f"{Path(gguf).stem}-{dtype}"
+    if (target / "model.safetensors").is_file():
+        return str(target)
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    g = Path(gguf)
+    model = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name)
+    if hasattr(model.config, "quantization_config"):  # GGUF-loaded models refuse to save
+        del model.config.quantization_config
+    plain = AutoModelForCausalLM.from_config(model.config, dtype=dt)
+    plain.load_state_dict({k: v.to(dt) for k, v in model.state_dict().items()})
+    plain.save_pretrained(target)
+    AutoTokenizer.from_pretrained(str(g.parent), gguf_file=g.name).save_pretrained(target)
+    return str(target)
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights one decode step reads, as stored (dense, 16-bit tiles, int groups):
+    every linear, the embedding table only when it is also the output head (tied)."""
+    from tokenmill.layers.linear import Linear, VocabEmbedding
+
+    tied = not any(isinstance(m, Linear) and n.endswith("lm_head") for n, m in model.named_modules())
+    total, seen = 0, set()
+    for name, m in model.named_modules():
+        if isinstance(m, (Linear, VocabEmbedding)):
+            seen.update(f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
+            if isinstance(m, Linear) or tied:
+                total += m.method.weight_bytes(m)
+    return total + sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in seen)
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -64,8 +102,8 @@ def measure(run, model, args) -> dict[str, float]:
     }
 
 
-def run_transformers(path: str, args, prompts: list[list[int]], n_out: int) -> dict[str, float]:
-    hf = load_hf(path)
+def run_transformers(path: str, dtype: str, args, prompts: list[list[int]], n_out: int) -> dict[str, float]:
+    hf = load_hf(path, dtype)
     res = measure(hf_run, hf, args)
     res["agg"] = len(prompts) * n_out / best_of(lambda: hf_run(hf, prompts, n_out), 1)
     return res
@@ -73,9 +111,9 @@ def run_transformers(path: str, args, prompts: list[list[int]], n_out: int) -> d
 
 def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: int, bw: float) -> dict[str, float]:
     with LLM(path, dtype=dtype, enable_prefix_caching=False) as llm:  # measure compute, not cache hits
-        arch = llm.engine.loaded.checkpoint.hf_config
-        wbytes = weight_bytes_per_decode_step(llm.engine.loaded.model, arch["vocab_size"], arch["hidden_size"])
+        wbytes = decode_weight_bytes(llm.engine.loaded.model)
         res = measure(tm_run, llm, args)
+        res["format"] = f"{llm.engine.loaded.quantization}/{str(llm.engine.loaded.dtype)[6:]}"
         res["agg"] = len(prompts) * n_out / best_of(lambda: tm_run(llm, prompts, n_out), 1)
     res["limit"] = bw / wbytes
     res["wbytes"] = wbytes
@@ -87,6 +125,9 @@ def main() -> None:
     ap.add_argument("--model", help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--dtypes", default="float32,bfloat16", help="tokenmill dtypes to run (comma list)")
+    ap.add_argument("--hf-dtypes", default="float32", help="transformers dtypes (comma list; auto = as stored); the first is the ratios' base")
+    ap.add_argument("--hf16", choices=("bf16", "fp16"), help="run an HF folder of --model saved in this dtype")
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tokenmill-bench", help="where --hf16 folders are kept")
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -96,24 +137,28 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     from tokenmill.loader import default_model_path
 
-    path = args.model or default_model_path()
+    path = str(args.model or default_model_path())
+    if args.hf16:
+        path = make_hf16(path, args.hf16, args.cache)
     c, n_out = args.concurrency, 128
     varied = [prompt_ids(16 + (i * 37) % 96, 100 + i) for i in range(c)]
     same = [prompt_ids(64, 100 + i) for i in range(c)]
 
-    ref = run_transformers(path, args, same, n_out)
+    peers = {d: run_transformers(path, d, args, same, n_out) for d in args.hf_dtypes.split(",")}
+    ref = next(iter(peers.values()))
     bw = copy_bandwidth()
     results = {d: run_tokenmill(path, d, args, varied, n_out, bw) for d in args.dtypes.split(",")}
 
     print(f"model: {path}; torch threads {torch.get_num_threads()}")
-    print(f"copy bandwidth (read + write) {bw / 1e9:.1f} GB/s")
-    rows = [["metric", "transformers fp32"] + [f"tokenmill {d}" for d in results]]
-    rows.append(["single-stream decode tok/s", f"{ref['decode']:.1f}"] + [
+    print(f"copy bandwidth (read + write) {bw / 1e9:.1f} GB/s; ratios vs transformers {next(iter(peers))}")
+    rows = [["metric"] + [f"transformers {d}" for d in peers]
+            + [f"tokenmill {d} ({r['format']})" for d, r in results.items()]]
+    rows.append(["single-stream decode tok/s"] + [f"{p['decode']:.1f}" for p in peers.values()] + [
         f"{r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x; {r['decode'] / r['limit']:.0%} of bw limit {r['limit']:.0f})"
         for r in results.values()])
-    rows.append([f"prefill tok/s ({args.prefill_len}-token prompt)", f"{ref['prefill']:.0f}"] + [
+    rows.append([f"prefill tok/s ({args.prefill_len}-token prompt)"] + [f"{p['prefill']:.0f}" for p in peers.values()] + [
         f"{r['prefill']:.0f} ({r['prefill'] / ref['prefill']:.2f}x)" for r in results.values()])
-    rows.append([f"{c} concurrent x {n_out} out, tok/s", f"{ref['agg']:.0f}"] + [
+    rows.append([f"{c} concurrent x {n_out} out, tok/s"] + [f"{p['agg']:.0f}" for p in peers.values()] + [
         f"{r['agg']:.0f} ({r['agg'] / ref['agg']:.2f}x)" for r in results.values()])
     print(table(rows))
     print("weights read per decode step: " + ", ".join(f"{d} {r['wbytes'] / 1e6:.0f} MB" for d, r in results.items()))
