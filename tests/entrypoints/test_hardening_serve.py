@@ -131,3 +131,12 @@ def test_second_sigterm_cuts_streams_with_an_error_and_exits_1(tiny_llama_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_min_tokens_over_the_context_is_refused_when_max_tokens_is_unset(tiny_llm):
+    """Without max_tokens, min_tokens=10**12 was accepted and ran to the context limit."""
+    from tokenmill import SamplingParams
+    from tokenmill.errors import ContextLengthError
+
+    with pytest.raises(ContextLengthError, match="min_tokens"):
+        tiny_llm.generate(["hi"], SamplingParams(max_tokens=None, min_tokens=10**12))
