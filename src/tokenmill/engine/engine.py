@@ -87,6 +87,7 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if self.processor.has_parent(request_id):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = params.truncate_prompt(prompt_token_ids)  # idempotent: LLM did too
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         check_params(params, self.vocab_size, self.config.max_logprobs)
         max_tokens = resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len)
