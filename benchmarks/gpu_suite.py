@@ -278,13 +278,17 @@ def profile_decode_b1(run: Run, engine, shape: Shape, top: int = 15) -> dict:
 
     p = prompts(1, run.sizes.b1_prompt, shape.vocab, 1)
     generate(engine, p, 9)  # warm-up
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if run.device.type == "cuda" else [])
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if run.device.type == "cuda" else []
+    )
     with profile(activities=activities) as prof:
         wall = timed(run.device, lambda: generate(engine, p, 9))
     events = list(prof.key_averages())
     attr = "self_cpu_time_total"  # self times: a parent op does not count its kernels again
     if run.device.type == "cuda":
-        attr = next(a for a in ("self_device_time_total", "self_cuda_time_total") if hasattr(events[0], a))
+        attr = next(
+            a for a in ("self_device_time_total", "self_cuda_time_total") if hasattr(events[0], a)
+        )
     events.sort(key=lambda e: getattr(e, attr), reverse=True)
     total_us = sum(getattr(e, attr) for e in events)
     kernels = [(e.key[:80], e.count, round(getattr(e, attr) / 9, 1)) for e in events[:top]]
@@ -444,7 +448,9 @@ def run_shape(run: Run, name: str, rates: dict, res: dict) -> None:
                 finally:
                     engine.overlap = True
 
-            run.stage(res, "tm_offline_{}x{}+{}_sync".format(*s.offline[-1]), offline_sync, *s.offline[-1])
+            run.stage(
+                res, "tm_offline_{}x{}+{}_sync".format(*s.offline[-1]), offline_sync, *s.offline[-1]
+            )
         engine = None
         free()  # the KV cache and tokenmill's weights, before transformers allocates its cache
     if hf is not None:
@@ -527,8 +533,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", help="tokenmill dtype (auto: bf16 on CUDA)")
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
-                    help="tokenmill's asynchronous scheduling (auto: on for CUDA)")
+    ap.add_argument(
+        "--async-scheduling",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="tokenmill's asynchronous scheduling (auto: on for CUDA)",
+    )
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument(

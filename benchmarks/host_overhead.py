@@ -128,16 +128,35 @@ def instrument(engine) -> Phases:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seqs", type=int, default=256, help="concurrent requests (default 256)")
     ap.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (default 512)")
-    ap.add_argument("--out-tokens", type=int, default=64, help="output tokens per request (default 64)")
-    ap.add_argument("--vocab", type=int, default=32000, help="vocabulary of the null model (default 32000)")
-    ap.add_argument("--eager", dest="padded", action="store_false", help="eager input path, not the padded (CUDA-graph) one")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="engine max_model_len: the padded path's block-table width (default: just enough; "
-                         "131072 is Llama 3's own limit, what a server gets by default)")
-    ap.add_argument("--prefix-caching", action="store_true", help="turn the prefix cache on (off by default, as gpu_suite)")
+    ap.add_argument(
+        "--out-tokens", type=int, default=64, help="output tokens per request (default 64)"
+    )
+    ap.add_argument(
+        "--vocab", type=int, default=32000, help="vocabulary of the null model (default 32000)"
+    )
+    ap.add_argument(
+        "--eager",
+        dest="padded",
+        action="store_false",
+        help="eager input path, not the padded (CUDA-graph) one",
+    )
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="engine max_model_len: the padded path's block-table width (default: just enough; "
+        "131072 is Llama 3's own limit, what a server gets by default)",
+    )
+    ap.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="turn the prefix cache on (off by default, as gpu_suite)",
+    )
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the decode steps")
     args = ap.parse_args()
 
@@ -147,14 +166,19 @@ def main() -> None:
     torch.set_num_threads(1)  # host work is one thread; keep torch's pool out of the picture
     engine = build_engine(args)
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(3, args.vocab - 1, (args.seqs, args.prompt_tokens), generator=g).tolist()
+    prompts = torch.randint(
+        3, args.vocab - 1, (args.seqs, args.prompt_tokens), generator=g
+    ).tolist()
     params = SamplingParams(
         temperature=0, max_tokens=args.out_tokens, ignore_eos=True, detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
     )  # fmt: skip
     for p in prompts:
         engine.add_request(p, params)
-    while any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values()) or engine.scheduler.waiting:
+    while (
+        any(r.num_output_tokens == 0 for r in engine.scheduler.requests.values())
+        or engine.scheduler.waiting
+    ):
         engine.step()  # prefill: not what this script measures
     phases = instrument(engine)
     profiler = None
@@ -178,7 +202,9 @@ def main() -> None:
         rows.append([name, f"{sec / steps * 1e3:.3f}", f"{sec / total:.0%}"])
     rows.append(["whole step", f"{total / steps * 1e3:.3f}", "100%"])
     path = "padded (CUDA-graph inputs)" if args.padded else "eager inputs"
-    print(f"{args.seqs} sequences x {args.out_tokens - 1} decode steps, {path}, null model, one thread")
+    print(
+        f"{args.seqs} sequences x {args.out_tokens - 1} decode steps, {path}, null model, one thread"
+    )
     print(table(rows))
 
 

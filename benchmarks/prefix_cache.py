@@ -23,13 +23,17 @@ from common import table  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.sampling_params import RequestOutputKind  # noqa: E402
 
-WORDS = ("river mountain policy engine garden theory market signal harbor lantern "
-         "quartz meadow circuit ledger violin canyon orbit fabric glacier compass").split()
+WORDS = (
+    "river mountain policy engine garden theory market signal harbor lantern "
+    "quartz meadow circuit ledger violin canyon orbit fabric glacier compass"
+).split()
 
 
 def system_prompt(n_words: int) -> str:
     rng = random.Random(0)
-    return "You are a careful assistant. Background notes: " + " ".join(rng.choice(WORDS) for _ in range(n_words))
+    return "You are a careful assistant. Background notes: " + " ".join(
+        rng.choice(WORDS) for _ in range(n_words)
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -39,8 +43,9 @@ def percentile(values: list[float], q: float) -> float:
 
 def run(llm: LLM, users: int, turns: int, out_tokens: int, system: str) -> dict[str, float]:
     eng = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=out_tokens, ignore_eos=True,
-                            output_kind=RequestOutputKind.DELTA)
+    params = SamplingParams(
+        temperature=0, max_tokens=out_tokens, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
     convs = [[{"role": "system", "content": system}] for _ in range(users)]
     turn_of = [0] * users
     pending: dict[str, tuple[int, float]] = {}
@@ -50,8 +55,13 @@ def run(llm: LLM, users: int, turns: int, out_tokens: int, system: str) -> dict[
     produced = 0
 
     def submit(u: int) -> None:
-        convs[u].append({"role": "user", "content": f"Question {turn_of[u] + 1} from user {u}: "
-                                                     f"summarize the notes about {WORDS[(u + turn_of[u]) % len(WORDS)]}."})
+        convs[u].append(
+            {
+                "role": "user",
+                "content": f"Question {turn_of[u] + 1} from user {u}: "
+                f"summarize the notes about {WORDS[(u + turn_of[u]) % len(WORDS)]}.",
+            }
+        )
         ids = llm.tokenizer.apply_chat_template(convs[u])
         rid = eng.add_request(ids, params, f"u{u}-t{turn_of[u]}")
         pending[rid] = (u, time.perf_counter())
@@ -70,19 +80,28 @@ def run(llm: LLM, users: int, turns: int, out_tokens: int, system: str) -> dict[
             if out.finished:
                 u, _ = pending.pop(rid)
                 produced += len(answers[rid])
-                convs[u].append({"role": "assistant", "content": llm.tokenizer.decode(answers[rid])})
+                convs[u].append(
+                    {"role": "assistant", "content": llm.tokenizer.decode(answers[rid])}
+                )
                 turn_of[u] += 1
                 if turn_of[u] < turns:
                     submit(u)
     wall = time.perf_counter() - start
     m = llm.get_prefix_cache_metrics()
-    return {"p50": percentile(ttfts, 0.5), "p95": percentile(ttfts, 0.95), "tput": produced / wall,
-            "wall": wall, "hit_rate": m["prefix_cache_hit_rate"],
-            "reused": m["prefix_cache_reused_tokens"]}
+    return {
+        "p50": percentile(ttfts, 0.5),
+        "p95": percentile(ttfts, 0.95),
+        "tput": produced / wall,
+        "wall": wall,
+        "hit_rate": m["prefix_cache_hit_rate"],
+        "reused": m["prefix_cache_reused_tokens"],
+    }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--users", type=int, default=8)
@@ -93,19 +112,50 @@ def main() -> None:
     system = system_prompt(args.system_words)
     results = {}
     for enabled in (True, False):
-        with LLM(args.model, dtype=args.dtype, enable_prefix_caching=enabled, max_model_len=4096) as llm:
-            n_sys = len(llm.tokenizer.apply_chat_template([{"role": "system", "content": system}], add_generation_prompt=False))
-            results["on" if enabled else "off"] = run(llm, args.users, args.turns, args.out_tokens, system)
+        with LLM(
+            args.model, dtype=args.dtype, enable_prefix_caching=enabled, max_model_len=4096
+        ) as llm:
+            n_sys = len(
+                llm.tokenizer.apply_chat_template(
+                    [{"role": "system", "content": system}], add_generation_prompt=False
+                )
+            )
+            results["on" if enabled else "off"] = run(
+                llm, args.users, args.turns, args.out_tokens, system
+            )
     on, off = results["on"], results["off"]
-    print(f"{args.users} users x {args.turns} turns, shared system prompt {n_sys} tokens, "
-          f"{args.out_tokens} output tokens per turn, dtype {args.dtype}")
-    rows = [["prefix caching", "TTFT p50 s", "TTFT p95 s", "output tok/s", "wall s", "hit rate", "reused tokens"]]
+    print(
+        f"{args.users} users x {args.turns} turns, shared system prompt {n_sys} tokens, "
+        f"{args.out_tokens} output tokens per turn, dtype {args.dtype}"
+    )
+    rows = [
+        [
+            "prefix caching",
+            "TTFT p50 s",
+            "TTFT p95 s",
+            "output tok/s",
+            "wall s",
+            "hit rate",
+            "reused tokens",
+        ]
+    ]
     for name, r in results.items():
-        rows.append([name, f"{r['p50']:.2f}", f"{r['p95']:.2f}", f"{r['tput']:.1f}", f"{r['wall']:.1f}",
-                     f"{r['hit_rate']:.0%}", str(r["reused"])])
+        rows.append(
+            [
+                name,
+                f"{r['p50']:.2f}",
+                f"{r['p95']:.2f}",
+                f"{r['tput']:.1f}",
+                f"{r['wall']:.1f}",
+                f"{r['hit_rate']:.0%}",
+                str(r["reused"]),
+            ]
+        )
     print(table(rows))
-    print(f"on/off: TTFT p50 {off['p50'] / on['p50']:.1f}x faster, p95 {off['p95'] / on['p95']:.1f}x faster, "
-          f"throughput {on['tput'] / off['tput']:.2f}x")
+    print(
+        f"on/off: TTFT p50 {off['p50'] / on['p50']:.1f}x faster, p95 {off['p95'] / on['p95']:.1f}x faster, "
+        f"throughput {on['tput'] / off['tput']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -66,11 +66,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
-
 def start_tokenmill(model: str, port: int, extra: list[str] = ()) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", model, "--port",
-           str(port), "--log-level", "warning", "--max-queued-requests", "4096", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.entrypoints.cli",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--max-queued-requests",
+        "4096",
+        *extra,
+    ]
     proc = subprocess.Popen(cmd)
     wait_healthy(f"http://127.0.0.1:{port}/health", proc)
     return proc
@@ -103,15 +113,21 @@ def random_prompts(tokenizer, n: int, length: int, seed: int) -> list[list[int]]
     return prompts
 
 
-WORDS = ("time person year way day thing man world life hand part child eye woman place work "
-         "week case point government company number group problem fact river stone light "
-         "music garden window paper story city road market water forest").split()
+WORDS = (
+    "time person year way day thing man world life hand part child eye woman place work "
+    "week case point government company number group problem fact river stone light "
+    "music garden window paper story city road market water forest"
+).split()
 
 
 async def one_request(client, target: Target, prompt, max_tokens: int):
     start = time.perf_counter()
     stream = await client.completions.create(
-        model=target.model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+        model=target.model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
         extra_body=target.extra,
         **({"stream_options": {"include_usage": True}} if target.usage else {}),
     )
@@ -130,8 +146,7 @@ async def one_request(client, target: Target, prompt, max_tokens: int):
 async def run_level(target: Target, prompts: list, concurrency: int, max_tokens: int) -> Level:
     import openai
 
-    client = openai.AsyncOpenAI(base_url=target.base_url, api_key="x", max_retries=0,
-                                timeout=600)
+    client = openai.AsyncOpenAI(base_url=target.base_url, api_key="x", max_retries=0, timeout=600)
     todo = list(prompts)
     ttft, itl, tokens = [], [], 0
 
@@ -169,24 +184,36 @@ def pct(values: list[float], q: float) -> float:
 
 
 def report(results: dict[str, dict[int, Level]], args) -> None:
-    rows = [["server", "conc", "TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms", "ITL mean ms",
-             "out tok/s"]]
+    rows = [
+        ["server", "conc", "TTFT mean ms", "TTFT p50 ms", "TTFT p99 ms", "ITL mean ms", "out tok/s"]
+    ]
     for name, levels in results.items():
         for c, lv in levels.items():
-            rows.append([name, str(c), f"{1e3 * statistics.fmean(lv.ttft):.0f}",
-                         f"{1e3 * pct(lv.ttft, 0.5):.0f}", f"{1e3 * pct(lv.ttft, 0.99):.0f}",
-                         f"{1e3 * statistics.fmean(lv.itl or [float('nan')]):.1f}",
-                         f"{lv.tokens_per_s:.1f}"])
+            rows.append(
+                [
+                    name,
+                    str(c),
+                    f"{1e3 * statistics.fmean(lv.ttft):.0f}",
+                    f"{1e3 * pct(lv.ttft, 0.5):.0f}",
+                    f"{1e3 * pct(lv.ttft, 0.99):.0f}",
+                    f"{1e3 * statistics.fmean(lv.itl or [float('nan')]):.1f}",
+                    f"{lv.tokens_per_s:.1f}",
+                ]
+            )
     print()
     print(table(rows))
     if "tokenmill" in results and "llama.cpp" in results:
-        rows = [["conc", "TTFT (tm / llama.cpp)", "ITL (tm / llama.cpp)",
-                 "tok/s (tm / llama.cpp)"]]
+        rows = [["conc", "TTFT (tm / llama.cpp)", "ITL (tm / llama.cpp)", "tok/s (tm / llama.cpp)"]]
         for c in args.concurrency:
             tm, lc = results["tokenmill"][c], results["llama.cpp"][c]
-            rows.append([str(c), f"{statistics.fmean(tm.ttft) / statistics.fmean(lc.ttft):.2f}",
-                         f"{statistics.fmean(tm.itl) / statistics.fmean(lc.itl):.2f}",
-                         f"{tm.tokens_per_s / lc.tokens_per_s:.2f}"])
+            rows.append(
+                [
+                    str(c),
+                    f"{statistics.fmean(tm.ttft) / statistics.fmean(lc.ttft):.2f}",
+                    f"{statistics.fmean(tm.itl) / statistics.fmean(lc.itl):.2f}",
+                    f"{tm.tokens_per_s / lc.tokens_per_s:.2f}",
+                ]
+            )
         print()
         print("ratios (< 1 is better for latency, > 1 is better for tok/s):")
         print(table(rows))
@@ -199,8 +226,11 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tokenmill-args", default="",
-                        help="extra `tokenmill serve` flags, e.g. '--max-num-batched-tokens 512'")
+    parser.add_argument(
+        "--tokenmill-args",
+        default="",
+        help="extra `tokenmill serve` flags, e.g. '--max-num-batched-tokens 512'",
+    )
     parser.add_argument("--no-peer", action="store_true", help="skip llama.cpp's server")
     args = parser.parse_args()
 
@@ -210,18 +240,24 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(Path(model).parent), gguf_file=Path(model).name)
-    prompt_sets = {c: random_prompts(tok, max(4, 2 * c), args.prompt_len, args.seed + c)
-                   for c in [1, *args.concurrency]}
-    print(f"model {model}; prompts of {args.prompt_len} tokens, {args.max_tokens} output "
-          f"tokens, greedy; {os.cpu_count()} CPUs", flush=True)
+    prompt_sets = {
+        c: random_prompts(tok, max(4, 2 * c), args.prompt_len, args.seed + c)
+        for c in [1, *args.concurrency]
+    }
+    print(
+        f"model {model}; prompts of {args.prompt_len} tokens, {args.max_tokens} output "
+        f"tokens, greedy; {os.cpu_count()} CPUs",
+        flush=True,
+    )
 
     results: dict[str, dict[int, Level]] = {}
     port = free_port()
     proc = start_tokenmill(model, port, shlex.split(args.tokenmill_args))
     try:
         name = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
-        target = Target("tokenmill", f"http://127.0.0.1:{port}/v1", name,
-                        {"ignore_eos": True}, usage=True)
+        target = Target(
+            "tokenmill", f"http://127.0.0.1:{port}/v1", name, {"ignore_eos": True}, usage=True
+        )
         results["tokenmill"] = bench(target, prompt_sets, args)
     finally:
         stop(proc)
@@ -229,8 +265,10 @@ def main() -> int:
     if args.no_peer:
         pass
     elif importlib.util.find_spec("llama_cpp") is None:
-        print("\nllama.cpp: skipped (llama-cpp-python[server] is not installed; "
-              "`pip install 'llama-cpp-python[server]'` to compare on the same GGUF)")
+        print(
+            "\nllama.cpp: skipped (llama-cpp-python[server] is not installed; "
+            "`pip install 'llama-cpp-python[server]'` to compare on the same GGUF)"
+        )
     else:
         port = free_port()
         n_ctx = args.prompt_len + args.max_tokens + 64

@@ -24,47 +24,80 @@ from common import table  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.structured_output import StructuredOutputsParams  # noqa: E402
 
-ITEM = {"type": "object", "properties": {
-    "name": {"type": "string", "maxLength": 16},
-    "quantity": {"type": "integer", "minimum": 0, "maximum": 999},
-    "price": {"type": "number", "minimum": 0, "maximum": 10000},
-    "category": {"enum": ["food", "tools", "toys", "books"]}},
-    "required": ["name", "quantity", "price", "category"]}
-INVENTORY = {"type": "object", "properties": {
-    "store": {"type": "string", "maxLength": 24},
-    "items": {"type": "array", "items": ITEM, "minItems": 100}},
-    "required": ["store", "items"]}
+ITEM = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "quantity": {"type": "integer", "minimum": 0, "maximum": 999},
+        "price": {"type": "number", "minimum": 0, "maximum": 10000},
+        "category": {"enum": ["food", "tools", "toys", "books"]},
+    },
+    "required": ["name", "quantity", "price", "category"],
+}
+INVENTORY = {
+    "type": "object",
+    "properties": {
+        "store": {"type": "string", "maxLength": 24},
+        "items": {"type": "array", "items": ITEM, "minItems": 100},
+    },
+    "required": ["store", "items"],
+}
 
 COMPILE_SCHEMAS = {
     "inventory (nested, array)": INVENTORY,
-    "person (3 fields)": {"type": "object", "properties": {
-        "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
-        "email": {"type": "string", "format": "email"}}, "required": ["name", "age"]},
+    "person (3 fields)": {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer", "minimum": 0},
+            "email": {"type": "string", "format": "email"},
+        },
+        "required": ["name", "age"],
+    },
     "enum": {"enum": ["red", "green", "blue"]},
-    "bounded numbers": {"type": "object", "properties": {
-        "lat": {"type": "number", "minimum": -90, "maximum": 90},
-        "lon": {"type": "number", "minimum": -180, "maximum": 180}}},
-    "anyOf + $defs": {"$defs": {"leaf": {"type": "object", "properties": {
-        "v": {"type": "integer"}}}}, "anyOf": [{"$ref": "#/$defs/leaf"},
-                                              {"type": "array", "items": {"$ref": "#/$defs/leaf"}}]},
+    "bounded numbers": {
+        "type": "object",
+        "properties": {
+            "lat": {"type": "number", "minimum": -90, "maximum": 90},
+            "lon": {"type": "number", "minimum": -180, "maximum": 180},
+        },
+    },
+    "anyOf + $defs": {
+        "$defs": {"leaf": {"type": "object", "properties": {"v": {"type": "integer"}}}},
+        "anyOf": [{"$ref": "#/$defs/leaf"}, {"type": "array", "items": {"$ref": "#/$defs/leaf"}}],
+    },
     "json_object": None,
 }
 
-TOPICS = ["a hardware store", "a bakery", "a toy shop", "a bookshop", "a market stall",
-          "a pharmacy", "a garden centre", "a kiosk"]
+TOPICS = [
+    "a hardware store",
+    "a bakery",
+    "a toy shop",
+    "a bookshop",
+    "a market stall",
+    "a pharmacy",
+    "a garden centre",
+    "a kiosk",
+]
 
 
 def prompts(llm: LLM, n: int) -> list[dict]:
     out = []
     for i in range(n):
         text = f"List the inventory of {TOPICS[i % len(TOPICS)]} number {i} as JSON."
-        out.append({"prompt_token_ids": llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}])})
+        out.append(
+            {
+                "prompt_token_ids": llm.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}]
+                )
+            }
+        )
     return out
 
 
-def timed_runs(llm: LLM, batch: list[dict], runs: dict[str, SamplingParams], repeat: int
-               ) -> dict[str, float]:
+def timed_runs(
+    llm: LLM, batch: list[dict], runs: dict[str, SamplingParams], repeat: int
+) -> dict[str, float]:
     """Median tokens/s per run; the runs alternate, so load drift hits them alike."""
     rates: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeat):
@@ -85,12 +118,16 @@ class GrammarClock:
         self.seconds = {"fill": 0.0, "apply": 0.0, "advance": 0.0}
         self.steps = 0
         manager, engine = llm.engine.structured, llm.engine
-        for key, owner, name in (("fill", manager, "_fill"), ("advance", manager, "advance"),
-                                 (None, engine, "step")):
+        for key, owner, name in (
+            ("fill", manager, "_fill"),
+            ("advance", manager, "advance"),
+            (None, engine, "step"),
+        ):
             setattr(owner, name, self._wrap(key, getattr(owner, name)))
         sampler = engine.runner.sampler  # holds the processor itself, not the attribute
-        sampler.processors = tuple(self._wrap("apply", p) if p == manager.mask_logits else p
-                                   for p in sampler.processors)
+        sampler.processors = tuple(
+            self._wrap("apply", p) if p == manager.mask_logits else p for p in sampler.processors
+        )
 
     def _wrap(self, key, fn):
         def timed(*args, **kwargs):
@@ -102,6 +139,7 @@ class GrammarClock:
                     self.steps += 1
                 else:
                     self.seconds[key] += time.perf_counter() - start
+
         return timed
 
     def per_step_ms(self) -> dict[str, float]:
@@ -115,8 +153,11 @@ def compile_times(llm: LLM) -> list[list[str]]:
     backend.ll_tokenizer  # noqa: B018 - built on the first compile
     rows = [["tokenizer trie (once per engine)", f"{(time.perf_counter() - start) * 1e3:.0f}"]]
     for name, schema in COMPILE_SCHEMAS.items():
-        guide = (StructuredOutputsParams(json_object=True) if schema is None
-                 else StructuredOutputsParams(json=schema))
+        guide = (
+            StructuredOutputsParams(json_object=True)
+            if schema is None
+            else StructuredOutputsParams(json=schema)
+        )
         spec = guide.spec()
         start = time.perf_counter()
         backend.validate(spec)
@@ -142,26 +183,37 @@ def main() -> None:
 
     batch = prompts(llm, args.concurrency)
     plain = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    guided = SamplingParams(temperature=0, max_tokens=args.max_tokens,
-                            structured_outputs=StructuredOutputsParams(json=INVENTORY))
+    guided = SamplingParams(
+        temperature=0,
+        max_tokens=args.max_tokens,
+        structured_outputs=StructuredOutputsParams(json=INVENTORY),
+    )
     llm.generate(batch[:2], [plain, guided])  # warm-up (and the inventory grammar's compile)
     rates = timed_runs(llm, batch, {"unconstrained": plain, "JSON schema": guided}, args.repeat)
     free, constrained = rates["unconstrained"], rates["JSON schema"]
-    print(f"\n{args.concurrency} concurrent requests x {args.max_tokens} tokens, greedy "
-          f"(median of {args.repeat}, alternating):")
-    print(table([
-        ["run", "tokens/s", "vs unconstrained"],
-        ["unconstrained", f"{free:.1f}", "1.00"],
-        ["JSON schema", f"{constrained:.1f}", f"{constrained / free:.2f}"],
-    ]))
+    print(
+        f"\n{args.concurrency} concurrent requests x {args.max_tokens} tokens, greedy "
+        f"(median of {args.repeat}, alternating):"
+    )
+    print(
+        table(
+            [
+                ["run", "tokens/s", "vs unconstrained"],
+                ["unconstrained", f"{free:.1f}", "1.00"],
+                ["JSON schema", f"{constrained:.1f}", f"{constrained / free:.2f}"],
+            ]
+        )
+    )
     clock = GrammarClock(llm)
     start = time.perf_counter()
     llm.generate(batch, guided)
     step_ms = (time.perf_counter() - start) * 1e3 / max(clock.steps, 1)
     parts = clock.per_step_ms()
-    print(f"\ngrammar work per engine step (ms; a step takes {step_ms:.1f}): "
-          + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
-          + " (fill overlaps the forward pass)")
+    print(
+        f"\ngrammar work per engine step (ms; a step takes {step_ms:.1f}): "
+        + ", ".join(f"{k} {v:.2f}" for k, v in parts.items())
+        + " (fill overlaps the forward pass)"
+    )
 
 
 if __name__ == "__main__":

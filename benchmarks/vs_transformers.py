@@ -32,7 +32,9 @@ def load_hf(path: str, dtype: str = "float32"):
 
     p, dt = Path(path), dtype if dtype == "auto" else getattr(torch, dtype)
     if p.suffix == ".gguf":
-        return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dt).eval()
+        return AutoModelForCausalLM.from_pretrained(
+            str(p.parent), gguf_file=p.name, dtype=dt
+        ).eval()
     return AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval()
 
 
@@ -60,14 +62,18 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     every linear, the embedding table only when it is also the output head (tied)."""
     from tokenmill.layers.linear import Linear, VocabEmbedding
 
-    tied = not any(isinstance(m, Linear) and n.endswith("lm_head") for n, m in model.named_modules())
+    tied = not any(
+        isinstance(m, Linear) and n.endswith("lm_head") for n, m in model.named_modules()
+    )
     total, seen = 0, set()
     for name, m in model.named_modules():
         if isinstance(m, (Linear, VocabEmbedding)):
             seen.update(f"{name}.{p}" for p, _ in m.named_parameters(recurse=False))
             if isinstance(m, Linear) or tied:
                 total += m.method.weight_bytes(m)
-    return total + sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in seen)
+    return total + sum(
+        p.numel() * p.element_size() for n, p in model.named_parameters() if n not in seen
+    )
 
 
 def prompt_ids(n: int, seed: int) -> list[int]:
@@ -84,8 +90,14 @@ def tm_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> int:
 @torch.inference_mode()
 def hf_run(model, prompts: list[list[int]], max_tokens: int) -> int:
     ids = torch.tensor(prompts)  # equal lengths: no padding needed
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
-                         min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        pad_token_id=0,
+    )
     return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
 
@@ -102,15 +114,21 @@ def measure(run, model, args) -> dict[str, float]:
     }
 
 
-def run_transformers(path: str, dtype: str, args, prompts: list[list[int]], n_out: int) -> dict[str, float]:
+def run_transformers(
+    path: str, dtype: str, args, prompts: list[list[int]], n_out: int
+) -> dict[str, float]:
     hf = load_hf(path, dtype)
     res = measure(hf_run, hf, args)
     res["agg"] = len(prompts) * n_out / best_of(lambda: hf_run(hf, prompts, n_out), 1)
     return res
 
 
-def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: int, bw: float) -> dict[str, float]:
-    with LLM(path, dtype=dtype, enable_prefix_caching=False) as llm:  # measure compute, not cache hits
+def run_tokenmill(
+    path: str, dtype: str, args, prompts: list[list[int]], n_out: int, bw: float
+) -> dict[str, float]:
+    with LLM(
+        path, dtype=dtype, enable_prefix_caching=False
+    ) as llm:  # measure compute, not cache hits
         wbytes = decode_weight_bytes(llm.engine.loaded.model)
         res = measure(tm_run, llm, args)
         res["format"] = f"{llm.engine.loaded.quantization}/{str(llm.engine.loaded.dtype)[6:]}"
@@ -121,13 +139,30 @@ def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", help="GGUF file or HF folder (default: embedded SmolLM2-135M)")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--dtypes", default="float32,bfloat16", help="tokenmill dtypes to run (comma list)")
-    ap.add_argument("--hf-dtypes", default="float32", help="transformers dtypes (comma list; auto = as stored); the first is the ratios' base")
-    ap.add_argument("--hf16", choices=("bf16", "fp16"), help="run an HF folder of --model saved in this dtype")
-    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tokenmill-bench", help="where --hf16 folders are kept")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
+    ap.add_argument(
+        "--dtypes", default="float32,bfloat16", help="tokenmill dtypes to run (comma list)"
+    )
+    ap.add_argument(
+        "--hf-dtypes",
+        default="float32",
+        help="transformers dtypes (comma list; auto = as stored); the first is the ratios' base",
+    )
+    ap.add_argument(
+        "--hf16", choices=("bf16", "fp16"), help="run an HF folder of --model saved in this dtype"
+    )
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=Path.home() / ".cache" / "tokenmill-bench",
+        help="where --hf16 folders are kept",
+    )
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -150,20 +185,41 @@ def main() -> None:
     results = {d: run_tokenmill(path, d, args, varied, n_out, bw) for d in args.dtypes.split(",")}
 
     print(f"model: {path}; torch threads {torch.get_num_threads()}")
-    print(f"copy bandwidth (read + write) {bw / 1e9:.1f} GB/s; ratios vs transformers {next(iter(peers))}")
-    rows = [["metric"] + [f"transformers {d}" for d in peers]
-            + [f"tokenmill {d} ({r['format']})" for d, r in results.items()]]
-    rows.append(["single-stream decode tok/s"] + [f"{p['decode']:.1f}" for p in peers.values()] + [
-        f"{r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x; {r['decode'] / r['limit']:.0%} of bw limit {r['limit']:.0f})"
-        for r in results.values()])
-    rows.append([f"prefill tok/s ({args.prefill_len}-token prompt)"] + [f"{p['prefill']:.0f}" for p in peers.values()] + [
-        f"{r['prefill']:.0f} ({r['prefill'] / ref['prefill']:.2f}x)" for r in results.values()])
-    rows.append([f"{c} concurrent x {n_out} out, tok/s"] + [f"{p['agg']:.0f}" for p in peers.values()] + [
-        f"{r['agg']:.0f} ({r['agg'] / ref['agg']:.2f}x)" for r in results.values()])
+    print(
+        f"copy bandwidth (read + write) {bw / 1e9:.1f} GB/s; ratios vs transformers {next(iter(peers))}"
+    )
+    rows = [
+        ["metric"]
+        + [f"transformers {d}" for d in peers]
+        + [f"tokenmill {d} ({r['format']})" for d, r in results.items()]
+    ]
+    rows.append(
+        ["single-stream decode tok/s"]
+        + [f"{p['decode']:.1f}" for p in peers.values()]
+        + [
+            f"{r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x; {r['decode'] / r['limit']:.0%} of bw limit {r['limit']:.0f})"
+            for r in results.values()
+        ]
+    )
+    rows.append(
+        [f"prefill tok/s ({args.prefill_len}-token prompt)"]
+        + [f"{p['prefill']:.0f}" for p in peers.values()]
+        + [f"{r['prefill']:.0f} ({r['prefill'] / ref['prefill']:.2f}x)" for r in results.values()]
+    )
+    rows.append(
+        [f"{c} concurrent x {n_out} out, tok/s"]
+        + [f"{p['agg']:.0f}" for p in peers.values()]
+        + [f"{r['agg']:.0f} ({r['agg'] / ref['agg']:.2f}x)" for r in results.values()]
+    )
     print(table(rows))
-    print("weights read per decode step: " + ", ".join(f"{d} {r['wbytes'] / 1e6:.0f} MB" for d, r in results.items()))
-    print("(transformers' concurrent run is one batched generate over equal-length 64-token prompts; "
-          "tokenmill's prompts have different lengths, 16-111 tokens, scheduled continuously)")
+    print(
+        "weights read per decode step: "
+        + ", ".join(f"{d} {r['wbytes'] / 1e6:.0f} MB" for d, r in results.items())
+    )
+    print(
+        "(transformers' concurrent run is one batched generate over equal-length 64-token prompts; "
+        "tokenmill's prompts have different lengths, 16-111 tokens, scheduled continuously)"
+    )
 
 
 if __name__ == "__main__":

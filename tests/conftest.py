@@ -113,7 +113,9 @@ def tiny_llama_dir(tmp_path_factory, smollm2_hf_tokenizer) -> Path:
 def tiny_llm(tiny_llama_dir):
     from tokenmill import LLM
 
-    llm = LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=4)
+    llm = LLM(
+        str(tiny_llama_dir), dtype="float32", max_model_len=256, num_kv_blocks=64, block_size=4
+    )
     yield llm
     llm.close()
 

@@ -30,8 +30,13 @@ class PagedRunner:
     """Flattened forward steps of several sequences; ``backend``: the attention backend
     (None: the reference)."""
 
-    def __init__(self, model: CausalLM, num_blocks: int = 96, seed: int = 0,
-                 backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int = 96,
+        seed: int = 0,
+        backend: AttentionBackend | None = None,
+    ) -> None:
         self.model = model
         self.backend = backend or REFERENCE
         shape = (2, num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_dim)

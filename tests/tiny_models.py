@@ -14,9 +14,17 @@ def make_tiny_llama(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
 
     torch.manual_seed(seed)
     cfg = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.2,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
     )
     cfg.update(overrides)
     model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()

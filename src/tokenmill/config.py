@@ -89,8 +89,13 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes",
-                     "num_kv_blocks", "long_prefill_token_threshold"):
+        for name in (
+            "max_model_len",
+            "max_num_batched_tokens",
+            "kv_cache_memory_bytes",
+            "num_kv_blocks",
+            "long_prefill_token_threshold",
+        ):
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)

@@ -118,8 +118,9 @@ class LLM:
         from tokenmill.entrypoints.openai.launcher import OpenAIServer
         from tokenmill.entrypoints.openai.state import ServerConfig
 
-        server = OpenAIServer(self._live_engine(), ServerConfig(host=host, port=port,
-                                                                **server_options))
+        server = OpenAIServer(
+            self._live_engine(), ServerConfig(host=host, port=port, **server_options)
+        )
         self._server = server
         try:
             server.run()
@@ -151,8 +152,11 @@ class LLM:
             for (text, token_ids), p, opts in zip(items, params, options):
                 p = p.clone()
                 p.output_kind = RequestOutputKind.FINAL_ONLY
-                ids.append(engine.add_request(p.truncate_prompt(token_ids), p, self._next_id(),
-                                              prompt=text, options=opts))
+                ids.append(
+                    engine.add_request(
+                        p.truncate_prompt(token_ids), p, self._next_id(), prompt=text, options=opts
+                    )
+                )
             return self._run_to_completion(ids, use_tqdm)
         except BaseException:
             for rid in ids:
@@ -199,8 +203,9 @@ class LLM:
         [(text, token_ids)] = normalize_prompts(prompt, self.tokenizer)[:1]
         [opts] = request_options(prompt)[:1]
         params = sampling_params or self.get_default_sampling_params()
-        rid = engine.add_request(params.truncate_prompt(token_ids), params, self._next_id(),
-                                 prompt=text, options=opts)
+        rid = engine.add_request(
+            params.truncate_prompt(token_ids), params, self._next_id(), prompt=text, options=opts
+        )
         return self._stream(engine, rid, time.time())
 
     def _stream(self, engine: LLMEngine, rid: str, arrival: float) -> Iterator[RequestOutput]:
@@ -214,8 +219,9 @@ class LLM:
                         now = time.time()
                         if first_token is None and any(c.token_ids for c in out.outputs):
                             first_token = now
-                        out.metrics.update(_metrics(arrival, now if finished else None,
-                                                    first_token))
+                        out.metrics.update(
+                            _metrics(arrival, now if finished else None, first_token)
+                        )
                         yield out
                 if not engine.has_unfinished() and not finished:
                     break
@@ -223,8 +229,9 @@ class LLM:
             if not finished:
                 engine.abort(rid)
 
-    def _run_to_completion(self, ids: list[str], use_tqdm: bool | Callable[..., Any] = False
-                           ) -> list[RequestOutput]:
+    def _run_to_completion(
+        self, ids: list[str], use_tqdm: bool | Callable[..., Any] = False
+    ) -> list[RequestOutput]:
         engine = self._live_engine()
         arrival = time.time()
         done: dict[str, RequestOutput] = {}
@@ -261,8 +268,9 @@ def _progress_bar(use_tqdm: bool | Callable[..., Any], total: int):
     return tqdm(total=total, desc="Processed prompts", unit="prompt", dynamic_ncols=True)
 
 
-def _metrics(arrival: float, finished: float | None, first_token: float | None = None
-             ) -> dict[str, float]:
+def _metrics(
+    arrival: float, finished: float | None, first_token: float | None = None
+) -> dict[str, float]:
     """``RequestOutput.metrics`` (wall-clock seconds since the epoch, as vLLM's): when the
     request was submitted, got its first token (streams only: a final-only output
     never sees it) and finished."""

@@ -131,28 +131,40 @@ class SamplingParams:
 
     def _normalize(self) -> None:
         self.n = _int("n", self.n)
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "presence_penalty",
+            "frequency_penalty",
+        ):
             setattr(self, name, _finite(name, getattr(self, name)))
         self.top_k = _int("top_k", self.top_k)
         if self.top_k == -1:
             self.top_k = 0
         if self.seed is not None:
             self.seed = _int("seed", self.seed)
-            _check(_SEED_MIN <= self.seed <= _SEED_MAX,
-                   f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}")
+            _check(
+                _SEED_MIN <= self.seed <= _SEED_MAX,
+                f"seed must be in [{_SEED_MIN}, {_SEED_MAX}], got {self.seed}",
+            )
             if self.seed == -1:
                 self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(self.stop is None or isinstance(self.stop, (list, tuple)),
-               f"stop must be a string or a list of strings, got {self.stop!r}")
+        _check(
+            self.stop is None or isinstance(self.stop, (list, tuple)),
+            f"stop must be a string or a list of strings, got {self.stop!r}",
+        )
         self.stop = list(self.stop or [])
         self.stop_token_ids = [_int("stop_token_ids entry", t) for t in self.stop_token_ids or []]
         self.logit_bias = _normalize_logit_bias(self.logit_bias)
         if self.guided_decoding is not None:
-            _check(self.structured_outputs in (None, self.guided_decoding),
-                   "set structured_outputs or its older name guided_decoding, not both")
+            _check(
+                self.structured_outputs in (None, self.guided_decoding),
+                "set structured_outputs or its older name guided_decoding, not both",
+            )
             self.structured_outputs = self.guided_decoding
         self.structured_outputs = _normalize_guide(self.structured_outputs)
         self.guided_decoding = self.structured_outputs
@@ -160,22 +172,29 @@ class SamplingParams:
     def _verify_vllm_names(self) -> None:
         if self.best_of is not None:
             self.best_of = _int("best_of", self.best_of)
-            _check(self.best_of == self.n,
-                   f"best_of={self.best_of} with n={self.n} is not supported: tokenmill "
-                   "returns every sequence it samples; ask for n sequences instead")
+            _check(
+                self.best_of == self.n,
+                f"best_of={self.best_of} with n={self.n} is not supported: tokenmill "
+                "returns every sequence it samples; ask for n sequences instead",
+            )
         if self.truncate_prompt_tokens is not None:
-            self.truncate_prompt_tokens = _int("truncate_prompt_tokens",
-                                               self.truncate_prompt_tokens)
-            _check(self.truncate_prompt_tokens >= 1,
-                   f"truncate_prompt_tokens must be >= 1 or None, got "
-                   f"{self.truncate_prompt_tokens}")
+            self.truncate_prompt_tokens = _int(
+                "truncate_prompt_tokens", self.truncate_prompt_tokens
+            )
+            _check(
+                self.truncate_prompt_tokens >= 1,
+                f"truncate_prompt_tokens must be >= 1 or None, got {self.truncate_prompt_tokens}",
+            )
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = [_int("allowed_token_ids entry", t)
-                                      for t in self.allowed_token_ids]
+            self.allowed_token_ids = [
+                _int("allowed_token_ids entry", t) for t in self.allowed_token_ids
+            ]
             _check(bool(self.allowed_token_ids), "allowed_token_ids must not be empty")
-        _check(not self.bad_words,
-               f"bad_words={self.bad_words!r} is not supported yet; ban single tokens with "
-               "logit_bias={token_id: -100}")
+        _check(
+            not self.bad_words,
+            f"bad_words={self.bad_words!r} is not supported yet; ban single tokens with "
+            "logit_bias={token_id: -100}",
+        )
         if self.logits_processors is not None:
             self.logits_processors = list(self.logits_processors)
             for f in self.logits_processors:
@@ -185,14 +204,15 @@ class SamplingParams:
         _check(self.n >= 1, f"n must be >= 1, got {self.n}")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0,
-               f"top_k must be >= -1 (0 or -1 disables it), got {self.top_k}")
+        _check(self.top_k >= 0, f"top_k must be >= -1 (0 or -1 disables it), got {self.top_k}")
         _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(-2 <= value <= 2, f"{name} must be in [-2, 2], got {value}")
-        _check(self.repetition_penalty > 0,
-               f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        _check(
+            self.repetition_penalty > 0,
+            f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+        )
 
     def _verify_lengths(self) -> None:
         if self.max_tokens is not None:
@@ -201,8 +221,10 @@ class SamplingParams:
         self.min_tokens = _int("min_tokens", self.min_tokens)
         _check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens,
-                   f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}",
+            )
 
     def _verify_logprobs(self) -> None:
         for name in ("logprobs", "prompt_logprobs"):
@@ -210,29 +232,41 @@ class SamplingParams:
             if value is None:
                 continue
             value = _int(name, value)
-            _check(0 <= value <= MAX_LOGPROBS,
-                   f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}")
+            _check(
+                0 <= value <= MAX_LOGPROBS,
+                f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value}",
+            )
             setattr(self, name, value)
 
     def _verify_stops(self) -> None:
         for s in self.stop:
-            _check(isinstance(s, str) and s != "",
-                   f"stop must contain only non-empty strings, got {s!r}")
+            _check(
+                isinstance(s, str) and s != "",
+                f"stop must contain only non-empty strings, got {s!r}",
+            )
         for t in self.stop_token_ids:
             _check(t >= 0, f"stop_token_ids must be >= 0, got {t}")
-        _check(self.detokenize or not self.stop,
-               "stop strings need detokenize=True (use stop_token_ids to stop on token ids)")
-        _check(isinstance(self.output_kind, RequestOutputKind),
-               f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
+        _check(
+            self.detokenize or not self.stop,
+            "stop strings need detokenize=True (use stop_token_ids to stop on token ids)",
+        )
+        _check(
+            isinstance(self.output_kind, RequestOutputKind),
+            f"output_kind must be a RequestOutputKind, got {self.output_kind!r}",
+        )
 
     def verify_for_vocab(self, vocab_size: int) -> None:
         """Raise if a token id given in the request is outside [0, vocab_size)."""
-        for name, ids in (("logit_bias", self.logit_bias or {}),
-                          ("stop_token_ids", self.stop_token_ids or []),
-                          ("allowed_token_ids", self.allowed_token_ids or [])):
+        for name, ids in (
+            ("logit_bias", self.logit_bias or {}),
+            ("stop_token_ids", self.stop_token_ids or []),
+            ("allowed_token_ids", self.allowed_token_ids or []),
+        ):
             for t in ids:
-                _check(0 <= t < vocab_size,
-                       f"{name} token id {t} is out of range: must be in [0, {vocab_size})")
+                _check(
+                    0 <= t < vocab_size,
+                    f"{name} token id {t} is out of range: must be in [0, {vocab_size})",
+                )
 
     # ---- derived ----------------------------------------------------------------
 
@@ -248,8 +282,11 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
-                or self.frequency_penalty != 0.0)
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
     @property
     def reads_output_tokens(self) -> bool:
@@ -271,9 +308,7 @@ class SamplingParams:
         return copy.deepcopy(self)
 
     @classmethod
-    def from_generation_config(
-        cls, gen_cfg: Mapping[str, Any], **overrides: Any
-    ) -> SamplingParams:
+    def from_generation_config(cls, gen_cfg: Mapping[str, Any], **overrides: Any) -> SamplingParams:
         """Defaults from a HF ``generation_config.json`` dict, then ``overrides`` on top.
 
         Only the sampling knobs in ``GENERATION_CONFIG_KEYS`` are read (``do_sample``
@@ -295,8 +330,11 @@ def generation_defaults(source: str, checkpoint: Mapping[str, Any] | None) -> Sa
         from pathlib import Path
 
         path = Path(source) / "generation_config.json"
-        _check(path.is_file(), f"generation_config={source!r}: no {path} (use auto, vllm "
-               "or a folder holding generation_config.json)")
+        _check(
+            path.is_file(),
+            f"generation_config={source!r}: no {path} (use auto, vllm "
+            "or a folder holding generation_config.json)",
+        )
         checkpoint = json.loads(path.read_text())
     return SamplingParams.from_generation_config(checkpoint) if checkpoint else SamplingParams()
 
@@ -307,14 +345,18 @@ def _check(ok: bool, message: str) -> None:
 
 
 def _int(name: str, value: Any) -> int:
-    _check(isinstance(value, numbers.Integral) and not isinstance(value, bool),
-           f"{name} must be an int, got {value!r}")
+    _check(
+        isinstance(value, numbers.Integral) and not isinstance(value, bool),
+        f"{name} must be an int, got {value!r}",
+    )
     return int(value)
 
 
 def _finite(name: str, value: Any) -> float:
-    _check(isinstance(value, numbers.Real) and not isinstance(value, bool),
-           f"{name} must be a number, got {value!r}")
+    _check(
+        isinstance(value, numbers.Real) and not isinstance(value, bool),
+        f"{name} must be a number, got {value!r}",
+    )
     _check(math.isfinite(value), f"{name} must be a finite number, got {value}")
     return float(value)
 
@@ -323,14 +365,18 @@ def _normalize_logit_bias(bias: Mapping[Any, Any] | None) -> dict[int, float] | 
     if bias is None:
         return None
     _check(isinstance(bias, Mapping), f"logit_bias must be a dict, got {type(bias).__name__}")
-    _check(len(bias) <= MAX_LOGIT_BIAS_ENTRIES,
-           f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS_ENTRIES} are allowed")
+    _check(
+        len(bias) <= MAX_LOGIT_BIAS_ENTRIES,
+        f"logit_bias has {len(bias)} entries, at most {MAX_LOGIT_BIAS_ENTRIES} are allowed",
+    )
     out: dict[int, float] = {}
     for key, value in bias.items():
         token = _token_key(key)
         value = _finite(f"logit_bias[{token}]", value)
-        _check(-LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE,
-               f"logit_bias[{token}] must be in [-100, 100], got {value}")
+        _check(
+            -LOGIT_BIAS_RANGE <= value <= LOGIT_BIAS_RANGE,
+            f"logit_bias[{token}] must be in [-100, 100], got {value}",
+        )
         out[token] = value
     return out
 
@@ -340,8 +386,10 @@ def _normalize_guide(guide: Any) -> StructuredOutputsParams | None:
         return None
     if isinstance(guide, Mapping):
         guide = StructuredOutputsParams.from_dict(dict(guide))
-    _check(isinstance(guide, StructuredOutputsParams),
-           f"structured_outputs must be a StructuredOutputsParams, got {type(guide).__name__}")
+    _check(
+        isinstance(guide, StructuredOutputsParams),
+        f"structured_outputs must be a StructuredOutputsParams, got {type(guide).__name__}",
+    )
     if guide.is_empty:
         return None
     guide.spec()  # raises on a malformed JSON schema or structural tag

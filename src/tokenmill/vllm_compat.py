@@ -35,62 +35,128 @@ def _bool(text: str) -> bool:
 
 
 COMPAT_OPTIONS: tuple[CompatOption, ...] = (
-    CompatOption("tensor_parallel_size", 1, int,
-                 "tensor parallelism is not implemented yet: only 1 (one device per engine)",
-                 only=(1,)),
-    CompatOption("pipeline_parallel_size", 1, int,
-                 "pipeline parallelism is not implemented yet: only 1", only=(1,)),
-    CompatOption("data_parallel_size", 1, int,
-                 "data parallelism is not implemented yet: only 1 (run one server per "
-                 "device behind a load balancer)", only=(1,)),
-    CompatOption("gpu_memory_utilization", 0.9, float,
-                 "no-op: the KV cache size is set by --kv-cache-memory or --num-kv-blocks "
-                 "(on CPU there is no GPU memory to share)"),
-    CompatOption("trust_remote_code", False, None,
-                 "no-op: tokenmill never runs code shipped with a checkpoint; supported "
-                 "architectures are built in"),
-    CompatOption("swap_space", 4, float,
-                 "no-op: preempted requests are recomputed (mostly from the prefix cache), "
-                 "never swapped to CPU memory"),
-    CompatOption("cpu_offload_gb", 0, float, "weights are never offloaded: only 0",
-                 only=(0, 0.0)),
-    CompatOption("disable_log_stats", False, None,
-                 "no-op: stats are kept for /metrics and never logged periodically"),
-    CompatOption("enable_chunked_prefill", None, _bool,
-                 "no-op: long prompts are always prefilled in chunks "
-                 "(see --long-prefill-token-threshold)"),
-    CompatOption("max_seq_len_to_capture", None, int,
-                 "no-op: CUDA graphs capture decode steps, whatever the context length"),
-    CompatOption("disable_custom_all_reduce", False, None,
-                 "no-op: one device, no all-reduce"),
-    CompatOption("distributed_executor_backend", None, str,
-                 "no-op: the engine runs in one process"),
-    CompatOption("download_dir", None, str,
-                 "no-op: models are local paths (there is no model hub download)"),
-    CompatOption("load_format", "auto", str,
-                 "auto only: the format follows the path (a .gguf file or a safetensors "
-                 "folder)", only=("auto", "safetensors", "gguf")),
-    CompatOption("tokenizer_mode", "auto", str,
-                 "auto only: the checkpoint's fast tokenizer (or the GGUF's)",
-                 only=("auto", "hf")),
-    CompatOption("revision", None, str,
-                 "no model hub: only unset (check out the revision you want locally)",
-                 only=(None,)),
+    CompatOption(
+        "tensor_parallel_size",
+        1,
+        int,
+        "tensor parallelism is not implemented yet: only 1 (one device per engine)",
+        only=(1,),
+    ),
+    CompatOption(
+        "pipeline_parallel_size",
+        1,
+        int,
+        "pipeline parallelism is not implemented yet: only 1",
+        only=(1,),
+    ),
+    CompatOption(
+        "data_parallel_size",
+        1,
+        int,
+        "data parallelism is not implemented yet: only 1 (run one server per "
+        "device behind a load balancer)",
+        only=(1,),
+    ),
+    CompatOption(
+        "gpu_memory_utilization",
+        0.9,
+        float,
+        "no-op: the KV cache size is set by --kv-cache-memory or --num-kv-blocks "
+        "(on CPU there is no GPU memory to share)",
+    ),
+    CompatOption(
+        "trust_remote_code",
+        False,
+        None,
+        "no-op: tokenmill never runs code shipped with a checkpoint; supported "
+        "architectures are built in",
+    ),
+    CompatOption(
+        "swap_space",
+        4,
+        float,
+        "no-op: preempted requests are recomputed (mostly from the prefix cache), "
+        "never swapped to CPU memory",
+    ),
+    CompatOption("cpu_offload_gb", 0, float, "weights are never offloaded: only 0", only=(0, 0.0)),
+    CompatOption(
+        "disable_log_stats",
+        False,
+        None,
+        "no-op: stats are kept for /metrics and never logged periodically",
+    ),
+    CompatOption(
+        "enable_chunked_prefill",
+        None,
+        _bool,
+        "no-op: long prompts are always prefilled in chunks (see --long-prefill-token-threshold)",
+    ),
+    CompatOption(
+        "max_seq_len_to_capture",
+        None,
+        int,
+        "no-op: CUDA graphs capture decode steps, whatever the context length",
+    ),
+    CompatOption("disable_custom_all_reduce", False, None, "no-op: one device, no all-reduce"),
+    CompatOption(
+        "distributed_executor_backend", None, str, "no-op: the engine runs in one process"
+    ),
+    CompatOption(
+        "download_dir", None, str, "no-op: models are local paths (there is no model hub download)"
+    ),
+    CompatOption(
+        "load_format",
+        "auto",
+        str,
+        "auto only: the format follows the path (a .gguf file or a safetensors folder)",
+        only=("auto", "safetensors", "gguf"),
+    ),
+    CompatOption(
+        "tokenizer_mode",
+        "auto",
+        str,
+        "auto only: the checkpoint's fast tokenizer (or the GGUF's)",
+        only=("auto", "hf"),
+    ),
+    CompatOption(
+        "revision",
+        None,
+        str,
+        "no model hub: only unset (check out the revision you want locally)",
+        only=(None,),
+    ),
     CompatOption("tokenizer_revision", None, str, "no model hub: only unset", only=(None,)),
-    CompatOption("kv_cache_dtype", "auto", str,
-                 "auto only: the KV cache is kept in the compute dtype", only=("auto",)),
-    CompatOption("enable_lora", False, None, "LoRA adapters are not supported: only off",
-                 only=(False,)),
-    CompatOption("speculative_config", None, str,
-                 "speculative decoding is not available from here: only unset",
-                 only=(None,)),
+    CompatOption(
+        "kv_cache_dtype",
+        "auto",
+        str,
+        "auto only: the KV cache is kept in the compute dtype",
+        only=("auto",),
+    ),
+    CompatOption(
+        "enable_lora", False, None, "LoRA adapters are not supported: only off", only=(False,)
+    ),
+    CompatOption(
+        "speculative_config",
+        None,
+        str,
+        "speculative decoding is not available from here: only unset",
+        only=(None,),
+    ),
     CompatOption("task", "auto", str, "only text generation", only=("auto", "generate")),
-    CompatOption("scheduling_policy", "fcfs", str,
-                 "no-op: requests run by priority, then arrival (fcfs when no priority is "
-                 "given)", only=("fcfs", "priority")),
-    CompatOption("disable_async_output_proc", False, None,
-                 "no-op: outputs are processed while the next step runs when "
-                 "--async-scheduling is on"),
+    CompatOption(
+        "scheduling_policy",
+        "fcfs",
+        str,
+        "no-op: requests run by priority, then arrival (fcfs when no priority is given)",
+        only=("fcfs", "priority"),
+    ),
+    CompatOption(
+        "disable_async_output_proc",
+        False,
+        None,
+        "no-op: outputs are processed while the next step runs when --async-scheduling is on",
+    ),
 )
 BY_NAME = {o.name: o for o in COMPAT_OPTIONS}
 

@@ -49,13 +49,15 @@ PLAIN = ["_paged_attention_kernel"]
 CASES = {
     "decode-llama8b": functools.partial(attention, 32, 8, 128, True, num_splits=1),
     "decode-split-llama8b": functools.partial(attention, 32, 8, 128, True, num_splits=8),
-    "decode-split-gemma": functools.partial(attention, 8, 4, 256, True, num_splits=3,
-                                            sliding_window=512, softcap=50.0),  # fmt: skip
+    "decode-split-gemma": functools.partial(
+        attention, 8, 4, 256, True, num_splits=3, sliding_window=512, softcap=50.0
+    ),  # fmt: skip
     "decode-llama1b": functools.partial(attention, 32, 8, 64, True, num_splits=1),
     "decode-split-llama1b": functools.partial(attention, 32, 8, 64, True, num_splits=16),
     "prefill-llama1b": functools.partial(attention, 32, 8, 64, False),
-    "decode-mha-d64-window": functools.partial(attention, 16, 16, 64, True, num_splits=1,
-                                               sliding_window=4),  # fmt: skip
+    "decode-mha-d64-window": functools.partial(
+        attention, 16, 16, 64, True, num_splits=1, sliding_window=4
+    ),  # fmt: skip
     "prefill-llama8b": functools.partial(attention, 32, 8, 128, False),
     "prefill-window-d64": functools.partial(attention, 8, 1, 64, False, sliding_window=7),
     "prefill-softcap-d256": functools.partial(attention, 8, 4, 256, False, softcap=30.0),

@@ -25,23 +25,23 @@ def _params(kind: RequestOutputKind, **kw) -> SamplingParams:
 
 def test_kinds_match_offline_and_batch_together(tiny_llm):
     prompts = [f"prompt number {i}" for i in range(4)]
-    offline = [o.outputs[0].text for o in tiny_llm.generate(
-        prompts, _params(RequestOutputKind.FINAL_ONLY))]
+    offline = [
+        o.outputs[0].text for o in tiny_llm.generate(prompts, _params(RequestOutputKind.FINAL_ONLY))
+    ]
     front = AsyncLLM(tiny_llm.engine)
 
     async def run(prompt: str, kind: RequestOutputKind) -> list:
         return [out async for out in front.generate(prompt, _params(kind))]
 
     async def main():
-        return await asyncio.gather(
-            *(run(p, k) for p in prompts for k in RequestOutputKind))
+        return await asyncio.gather(*(run(p, k) for p in prompts for k in RequestOutputKind))
 
     try:
         results = asyncio.run(main())
     finally:
         front.shutdown()
     for i, text in enumerate(offline):
-        cumulative, delta, final = results[3 * i: 3 * i + 3]
+        cumulative, delta, final = results[3 * i : 3 * i + 3]
         assert len(final) == 1 and final[0].outputs[0].text == text
         assert "".join(o.outputs[0].text for o in delta) == text and len(delta) == 8
         assert cumulative[-1].outputs[0].text == text
@@ -87,9 +87,11 @@ def test_leaving_the_stream_frees_blocks_within_one_step(async_llm, tiny_llm):
 
     engine.step = counting_step
     try:
+
         async def main():
-            params = SamplingParams(max_tokens=200, ignore_eos=True,
-                                    output_kind=RequestOutputKind.DELTA)
+            params = SamplingParams(
+                max_tokens=200, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+            )
             stream = await async_llm.add_request([5, 6, 7], params)
             await anext(stream)
             assert kv.num_free_blocks < kv.num_blocks

@@ -56,12 +56,17 @@ def assert_same(expected, got) -> None:
     for e, g in zip(expected, got, strict=True):
         for a, b in zip(e.outputs, g.outputs, strict=True):
             assert (b.token_ids, b.text, b.finish_reason, b.stop_reason) == (
-                a.token_ids, a.text, a.finish_reason, a.stop_reason
+                a.token_ids,
+                a.text,
+                a.finish_reason,
+                a.stop_reason,
             )
 
 
 def test_greedy_batch_with_preemption_matches_sync(tiny_llama_dir, monkeypatch):
-    params = [SamplingParams(temperature=0, max_tokens=12 + i % 9, ignore_eos=True) for i in range(12)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=12 + i % 9, ignore_eos=True) for i in range(12)
+    ]
     expected, got, counts = run_both(tiny_llama_dir, PROMPTS, params, monkeypatch, num_kv_blocks=40)
     assert_same(expected, got)
     assert max(counts) >= 6, "the steps never overlapped"
@@ -87,8 +92,16 @@ def test_early_stops_match_sync(tiny_llama_dir, monkeypatch):
 
 def test_seeded_sampling_logprobs_and_n_match_sync(tiny_llama_dir, monkeypatch):
     params = [
-        SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=i, max_tokens=10, logprobs=3,
-                       n=1 + i % 2, ignore_eos=True)  # fmt: skip
+        SamplingParams(
+            temperature=0.8,
+            top_p=0.9,
+            top_k=50,
+            seed=i,
+            max_tokens=10,
+            logprobs=3,
+            n=1 + i % 2,
+            ignore_eos=True,
+        )  # fmt: skip
         for i in range(8)
     ]
     expected, got, counts = run_both(tiny_llama_dir, PROMPTS[:8], params, monkeypatch)
@@ -106,8 +119,11 @@ def test_history_reading_requests_step_synchronously(tiny_llama_dir, monkeypatch
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     params = [
         plain,
-        SamplingParams(temperature=0, max_tokens=8,
-                       structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),  # fmt: skip
+        SamplingParams(
+            temperature=0,
+            max_tokens=8,
+            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]),
+        ),  # fmt: skip
     ]
     for special in params[1:]:
         expected, got, counts = run_both(
@@ -198,7 +214,10 @@ def test_ended_requests_leave_nothing_to_wait_for(tiny_llama_dir):
         assert not engine.has_unfinished()
         again = llm.generate({"prompt_token_ids": PROMPTS[3]}, greedy)[0].outputs[0]
     with make(tiny_llama_dir, "off") as sync:
-        assert again.token_ids == sync.generate({"prompt_token_ids": PROMPTS[3]}, greedy)[0].outputs[0].token_ids
+        assert (
+            again.token_ids
+            == sync.generate({"prompt_token_ids": PROMPTS[3]}, greedy)[0].outputs[0].token_ids
+        )
 
 
 def test_a_failing_launch_with_a_step_in_flight(tiny_llama_dir, monkeypatch):
@@ -230,8 +249,12 @@ def test_no_step_past_the_length_limit(tiny_llama_dir, monkeypatch):
         engine = llm.engine
         launches = []
         real = engine.runner.launch
-        monkeypatch.setattr(engine.runner, "launch", lambda s: launches.append(len(s.seqs)) or real(s))
-        rid = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+        monkeypatch.setattr(
+            engine.runner, "launch", lambda s: launches.append(len(s.seqs)) or real(s)
+        )
+        rid = engine.add_request(
+            PROMPTS[0], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        )
         req = engine.scheduler.requests[rid]
         while engine.has_unfinished():
             engine.step()

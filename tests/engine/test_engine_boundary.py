@@ -15,6 +15,7 @@ def test_add_request_applies_truncate_prompt_tokens(tiny_llm):
             if out.request_id == rid and out.finished:
                 final = out
     assert final is not None and final.prompt_token_ids == [7, 8, 9]
-    plain = tiny_llm.generate({"prompt_token_ids": [7, 8, 9]},
-                              SamplingParams(temperature=0, max_tokens=2))[0]
+    plain = tiny_llm.generate(
+        {"prompt_token_ids": [7, 8, 9]}, SamplingParams(temperature=0, max_tokens=2)
+    )[0]
     assert final.outputs[0].token_ids == plain.outputs[0].token_ids

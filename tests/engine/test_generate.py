@@ -16,8 +16,10 @@ def hf_greedy(model_dir, prompt_ids: list[int], n: int) -> list[int]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never suppress EOS
-    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+    out = model.generate(
+        torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False, pad_token_id=0
+    )
+    return out[0, len(prompt_ids) :].tolist()
 
 
 def test_greedy_matches_transformers(tiny_llm, tiny_llama_dir):
@@ -29,8 +31,10 @@ def test_greedy_matches_transformers(tiny_llm, tiny_llama_dir):
 
 
 def test_prompt_forms_and_order(tiny_llm):
-    outs = tiny_llm.generate(["Hello there", [5, 6, 7], {"prompt": "Hi"}, {"prompt_token_ids": [9, 9]}],
-                             SamplingParams(temperature=0, max_tokens=3))
+    outs = tiny_llm.generate(
+        ["Hello there", [5, 6, 7], {"prompt": "Hi"}, {"prompt_token_ids": [9, 9]}],
+        SamplingParams(temperature=0, max_tokens=3),
+    )
     assert [o.prompt for o in outs] == ["Hello there", None, "Hi", None]
     assert outs[1].prompt_token_ids == [5, 6, 7]
     assert all(len(o.outputs[0].token_ids) <= 3 for o in outs)
@@ -58,12 +62,18 @@ def test_stop_token_ids_and_min_tokens(tiny_llm):
     ids = tiny_llm.generate("xyz", GREEDY)[0].outputs[0].token_ids
     stop_id = ids[4]
     first = ids.index(stop_id)
-    out = tiny_llm.generate("xyz", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id]))[0]
+    out = tiny_llm.generate(
+        "xyz", SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_id])
+    )[0]
     assert out.outputs[0].token_ids == ids[: first + 1]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop_id
     # min_tokens suppresses the stop token until enough tokens are out
-    out = tiny_llm.generate("xyz", SamplingParams(temperature=0, max_tokens=24, min_tokens=first + 2,
-                                                  stop_token_ids=[stop_id]))[0]
+    out = tiny_llm.generate(
+        "xyz",
+        SamplingParams(
+            temperature=0, max_tokens=24, min_tokens=first + 2, stop_token_ids=[stop_id]
+        ),
+    )[0]
     assert len(out.outputs[0].token_ids) >= first + 2
 
 
@@ -87,7 +97,9 @@ def test_n_greater_than_one_and_seeds(tiny_llm):
 
 
 def test_logprobs_and_prompt_logprobs(tiny_llm):
-    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2, ignore_eos=True
+    )
     out = tiny_llm.generate({"prompt_token_ids": [5, 6, 7, 8]}, params)[0]
     comp = out.outputs[0]
     assert len(comp.logprobs) == 4
@@ -96,7 +108,9 @@ def test_logprobs_and_prompt_logprobs(tiny_llm):
         assert len(pos) == 3 and isinstance(pos[tok].bytes, bytes)
         top = sorted(pos.values(), key=lambda lp: lp.rank)
         assert all(x.logprob >= y.logprob for x, y in zip(top, top[1:]))
-    assert comp.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(comp.token_ids, comp.logprobs)))
+    assert comp.cumulative_logprob == pytest.approx(
+        sum(p[t].logprob for t, p in zip(comp.token_ids, comp.logprobs))
+    )
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == 4
     for tok, pos in zip([6, 7, 8], out.prompt_logprobs[1:]):
         assert tok in pos and pos[tok].logprob <= 0
@@ -125,10 +139,15 @@ def test_chat_renders_template(tiny_llm):
     assert len(two) == 2 and two[0].outputs[0].token_ids == out.outputs[0].token_ids
 
 
-@pytest.mark.parametrize("extra", [
-    {}, {"stop_token_ids": "pick"}, {"stop_token_ids": "pick", "include_stop_str_in_output": True},
-    {"skip_special_tokens": False, "logit_bias": "eos"},
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {},
+        {"stop_token_ids": "pick"},
+        {"stop_token_ids": "pick", "include_stop_str_in_output": True},
+        {"skip_special_tokens": False, "logit_bias": "eos"},
+    ],
+)
 def test_final_text_decoded_once_equals_the_streamed_text(tiny_llm, extra):
     """Final-only outputs without stop strings decode their text once at the end: it must be
     the text the incremental detokenizer streams, stop tokens left out alike."""
@@ -156,8 +175,9 @@ def test_detokenize_false_gives_token_ids_only(tiny_llm, kind):
     stop_reason."""
     with_text = tiny_llm.generate("Once upon a time", GREEDY)[0].outputs[0]
     stop_id = with_text.token_ids[5]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, detokenize=False,
-                            output_kind=kind)
+    params = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, detokenize=False, output_kind=kind
+    )
     out = tiny_llm.generate("Once upon a time", params)[0].outputs[0]
     assert out.token_ids == with_text.token_ids and out.text == ""
     params.stop_token_ids = [stop_id]

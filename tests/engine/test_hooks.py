@@ -86,7 +86,10 @@ def test_a_hook_holds_releases_and_ends_requests(engine):
     out = finals["a"].outputs[0]
     assert len(out.token_ids) == 3 and out.finish_reason == "stop"
     assert hook.events == [
-        ("finish", "gone", 0), ("tokens", "a", 1), ("tokens", "a", 1), ("tokens", "a", 1),
+        ("finish", "gone", 0),
+        ("tokens", "a", 1),
+        ("tokens", "a", 1),
+        ("tokens", "a", 1),
         ("finish", "a", 3),
     ]
     assert engine.kv.num_free_blocks == engine.kv.num_blocks

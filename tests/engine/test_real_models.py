@@ -8,7 +8,7 @@ from tokenmill import LLM, SamplingParams
 
 PROMPTS = [
     "The history of the Roman Empire is long and complicated. It began when",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Here is a list of the planets of the solar system, in order from the sun:",
     "Question: Why do leaves change colour in autumn? Answer:",
 ]
@@ -18,8 +18,9 @@ N_TOKENS = 32
 def hf_model(gguf):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                 dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    ).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never suppress EOS
     return model
 
@@ -27,9 +28,15 @@ def hf_model(gguf):
 @torch.inference_mode()
 def hf_greedy(model, ids: list[int]) -> list[int]:
     x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=N_TOKENS,
-                         min_new_tokens=N_TOKENS, do_sample=False, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    out = model.generate(
+        x,
+        attention_mask=torch.ones_like(x),
+        max_new_tokens=N_TOKENS,
+        min_new_tokens=N_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def check_parity(llm: LLM, hf, prompts: list[list[int]]) -> None:
@@ -43,10 +50,14 @@ def check_parity(llm: LLM, hf, prompts: list[list[int]]) -> None:
 def test_smollm2_default_model_matches_transformers(smollm2_gguf):
     llm = LLM(dtype="float32", max_model_len=1024)  # no model: the embedded default
     assert llm.engine.loaded.checkpoint.path == str(smollm2_gguf)
-    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    chat = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}]
+    )
     prompts = [llm.tokenizer.encode(p) for p in PROMPTS] + [chat]
     check_parity(llm, hf_model(smollm2_gguf), prompts)
-    answer = llm.generate({"prompt_token_ids": chat}, SamplingParams(temperature=0, max_tokens=32))[0]
+    answer = llm.generate({"prompt_token_ids": chat}, SamplingParams(temperature=0, max_tokens=32))[
+        0
+    ]
     assert "Paris" in answer.outputs[0].text
 
 

@@ -12,11 +12,15 @@ MODEL = "tiny"
 
 
 def tiny_engine_llm(path, **overrides) -> LLM:
-    options = dict(dtype="float32", max_model_len=256, num_kv_blocks=1024, block_size=4,
-                   served_model_name=MODEL)
+    options = dict(
+        dtype="float32",
+        max_model_len=256,
+        num_kv_blocks=1024,
+        block_size=4,
+        served_model_name=MODEL,
+    )
     options.update(overrides)
     return LLM(str(path), **options)
-
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0, what: str = "") -> None:
@@ -34,8 +38,12 @@ def all_blocks_free(srv: OpenAIServer) -> bool:
 
 
 def chat_body(content: str = "Hello there", **fields) -> dict:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": content}],
-            "max_tokens": 8, "temperature": 0}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": 8,
+        "temperature": 0,
+    }
     body.update(fields)
     return body
 

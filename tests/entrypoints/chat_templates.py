@@ -63,9 +63,17 @@ def make_tiny_qwen2(path: Path, tokenizer, chat_template: str, seed: int = 0) ->
     tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, initializer_range=0.2,
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
     )
     Qwen2ForCausalLM(cfg).eval().save_pretrained(path)
     tokenizer.save_pretrained(path)

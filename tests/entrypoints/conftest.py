@@ -31,15 +31,15 @@ def http(server) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="session")
 def client(server):
     openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                         timeout=60)
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
 @pytest.fixture
 def aclient(server):
     openai = pytest.importorskip("openai")
-    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
-                              timeout=120)
+    return openai.AsyncOpenAI(
+        base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+    )
 
 
 @pytest.fixture(autouse=True)

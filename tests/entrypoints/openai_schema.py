@@ -24,8 +24,11 @@ def check(kind: str, body: dict) -> dict:
     errors = sorted(_validator(kind).iter_errors(body), key=lambda e: list(e.path))
     if errors:
         lines = [f"{'/'.join(map(str, e.path)) or '<root>'}: {e.message}" for e in errors]
-        raise AssertionError(f"{kind} violates the schema:\n" + "\n".join(lines)
-                             + f"\nbody: {json.dumps(body)[:2000]}")
+        raise AssertionError(
+            f"{kind} violates the schema:\n"
+            + "\n".join(lines)
+            + f"\nbody: {json.dumps(body)[:2000]}"
+        )
     return body
 
 
@@ -36,7 +39,7 @@ def sse_events(lines) -> list[dict]:
         if not line.startswith("data: "):
             continue
         assert not done, "data after [DONE]"
-        data = line[len("data: "):]
+        data = line[len("data: ") :]
         if data == "[DONE]":
             done = True
         else:

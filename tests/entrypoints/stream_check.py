@@ -23,8 +23,11 @@ def assemble(output: ChatOutputParser, chunks: list[str]) -> dict:
 
 def full(output: ChatOutputParser, text: str) -> dict:
     parts = output.parse(text, final=True)
-    return {"content": parts.content, "reasoning": parts.reasoning or "",
-            "calls": [[c.name, c.arguments] for c in parts.calls]}
+    return {
+        "content": parts.content,
+        "reasoning": parts.reasoning or "",
+        "calls": [[c.name, c.arguments] for c in parts.calls],
+    }
 
 
 def check_every_boundary(output: ChatOutputParser, text: str) -> None:

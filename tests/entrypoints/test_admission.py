@@ -17,8 +17,13 @@ from _serving_helpers import MODEL, all_blocks_free, slow_steps, tiny_engine_llm
 from tokenmill.entrypoints.openai.launcher import OpenAIServer
 from tokenmill.entrypoints.openai.state import ServerConfig
 
-LONG = {"model": MODEL, "prompt": "A long story", "max_tokens": 200, "ignore_eos": True,
-        "temperature": 0}
+LONG = {
+    "model": MODEL,
+    "prompt": "A long story",
+    "max_tokens": 200,
+    "ignore_eos": True,
+    "temperature": 0,
+}
 
 
 @pytest.fixture(scope="module")
@@ -76,12 +81,17 @@ def test_openai_client_sees_rate_limit(busy_server):
     openai = pytest.importorskip("openai")
     srv = busy_server
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=30)
-    a = client.completions.create(stream=True, **{k: v for k, v in LONG.items()
-                                                  if k != "ignore_eos"},
-                                  extra_body={"ignore_eos": True})
+    a = client.completions.create(
+        stream=True,
+        **{k: v for k, v in LONG.items() if k != "ignore_eos"},
+        extra_body={"ignore_eos": True},
+    )
     next(iter(a))
-    waiter = threading.Thread(target=lambda: _swallow(
-        lambda: client.completions.create(model=MODEL, prompt="b", max_tokens=2)))
+    waiter = threading.Thread(
+        target=lambda: _swallow(
+            lambda: client.completions.create(model=MODEL, prompt="b", max_tokens=2)
+        )
+    )
     waiter.start()
     wait_for(lambda: srv.state.llm.num_queued == 1, what="B to be queued")
     with pytest.raises(openai.RateLimitError):

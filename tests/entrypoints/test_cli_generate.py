@@ -7,9 +7,22 @@ import sys
 
 
 def test_generate_prints_the_answer_and_keeps_request_logs_out(tiny_llama_dir):
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "generate", "--model",
-           str(tiny_llama_dir), "--temperature", "0", "--max-tokens", "8", "--ignore-eos",
-           "--dtype", "float32", "Hello there"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.entrypoints.cli",
+        "generate",
+        "--model",
+        str(tiny_llama_dir),
+        "--temperature",
+        "0",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--dtype",
+        "float32",
+        "Hello there",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.endswith("\n") and done.stdout.strip()

@@ -21,8 +21,9 @@ def test_string_prompt_typed_and_usage(client, http):
 
 
 def test_default_max_tokens_is_16(client):
-    r = client.completions.create(model=MODEL, prompt="Once", temperature=0,
-                                  extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model=MODEL, prompt="Once", temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 16
 
 
@@ -44,8 +45,9 @@ def test_list_of_prompts_and_token_ids(client, http):
 def test_stream_equals_non_stream_with_usage(client):
     full = client.completions.create(prompt=["Alpha", "Beta"], **GREEDY)
     texts, reasons, usage = {}, {}, None
-    for chunk in client.completions.create(prompt=["Alpha", "Beta"], stream=True,
-                                           stream_options={"include_usage": True}, **GREEDY):
+    for chunk in client.completions.create(
+        prompt=["Alpha", "Beta"], stream=True, stream_options={"include_usage": True}, **GREEDY
+    ):
         for c in chunk.choices:
             texts[c.index] = texts.get(c.index, "") + c.text
             if c.finish_reason:
@@ -63,8 +65,7 @@ def test_logprobs_and_echo(client):
     assert "".join(lp.tokens) == r.choices[0].text
     assert all(len(top) == 3 for top in lp.top_logprobs)
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
-    echoed = client.completions.create(prompt="Once upon a time", logprobs=1, echo=True,
-                                       **GREEDY)
+    echoed = client.completions.create(prompt="Once upon a time", logprobs=1, echo=True, **GREEDY)
     choice = echoed.choices[0]
     assert choice.text == "Once upon a time" + r.choices[0].text
     n_prompt = echoed.usage.prompt_tokens
@@ -74,25 +75,27 @@ def test_logprobs_and_echo(client):
 
 
 def test_echo_streamed(client):
-    chunks = list(client.completions.create(prompt="Once upon", echo=True, stream=True,
-                                            **GREEDY))
+    chunks = list(client.completions.create(prompt="Once upon", echo=True, stream=True, **GREEDY))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     full = client.completions.create(prompt="Once upon", echo=True, **GREEDY)
     assert text == full.choices[0].text and text.startswith("Once upon")
 
 
-@pytest.mark.parametrize("field, value, match", [
-    ("suffix", "tail", "suffix"),
-    ("best_of", 3, "best_of"),
-    ("logprobs", 21, "logprobs"),
-    ("prompt", [], "prompt"),
-    ("prompt", "", "empty"),
-    ("prompt", [[1, 2], []], "empty"),
-    ("prompt", [10**7], "token ids"),
-    ("temperature", -1, "temperature"),
-    ("n", 0, "n must be"),
-    ("stop_token_ids", [10**7], "stop_token_ids"),
-])
+@pytest.mark.parametrize(
+    "field, value, match",
+    [
+        ("suffix", "tail", "suffix"),
+        ("best_of", 3, "best_of"),
+        ("logprobs", 21, "logprobs"),
+        ("prompt", [], "prompt"),
+        ("prompt", "", "empty"),
+        ("prompt", [[1, 2], []], "empty"),
+        ("prompt", [10**7], "token ids"),
+        ("temperature", -1, "temperature"),
+        ("n", 0, "n must be"),
+        ("stop_token_ids", [10**7], "stop_token_ids"),
+    ],
+)
 def test_refused_with_400(http, field, value, match):
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, field: value}
     r = http.post("/v1/completions", json=body)
@@ -102,8 +105,10 @@ def test_refused_with_400(http, field, value, match):
 
 
 def test_stream_options_without_stream_refused(http):
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
-                                           "stream_options": {"include_usage": True}})
+    r = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}},
+    )
     assert r.status_code == 400 and "stream_options" in r.json()["error"]["message"]
 
 

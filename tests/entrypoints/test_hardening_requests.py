@@ -20,17 +20,23 @@ from tokenmill.entrypoints.openai.launcher import OpenAIServer
 from tokenmill.entrypoints.openai.limits import ServerLimits
 from tokenmill.entrypoints.openai.state import ServerConfig
 
-STRICT = ServerLimits(max_request_body_bytes=1 << 20, trust_request_chat_template=True,
-                      chat_template_timeout=1.0, max_prompts_per_request=8,
-                      max_prompt_logprobs_cost=1000, timeout_headers=1.0,
-                      timeout_keep_alive=1.0)
+STRICT = ServerLimits(
+    max_request_body_bytes=1 << 20,
+    trust_request_chat_template=True,
+    chat_template_timeout=1.0,
+    max_prompts_per_request=8,
+    max_prompt_logprobs_cost=1000,
+    timeout_headers=1.0,
+    timeout_keep_alive=1.0,
+)
 
 
 @pytest.fixture(scope="module")
 def strict(tiny_llama_dir) -> Iterator[OpenAIServer]:
     llm = tiny_engine_llm(tiny_llama_dir)
-    srv = OpenAIServer(llm.engine, ServerConfig(port=0, log_level="warning", api_key="k3y",
-                                                limits=STRICT)).start()
+    srv = OpenAIServer(
+        llm.engine, ServerConfig(port=0, log_level="warning", api_key="k3y", limits=STRICT)
+    ).start()
     srv.wait_ready(60)
     yield srv
     srv.close(timeout=30)
@@ -39,8 +45,9 @@ def strict(tiny_llama_dir) -> Iterator[OpenAIServer]:
 
 @pytest.fixture(scope="module")
 def sc(strict) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=strict.url, timeout=60,
-                      headers={"Authorization": "Bearer k3y"}) as c:
+    with httpx.Client(
+        base_url=strict.url, timeout=60, headers={"Authorization": "Bearer k3y"}
+    ) as c:
         yield c
 
 
@@ -89,8 +96,9 @@ def test_a_two_million_character_message_is_refused_without_stalling(server, htt
 
 
 def test_a_long_completion_prompt_is_refused_before_tokenizing(server, http):
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "ab " * 500_000,
-                                           "max_tokens": 1})
+    r = http.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "ab " * 500_000, "max_tokens": 1}
+    )
     error = _error(r, 400)  # refused from its length in characters, not after tokenizing
     assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
 
@@ -98,8 +106,9 @@ def test_a_long_completion_prompt_is_refused_before_tokenizing(server, http):
 def test_a_body_over_the_cap_is_a_413(strict, sc):
     big = json.dumps(chat_body("y" * (2 << 20)))
     with _Health(strict.url) as health:
-        r = sc.post("/v1/chat/completions", content=big,
-                    headers={"Content-Type": "application/json"})
+        r = sc.post(
+            "/v1/chat/completions", content=big, headers={"Content-Type": "application/json"}
+        )
     error = _error(r, 413)
     assert "--max-request-body-bytes" in error["message"]
     assert health.worst < 2
@@ -108,29 +117,39 @@ def test_a_body_over_the_cap_is_a_413(strict, sc):
         for _ in range(40):
             yield b"z" * 65536
 
-    r = sc.post("/v1/chat/completions", content=chunks(),
-                headers={"Content-Type": "application/json"})
+    r = sc.post(
+        "/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"}
+    )
     assert _error(r, 413)["code"] == "request_too_large"
 
 
 def test_default_cap_refuses_twenty_megabytes_at_once(server, http):
     t0 = time.monotonic()
-    r = http.post("/v1/completions", content=b"{" + b" " * (20 << 20) + b"}",
-                  headers={"Content-Type": "application/json"})
+    r = http.post(
+        "/v1/completions",
+        content=b"{" + b" " * (20 << 20) + b"}",
+        headers={"Content-Type": "application/json"},
+    )
     assert _error(r, 413)["code"] == "request_too_large" and time.monotonic() - t0 < 30
 
 
 def test_a_text_plain_body_says_what_the_content_type_must_be(http):
-    r = http.post("/v1/completions", content=json.dumps({"model": MODEL, "prompt": "hi"}),
-                  headers={"Content-Type": "text/plain"})
+    r = http.post(
+        "/v1/completions",
+        content=json.dumps({"model": MODEL, "prompt": "hi"}),
+        headers={"Content-Type": "text/plain"},
+    )
     assert "Content-Type" in _error(r, 400)["message"]
 
 
-@pytest.mark.parametrize("route, body", [
-    ("/v1/chat/completions", chat_body("bad \ud800 text")),
-    ("/v1/completions", {"model": MODEL, "prompt": "bad \udfff", "max_tokens": 2}),
-    ("/v1/completions", {"model": MODEL, "prompt": ["fine", "bad \ud800"], "max_tokens": 2}),
-])
+@pytest.mark.parametrize(
+    "route, body",
+    [
+        ("/v1/chat/completions", chat_body("bad \ud800 text")),
+        ("/v1/completions", {"model": MODEL, "prompt": "bad \udfff", "max_tokens": 2}),
+        ("/v1/completions", {"model": MODEL, "prompt": ["fine", "bad \ud800"], "max_tokens": 2}),
+    ],
+)
 def test_lone_surrogates_are_a_400(http, route, body):
     raw = json.dumps(body)  # json.dumps escapes a lone surrogate as \ud800
     r = http.post(route, content=raw, headers={"Content-Type": "application/json"})
@@ -141,17 +160,21 @@ def test_lone_surrogates_are_a_400(http, route, body):
 def test_request_chat_template_is_off_by_default(http):
     r = http.post("/v1/chat/completions", json=chat_body(chat_template="{{ 'hi' }}"))
     error = _error(r, 400)
-    assert error["param"] == "chat_template" and "--trust-request-chat-template" in \
-        error["message"]
+    assert error["param"] == "chat_template" and "--trust-request-chat-template" in error["message"]
 
 
-@pytest.mark.parametrize("template, words", [
-    ("{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}x",
-     "--chat-template-timeout"),
-    ("{{ 'x' * 300000000 }}", "builds a value"),
-    ("{% for i in range(100000000) %}{% endfor %}", "range()"),
-    ("{% for i in range(9999) %}{{ 'abcdefghij' * 100 }}{% endfor %}", "more than"),
-])
+@pytest.mark.parametrize(
+    "template, words",
+    [
+        (
+            "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}x",
+            "--chat-template-timeout",
+        ),
+        ("{{ 'x' * 300000000 }}", "builds a value"),
+        ("{% for i in range(100000000) %}{% endfor %}", "range()"),
+        ("{% for i in range(9999) %}{{ 'abcdefghij' * 100 }}{% endfor %}", "more than"),
+    ],
+)
 def test_expensive_trusted_templates_are_bounded(strict, sc, template, words):
     with _Health(strict.url) as health:
         t0 = time.monotonic()
@@ -168,8 +191,9 @@ def test_a_trusted_request_template_renders(sc):
 
 
 def test_prompt_lists_are_capped(sc):
-    r = sc.post("/v1/completions", json={"model": MODEL, "prompt": ["hi"] * 10_000,
-                                         "max_tokens": 1})
+    r = sc.post(
+        "/v1/completions", json={"model": MODEL, "prompt": ["hi"] * 10_000, "max_tokens": 1}
+    )
     assert "--max-prompts-per-request" in _error(r, 400)["message"]
     r = sc.post("/v1/completions", json={"model": MODEL, "prompt": ["hi"] * 8, "max_tokens": 1})
     assert r.status_code == 200 and len(r.json()["choices"]) == 8
@@ -177,21 +201,23 @@ def test_prompt_lists_are_capped(sc):
 
 def test_prompt_logprobs_cost_is_capped(sc):
     prompt = "one two three four five six seven eight nine ten " * 10  # ~100 tokens
-    r = sc.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 1,
-                                         "prompt_logprobs": 20})
+    r = sc.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 20},
+    )
     error = _error(r, 400)
-    assert error["param"] == "prompt_logprobs" and "--max-prompt-logprobs-cost" in \
-        error["message"]
+    assert error["param"] == "prompt_logprobs" and "--max-prompt-logprobs-cost" in error["message"]
     r = sc.post("/v1/chat/completions", json=chat_body(prompt, prompt_logprobs=20))
     assert _error(r, 400)["param"] == "prompt_logprobs"
-    r = sc.post("/v1/completions", json={"model": MODEL, "prompt": "hi there", "max_tokens": 1,
-                                         "prompt_logprobs": 2})
+    r = sc.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "hi there", "max_tokens": 1, "prompt_logprobs": 2},
+    )
     assert r.status_code == 200
 
 
 def test_absurd_min_tokens_is_a_400(http):
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
-                                           "min_tokens": 10**12})
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "min_tokens": 10**12})
     assert "min_tokens" in _error(r, 400)["message"]
 
 
@@ -199,8 +225,10 @@ def test_deep_schema_with_n_is_a_400_not_a_500(http):
     schema: dict = {"type": "string"}
     for _ in range(300):
         schema = {"type": "object", "properties": {"a": schema}}
-    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2,
-                                           "n": 2, "guided_json": schema})
+    r = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2, "n": 2, "guided_json": schema},
+    )
     assert "--max-grammar-depth" in _error(r, 400)["message"]
 
 

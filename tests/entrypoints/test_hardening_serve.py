@@ -31,15 +31,23 @@ def test_kv_cache_too_small_fails_before_the_weights_are_read(tiny_llama_dir, mo
     from tokenmill import LLM
 
     with pytest.raises(InvalidRequestError, match="can not hold one sequence"):
-        LLM(str(tiny_llama_dir), dtype="float32", max_model_len=256, block_size=4,
-            kv_cache_memory_bytes=4096)
+        LLM(
+            str(tiny_llama_dir),
+            dtype="float32",
+            max_model_len=256,
+            block_size=4,
+            kv_cache_memory_bytes=4096,
+        )
 
 
-@pytest.mark.parametrize("parameters", [
-    {"type": "object", "properties": {"a": {"type": "no-such-type"}}},
-    "not a schema",
-    {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
-])
+@pytest.mark.parametrize(
+    "parameters",
+    [
+        {"type": "object", "properties": {"a": {"type": "no-such-type"}}},
+        "not a schema",
+        {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}},
+    ],
+)
 def test_malformed_tool_schema_is_a_400_under_auto(http, parameters):
     tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
     r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice="auto"))
@@ -48,16 +56,28 @@ def test_malformed_tool_schema_is_a_400_under_auto(http, parameters):
 
 
 def test_a_good_tool_schema_still_works_under_auto(http):
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            },
+        }
+    ]
     r = http.post("/v1/chat/completions", json=chat_body(tools=tools, tool_choice="auto"))
     assert r.status_code == 200
 
 
 def _serve(args: list[str]) -> tuple[subprocess.Popen, queue.Queue]:
     cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     lines: queue.Queue = queue.Queue()
 
     def pump() -> None:
@@ -92,9 +112,9 @@ def test_a_zero_alignment_gguf_is_one_error_line(tmp_path, smollm2_gguf):
     data = smollm2_gguf.read_bytes()[: 8 << 20]  # the header (and vocabulary) is all read
     key, new_key = b"llama.context_length", b"general.alignment"  # a uint32 KV, renamed
     i = data.index(key)
-    data = data[:i - 8] + struct.pack("<Q", len(new_key)) + new_key + data[i + len(key):]
+    data = data[: i - 8] + struct.pack("<Q", len(new_key)) + new_key + data[i + len(key) :]
     value = i + len(new_key) + 4  # after the key, its uint32 type id
-    data = data[:value] + struct.pack("<I", 0) + data[value + 4:]
+    data = data[:value] + struct.pack("<I", 0) + data[value + 4 :]
     bad = tmp_path / "zero-align.gguf"
     bad.write_bytes(data)
     proc, lines = _serve([str(bad), "--port", "0"])
@@ -107,15 +127,36 @@ def test_a_zero_alignment_gguf_is_one_error_line(tmp_path, smollm2_gguf):
 
 
 def test_second_sigterm_cuts_streams_with_an_error_and_exits_1(tiny_llama_dir):
-    proc, lines = _serve([str(tiny_llama_dir), "--port", "0", "--served-model-name", MODEL,
-                          "--num-kv-blocks", "128", "--block-size", "4", "--max-model-len",
-                          "256", "--dtype", "float32"])
+    proc, lines = _serve(
+        [
+            str(tiny_llama_dir),
+            "--port",
+            "0",
+            "--served-model-name",
+            MODEL,
+            "--num-kv-blocks",
+            "128",
+            "--block-size",
+            "4",
+            "--max-model-len",
+            "256",
+            "--dtype",
+            "float32",
+        ]
+    )
     try:
         url = _url(proc, lines)
-        body = {"model": MODEL, "prompt": "A long story", "max_tokens": 250,
-                "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=url, timeout=60) as http, \
-                http.stream("POST", "/v1/completions", json=body) as r:
+        body = {
+            "model": MODEL,
+            "prompt": "A long story",
+            "max_tokens": 250,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        with (
+            httpx.Client(base_url=url, timeout=60) as http,
+            http.stream("POST", "/v1/completions", json=body) as r,
+        ):
             events = r.iter_lines()
             seen = [next(events)]
             proc.send_signal(signal.SIGTERM)  # drain ...

@@ -32,23 +32,25 @@ async def _load(srv: OpenAIServer, model: str, max_tokens: int = MAX_TOKENS) -> 
     """Run the load; return the most requests /metrics ever showed running at once."""
     import openai
 
-    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0,
-                                timeout=300)
+    client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
     prompts = [f"Write about topic number {i}" for i in range(NUM_PROMPTS)]
-    common = dict(model=model, max_tokens=max_tokens, temperature=0,
-                  extra_body={"ignore_eos": True})
+    common = dict(
+        model=model, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
+    )
 
     def messages(i: int) -> list[dict]:
         return [{"role": "user", "content": prompts[i]}]
 
-    expected = [await client.chat.completions.create(messages=messages(i), **common)
-                for i in range(NUM_PROMPTS)]
+    expected = [
+        await client.chat.completions.create(messages=messages(i), **common)
+        for i in range(NUM_PROMPTS)
+    ]
 
     async def one(k: int) -> tuple[int, str, list[str], object]:
         i = k % NUM_PROMPTS
         stream = await client.chat.completions.create(
-            messages=messages(i), stream=True, stream_options={"include_usage": True},
-            **common)
+            messages=messages(i), stream=True, stream_options={"include_usage": True}, **common
+        )
         text, reasons, usage = [], [], None
         async for chunk in stream:
             for c in chunk.choices:
@@ -72,7 +74,8 @@ async def _load(srv: OpenAIServer, model: str, max_tokens: int = MAX_TOKENS) -> 
     watcher = asyncio.ensure_future(watch())
     try:
         results = await asyncio.wait_for(
-            asyncio.gather(*(one(k) for k in range(NUM_CLIENTS))), timeout=300)
+            asyncio.gather(*(one(k) for k in range(NUM_CLIENTS))), timeout=300
+        )
     finally:
         done.set()
         await watcher

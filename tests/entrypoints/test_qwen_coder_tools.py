@@ -19,16 +19,32 @@ from tokenmill.entrypoints.openai.state import ServerConfig
 
 pytestmark = pytest.mark.slow
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city"]}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"],
+}
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather",
-                                      "description": "Current weather in a city",
-                                      "parameters": WEATHER}},
-    {"type": "function", "function": {"name": "get_time", "description": "Local time in a city",
-                                      "parameters": {"type": "object", "properties": {
-                                          "city": {"type": "string"}}, "required": ["city"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": WEATHER,
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Local time in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    },
 ]
 ASK = [{"role": "user", "content": "What is the weather in Paris right now?"}]
 
@@ -44,8 +60,14 @@ def coder(qwen_coder_gguf):
 
 
 def _create(client, **kwargs):
-    body = {"model": MODEL, "messages": ASK, "tools": TOOLS, "max_tokens": 96, "temperature": 0,
-            **kwargs}
+    body = {
+        "model": MODEL,
+        "messages": ASK,
+        "tools": TOOLS,
+        "max_tokens": 96,
+        "temperature": 0,
+        **kwargs,
+    }
     return client.chat.completions.create(**body)
 
 
@@ -82,9 +104,13 @@ def test_auto_tool_choice_finds_the_call_the_model_writes(coder):
     assert calls == [["get_weather", choice.message.tool_calls[0].function.arguments]]
 
 
-@pytest.mark.parametrize("tool_choice", [
-    "required", {"type": "function", "function": {"name": "get_weather"}},
-])
+@pytest.mark.parametrize(
+    "tool_choice",
+    [
+        "required",
+        {"type": "function", "function": {"name": "get_weather"}},
+    ],
+)
 def test_forced_calls_validate(coder, tool_choice):
     choice = _create(coder, tool_choice=tool_choice, parallel_tool_calls=False).choices[0]
     _weather_call(choice)
@@ -93,9 +119,15 @@ def test_forced_calls_validate(coder, tool_choice):
 def test_tool_result_turn_answers_in_text(coder):
     first = _create(coder, tool_choice="required", parallel_tool_calls=False)
     call = first.choices[0].message.tool_calls[0]
-    messages = [*ASK, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                {"role": "tool", "tool_call_id": call.id,
-                 "content": '{"temperature_celsius": 17, "sky": "clear"}'}]
+    messages = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {
+            "role": "tool",
+            "tool_call_id": call.id,
+            "content": '{"temperature_celsius": 17, "sky": "clear"}',
+        },
+    ]
     # without the tools in the prompt: with them, this 1.5B model calls the tool again
     choice = _create(coder, messages=messages, tools=None).choices[0]
     assert choice.finish_reason == "stop" and not choice.message.tool_calls
@@ -103,13 +135,23 @@ def test_tool_result_turn_answers_in_text(coder):
 
 
 def test_json_schema_response_format(coder):
-    schema = {"type": "object", "properties": {
-        "language": {"type": "string"}, "year": {"type": "integer", "minimum": 1900,
-                                                 "maximum": 2030}},
-        "required": ["language", "year"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "language": {"type": "string"},
+            "year": {"type": "integer", "minimum": 1900, "maximum": 2030},
+        },
+        "required": ["language", "year"],
+        "additionalProperties": False,
+    }
     r = coder.chat.completions.create(
-        model=MODEL, max_tokens=64, temperature=0,
+        model=MODEL,
+        max_tokens=64,
+        temperature=0,
         messages=[{"role": "user", "content": "Which year was Python first released? JSON."}],
-        response_format={"type": "json_schema", "json_schema": {"name": "release",
-                                                                "schema": schema}})
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "release", "schema": schema},
+        },
+    )
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)

@@ -21,8 +21,9 @@ from pydantic import TypeAdapter  # noqa: E402
 
 @pytest.fixture(scope="module")
 def http(tmp_path_factory, smollm2_hf_tokenizer):
-    path = make_tiny_qwen2(tmp_path_factory.mktemp("qwen-think-apis"), smollm2_hf_tokenizer,
-                           THINKING)
+    path = make_tiny_qwen2(
+        tmp_path_factory.mktemp("qwen-think-apis"), smollm2_hf_tokenizer, THINKING
+    )
     llm = tiny_engine_llm(path, max_model_len=1024)
     srv = OpenAIServer(llm.engine, ServerConfig(port=0, log_level="warning")).start()
     with httpx.Client(base_url=srv.url, timeout=120) as client:
@@ -47,8 +48,9 @@ def test_responses_reasoning_item(http):
     events = _sse(http, "/v1/responses", body)
     for e in events:
         TypeAdapter(ResponseStreamEvent).validate_python(e)
-    deltas = "".join(e["delta"] for e in events
-                     if e["type"] == "response.reasoning_summary_text.delta")
+    deltas = "".join(
+        e["delta"] for e in events if e["type"] == "response.reasoning_summary_text.delta"
+    )
     assert deltas == reasoning["summary"][0]["text"]
     assert events[-1]["response"]["output"][0]["summary"][0]["text"] == deltas
 
@@ -57,13 +59,19 @@ def test_messages_thinking_block(http):
     pytest.importorskip("anthropic")
     from anthropic.types import Message
 
-    body = {"model": MODEL, "max_tokens": 6, "temperature": 0,
-            "messages": [{"role": "user", "content": "Why?"}]}
+    body = {
+        "model": MODEL,
+        "max_tokens": 6,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Why?"}],
+    }
     m = http.post("/v1/messages", json=body).json()
     Message.model_validate(m)
     assert m["content"][0]["type"] == "thinking" and m["content"][0]["thinking"]
     events = _sse(http, "/v1/messages", body)
-    thinking = "".join(e["delta"]["thinking"] for e in events
-                       if e["type"] == "content_block_delta"
-                       and e["delta"]["type"] == "thinking_delta")
+    thinking = "".join(
+        e["delta"]["thinking"]
+        for e in events
+        if e["type"] == "content_block_delta" and e["delta"]["type"] == "thinking_delta"
+    )
     assert thinking == m["content"][0]["thinking"]

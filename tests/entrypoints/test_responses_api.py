@@ -18,10 +18,20 @@ from openai.types.responses import Response, ResponseStreamEvent  # noqa: E402
 from pydantic import TypeAdapter  # noqa: E402
 
 EVENT = TypeAdapter(ResponseStreamEvent)
-ADD = {"type": "function", "name": "add", "description": "Add two digits", "parameters": {
-    "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
-                                     "b": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["a", "b"], "additionalProperties": False}}
+ADD = {
+    "type": "function",
+    "name": "add",
+    "description": "Add two digits",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "a": {"type": "integer", "minimum": 0, "maximum": 9},
+            "b": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+}
 BOOL = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
 SHORT = {"model": MODEL, "max_output_tokens": 6, "temperature": 0}
 
@@ -54,18 +64,27 @@ def test_plain_response_with_the_sdk(client, http):
 def test_stream_event_sequence(client, http):
     events = _events(http, {"input": [{"role": "user", "content": "Hello"}], **SHORT})
     kinds = [e["type"] for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress",
-                         "response.output_item.added", "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done",
-                          "response.output_item.done", "response.incomplete"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",
+    ]
     text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
     final = events[-1]["response"]
     assert final["output"][0]["content"][0]["text"] == text
     # The SDK's stream helper returns a final response on response.completed: a
     # grammar-bounded answer ends before max_output_tokens.
     fmt = {"format": {"type": "json_schema", "name": "flag", "schema": BOOL}}
-    with client.responses.stream(input="Hello", text=fmt, model=MODEL, temperature=0,
-                                 max_output_tokens=30) as stream:
+    with client.responses.stream(
+        input="Hello", text=fmt, model=MODEL, temperature=0, max_output_tokens=30
+    ) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text == "".join(deltas)
@@ -79,8 +98,9 @@ def test_store_get_input_items_delete_and_previous_response(client, http):
     assert [i.type for i in items.data] == ["message"] and items.data[0].role == "user"
     follow = client.responses.create(input="And now?", previous_response_id=first.id, **SHORT)
     assert follow.previous_response_id == first.id
-    ids = http.post("/tokenize", json={"messages": [{"role": "user", "content": "And now?"}]}
-                    ).json()["count"]
+    ids = http.post(
+        "/tokenize", json={"messages": [{"role": "user", "content": "And now?"}]}
+    ).json()["count"]
     assert follow.usage.input_tokens > ids + first.usage.output_tokens  # the history came too
     unstored = client.responses.create(input="x", store=False, **SHORT)
     assert http.get(f"/v1/responses/{unstored.id}").status_code == 404
@@ -91,14 +111,18 @@ def test_store_get_input_items_delete_and_previous_response(client, http):
     assert r.status_code == 400 and "still being generated" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input"),
-    ({"input": "x", "background": True}, "background"),
-    ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text"),
-    ({"input": [{"role": "robot", "content": "x"}]}, "input"),
-], ids=["unknown-previous", "built-in-tool", "unknown-item", "background", "format", "role"])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"input": "x", "previous_response_id": "resp_nope"}, "previous_response_id"),
+        ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+        ({"input": [{"type": "input_image", "image_url": "http://x"}]}, "input"),
+        ({"input": "x", "background": True}, "background"),
+        ({"input": "x", "text": {"format": {"type": "grammar"}}}, "text"),
+        ({"input": [{"role": "robot", "content": "x"}]}, "input"),
+    ],
+    ids=["unknown-previous", "built-in-tool", "unknown-item", "background", "format", "role"],
+)
 def test_bad_requests_are_openai_errors(http, body, param):
     r = http.post("/v1/responses", json={**SHORT, **body})
     assert r.status_code == 400, r.text
@@ -109,19 +133,27 @@ def test_bad_requests_are_openai_errors(http, body, param):
 
 
 def test_json_schema_format(client):
-    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
-                                                     "maximum": 99}}, "required": ["n"]}
-    r = client.responses.create(input="A number", model=MODEL, temperature=0,
-                                max_output_tokens=40, text={"format": {
-                                    "type": "json_schema", "name": "num", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"],
+    }
+    r = client.responses.create(
+        input="A number",
+        model=MODEL,
+        temperature=0,
+        max_output_tokens=40,
+        text={"format": {"type": "json_schema", "name": "num", "schema": schema}},
+    )
     assert r.status == "completed", r.output_text
     jsonschema.validate(json.loads(r.output_text), {**schema, "additionalProperties": False})
 
 
 @pytest.fixture(scope="module")
 def qwen(tmp_path_factory, smollm2_hf_tokenizer):
-    path = make_tiny_qwen2(tmp_path_factory.mktemp("qwen-responses"), smollm2_hf_tokenizer,
-                           QWEN25_TOOLS)
+    path = make_tiny_qwen2(
+        tmp_path_factory.mktemp("qwen-responses"), smollm2_hf_tokenizer, QWEN25_TOOLS
+    )
     llm = tiny_engine_llm(path, max_model_len=1024)
     srv = OpenAIServer(llm.engine, ServerConfig(port=0, log_level="warning")).start()
     yield openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
@@ -130,8 +162,13 @@ def qwen(tmp_path_factory, smollm2_hf_tokenizer):
 
 
 def test_function_tools_and_their_output(qwen):
-    body = {"model": MODEL, "tools": [ADD], "temperature": 0, "max_output_tokens": 120,
-            "parallel_tool_calls": False}
+    body = {
+        "model": MODEL,
+        "tools": [ADD],
+        "temperature": 0,
+        "max_output_tokens": 120,
+        "parallel_tool_calls": False,
+    }
     r = qwen.responses.create(input="Add 2 and 3", tool_choice="required", **body)
     [call] = [o for o in r.output if o.type == "function_call"]
     assert call.name == "add" and call.call_id and call.status == "completed"
@@ -146,12 +183,22 @@ def test_function_tools_and_their_output(qwen):
     assert "response.function_call_arguments.done" in streamed
     [scall] = [o for o in final.output if o.type == "function_call"]
     assert scall.arguments == call.arguments  # streamed == not streamed
-    named = qwen.responses.create(input="Add", tool_choice={"type": "function", "name": "add"},
-                                  **body)
+    named = qwen.responses.create(
+        input="Add", tool_choice={"type": "function", "name": "add"}, **body
+    )
     assert [o.name for o in named.output if o.type == "function_call"] == ["add"]
     answer = qwen.responses.create(
-        input=[{"type": "function_call", "call_id": call.call_id, "name": "add",
-                "arguments": call.arguments},
-               {"type": "function_call_output", "call_id": call.call_id, "output": "5"}],
-        previous_response_id=r.id, tool_choice="none", **body)
+        input=[
+            {
+                "type": "function_call",
+                "call_id": call.call_id,
+                "name": "add",
+                "arguments": call.arguments,
+            },
+            {"type": "function_call_output", "call_id": call.call_id, "output": "5"},
+        ],
+        previous_response_id=r.id,
+        tool_choice="none",
+        **body,
+    )
     assert answer.output[0].type == "message"

@@ -29,16 +29,23 @@ def test_metrics_are_prometheus_text(http):
     r = http.get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     text = r.text
-    for name in ("tokenmill:num_requests_running", "tokenmill:num_requests_waiting",
-                 "tokenmill:kv_cache_usage_perc", "tokenmill:prompt_tokens_total",
-                 "tokenmill:generation_tokens_total", "tokenmill:request_success_total",
-                 "tokenmill:request_refused_total", "tokenmill:request_aborted_total",
-                 "tokenmill:time_to_first_token_seconds_bucket",
-                 "tokenmill:inter_token_latency_seconds_bucket",
-                 "tokenmill:e2e_request_latency_seconds_count",
-                 "tokenmill:request_queue_time_seconds_sum",
-                 "tokenmill:prefix_cache_queries_total", "tokenmill:prefix_cache_hits_total",
-                 "tokenmill:prefix_cache_cached_blocks"):
+    for name in (
+        "tokenmill:num_requests_running",
+        "tokenmill:num_requests_waiting",
+        "tokenmill:kv_cache_usage_perc",
+        "tokenmill:prompt_tokens_total",
+        "tokenmill:generation_tokens_total",
+        "tokenmill:request_success_total",
+        "tokenmill:request_refused_total",
+        "tokenmill:request_aborted_total",
+        "tokenmill:time_to_first_token_seconds_bucket",
+        "tokenmill:inter_token_latency_seconds_bucket",
+        "tokenmill:e2e_request_latency_seconds_count",
+        "tokenmill:request_queue_time_seconds_sum",
+        "tokenmill:prefix_cache_queries_total",
+        "tokenmill:prefix_cache_hits_total",
+        "tokenmill:prefix_cache_cached_blocks",
+    ):
         assert name in text, name
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -47,34 +54,50 @@ def test_metrics_are_prometheus_text(http):
     assert generated >= 3
 
 
-@pytest.mark.parametrize("body", [
-    b"", b"not json", b"{", b"[]", b"null", b"42", b'"text"', b"{}",
-    b'{"messages": "hi"}', b'{"messages": [{"content": "no role"}]}', b'{"messages": []}',
-    b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}',
-    b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}',
-    b'{"messages": [{"role": "user", "content": "x"}], "n": 1.5}',
-    b'{"messages": [{"role": "user", "content": "x"}], "n": 0}',
-    b'{"messages": [{"role": "user", "content": "x"}], "n": 100000}',
-    b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
-    b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}',
-    b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}',
-    b'{"messages": [{"role": "user", "content": "x"}], "guided_regex": "(unclosed"}',
-    b'{"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a"], "guided_regex": "a"}',
-    b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
-    b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}',
-    b'\xff\xfe garbage bytes',
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"not json",
+        b"{",
+        b"[]",
+        b"null",
+        b"42",
+        b'"text"',
+        b"{}",
+        b'{"messages": "hi"}',
+        b'{"messages": [{"content": "no role"}]}',
+        b'{"messages": []}',
+        b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": "many"}',
+        b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}',
+        b'{"messages": [{"role": "user", "content": "x"}], "n": 1.5}',
+        b'{"messages": [{"role": "user", "content": "x"}], "n": 0}',
+        b'{"messages": [{"role": "user", "content": "x"}], "n": 100000}',
+        b'{"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+        b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}}',
+        b'{"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}}',
+        b'{"messages": [{"role": "user", "content": "x"}], "guided_regex": "(unclosed"}',
+        b'{"messages": [{"role": "user", "content": "x"}], "guided_choice": ["a"], "guided_regex": "a"}',
+        b'{"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}',
+        b'{"messages": [{"role": "user", "content": "x"}], "logit_bias": {"abc": 1}}',
+        b"\xff\xfe garbage bytes",
+    ],
+)
 def test_garbage_bodies_get_400(http, body):
-    r = http.post("/v1/chat/completions", content=body,
-                  headers={"content-type": "application/json"})
+    r = http.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400, (body, r.status_code, r.text)
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
 
 
 def test_wrong_content_type_gets_400(http):
-    r = http.post("/v1/completions", content=b"prompt=hi",
-                  headers={"content-type": "application/x-www-form-urlencoded"})
+    r = http.post(
+        "/v1/completions",
+        content=b"prompt=hi",
+        headers={"content-type": "application/x-www-form-urlencoded"},
+    )
     assert r.status_code == 400
 
 
@@ -97,8 +120,9 @@ def test_context_length_400(client, http):
     assert e.value.body["code"] == "context_length_exceeded"
     assert "max_model_len" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
-        client.chat.completions.create(model=MODEL, max_tokens=1000,
-                                       messages=[{"role": "user", "content": "x"}])
+        client.chat.completions.create(
+            model=MODEL, max_tokens=1000, messages=[{"role": "user", "content": "x"}]
+        )
 
 
 def test_server_keeps_serving_after_errors(http):
@@ -110,7 +134,9 @@ def test_server_keeps_serving_after_errors(http):
 
 
 def test_n_above_the_limit_names_the_field(http):
-    for route, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
-                        ("/v1/completions", {"prompt": "x"})):
+    for route, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+        ("/v1/completions", {"prompt": "x"}),
+    ):
         r = http.post(route, json={**body, "model": MODEL, "n": 129, "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text

@@ -12,12 +12,24 @@ from tokenmill.entrypoints.run_batch import run_batch
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}
 LINES = [
-    {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
-     "body": {"model": MODEL, **CHAT}},
-    {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
-     "body": {"prompt": "Once", "max_tokens": 3}},  # no model: the served one
-    {"custom_id": "refused", "method": "POST", "url": "/v1/chat/completions",
-     "body": {**CHAT, "temperature": -1}},
+    {
+        "custom_id": "chat-1",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": MODEL, **CHAT},
+    },
+    {
+        "custom_id": "cmpl-1",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {"prompt": "Once", "max_tokens": 3},
+    },  # no model: the served one
+    {
+        "custom_id": "refused",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {**CHAT, "temperature": -1},
+    },
     {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
     {"custom_id": "streamed", "url": "/v1/completions", "body": {"prompt": "x", "stream": True}},
     {"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}},
@@ -30,8 +42,9 @@ def _write(path, lines, extra: str = "") -> None:
 
 
 def _read(path) -> dict:
-    return {json.loads(line)["custom_id"]: json.loads(line)
-            for line in path.read_text().splitlines()}
+    return {
+        json.loads(line)["custom_id"]: json.loads(line) for line in path.read_text().splitlines()
+    }
 
 
 def test_good_and_bad_lines_then_resume(tmp_path, tiny_llama_dir):
@@ -55,12 +68,15 @@ def test_good_and_bad_lines_then_resume(tmp_path, tiny_llama_dir):
     check("error", out["refused"]["response"]["body"])
     assert out["emb"]["error"]["code"] == "invalid_url" and out["emb"]["response"] is None
     assert out["streamed"]["error"]["code"] == "invalid_body"
-    codes = sorted(json.loads(line)["error"]["code"] for line in lines
-                   if json.loads(line)["custom_id"] is None)
+    codes = sorted(
+        json.loads(line)["error"]["code"] for line in lines if json.loads(line)["custom_id"] is None
+    )
     assert codes == ["invalid_json", "missing_custom_id"]
-    assert [json.loads(line)["error"]["code"] for line in lines
-            if json.loads(line)["custom_id"] == "chat-1" and json.loads(line)["error"]] == [
-        "duplicate_custom_id"]
+    assert [
+        json.loads(line)["error"]["code"]
+        for line in lines
+        if json.loads(line)["custom_id"] == "chat-1" and json.loads(line)["error"]
+    ] == ["duplicate_custom_id"]
     # Resumed: nothing left to do, nothing loaded, nothing written.
     assert run_batch(src, dst, factory)["skipped"] == len(LINES) + 1 and len(loads) == 1
     assert len(dst.read_text().splitlines()) == len(lines)
@@ -72,9 +88,28 @@ def test_good_and_bad_lines_then_resume(tmp_path, tiny_llama_dir):
 def test_cli(tmp_path, tiny_llama_dir, capsys):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     _write(src, LINES[:1])
-    assert cli_main(["run-batch", "-i", str(src), "-o", str(dst), "--model",
-                     str(tiny_llama_dir), "--dtype", "float32", "--max-model-len", "128",
-                     "--num-kv-blocks", "64", "--block-size", "4"]) == 0
+    assert (
+        cli_main(
+            [
+                "run-batch",
+                "-i",
+                str(src),
+                "-o",
+                str(dst),
+                "--model",
+                str(tiny_llama_dir),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "128",
+                "--num-kv-blocks",
+                "64",
+                "--block-size",
+                "4",
+            ]
+        )
+        == 0
+    )
     assert "0 answered, 1 refused by the API" in capsys.readouterr().out
     [line] = dst.read_text().splitlines()
     assert json.loads(line)["response"]["status_code"] == 404  # the model is named "tiny"

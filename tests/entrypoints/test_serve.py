@@ -22,16 +22,30 @@ def test_llm_serve_blocks_until_close(tiny_llama_dir):
     llm = tiny_engine_llm(tiny_llama_dir)
     thread = threading.Thread(target=llm.serve, kwargs=dict(port=0, log_level="warning"))
     thread.start()
-    wait_for(lambda: llm._server is not None and llm._server.state.ready, timeout=30,
-             what="LLM.serve to be ready")
+    wait_for(
+        lambda: llm._server is not None and llm._server.state.ready,
+        timeout=30,
+        what="LLM.serve to be ready",
+    )
     url = llm._server.url
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 3,
-                                                  "ignore_eos": True})
+    r = httpx.post(
+        url + "/v1/completions",
+        json={"model": MODEL, "prompt": "Hi", "max_tokens": 3, "ignore_eos": True},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     metrics = llm.get_scheduling_metrics()
     assert metrics["submitted"] == 1 and metrics["completed"] == 1 and metrics["refused"] == 0
-    assert set(metrics) == {"submitted", "refused", "completed", "cancelled", "failed",
-                            "queue_latency_avg_s", "queue_latency_max_s", "queued", "running"}
+    assert set(metrics) == {
+        "submitted",
+        "refused",
+        "completed",
+        "cancelled",
+        "failed",
+        "queue_latency_avg_s",
+        "queue_latency_max_s",
+        "queued",
+        "running",
+    }
     llm.close()  # drains the server; serve() returns
     thread.join(timeout=30)
     assert not thread.is_alive()
@@ -44,12 +58,34 @@ def _read_lines(stream, out: queue.Queue) -> None:
 
 @pytest.fixture
 def cli_server(tiny_llama_dir):
-    cmd = [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", str(tiny_llama_dir),
-           "--port", "0", "--api-key", "sekret", "--served-model-name", MODEL,
-           "--num-kv-blocks", "128", "--block-size", "4", "--max-model-len", "256",
-           "--dtype", "float32"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "tokenmill.entrypoints.cli",
+        "serve",
+        str(tiny_llama_dir),
+        "--port",
+        "0",
+        "--api-key",
+        "sekret",
+        "--served-model-name",
+        MODEL,
+        "--num-kv-blocks",
+        "128",
+        "--block-size",
+        "4",
+        "--max-model-len",
+        "256",
+        "--dtype",
+        "float32",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
     url, log = None, []
@@ -71,12 +107,21 @@ def cli_server(tiny_llama_dir):
         proc.wait(10)
 
 
-ROUTES = [("GET", "/v1/models", None), ("GET", "/metrics", None), ("GET", "/version", None),
-          ("POST", "/v1/chat/completions", {"model": MODEL, "max_tokens": 1,
-                                            "messages": [{"role": "user", "content": "x"}]}),
-          ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}),
-          ("POST", "/tokenize", {"prompt": "x"}), ("POST", "/detokenize", {"tokens": [1]}),
-          ("POST", "/reset_prefix_cache", None), ("GET", "/no-such-route", None)]
+ROUTES = [
+    ("GET", "/v1/models", None),
+    ("GET", "/metrics", None),
+    ("GET", "/version", None),
+    (
+        "POST",
+        "/v1/chat/completions",
+        {"model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]},
+    ),
+    ("POST", "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1}),
+    ("POST", "/tokenize", {"prompt": "x"}),
+    ("POST", "/detokenize", {"tokens": [1]}),
+    ("POST", "/reset_prefix_cache", None),
+    ("GET", "/no-such-route", None),
+]
 
 
 def test_cli_serve_api_key_and_sigterm_drain(cli_server):
@@ -91,8 +136,13 @@ def test_cli_serve_api_key_and_sigterm_drain(cli_server):
                 assert r.json()["error"]["code"] == "invalid_api_key"
             r = http.request(method, path, json=body, headers=good)
             assert r.status_code == (404 if path == "/no-such-route" else 200), (path, r.text)
-        body = {"model": MODEL, "prompt": "A long story", "max_tokens": 200, "ignore_eos": True,
-                "stream": True}
+        body = {
+            "model": MODEL,
+            "prompt": "A long story",
+            "max_tokens": 200,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with http.stream("POST", "/v1/completions", json=body, headers=good) as r:
             events = r.iter_lines()
             lines = [next(events)]

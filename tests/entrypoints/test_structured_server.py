@@ -10,10 +10,15 @@ import jsonschema
 import pytest
 from _serving_helpers import MODEL
 
-SCHEMA = {"type": "object", "properties": {
-    "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
-    "score": {"type": "integer", "minimum": 0, "maximum": 99}},
-    "required": ["answer", "score"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "enum": ["yes", "no", "maybe"]},
+        "score": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
 ASK = [{"role": "user", "content": "Answer as JSON."}]
 
 
@@ -28,41 +33,54 @@ def test_response_format_json_schema(client):
     assert c.finish_reason == "stop"
     jsonschema.validate(json.loads(c.message.content), SCHEMA)
     chunks = _chat(client, response_format=fmt, stream=True)
-    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == \
-        c.message.content
+    assert (
+        "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+        == c.message.content
+    )
 
 
 def test_response_format_json_object(client):
-    c = _chat(client, response_format={"type": "json_object"}, max_tokens=40,
-              temperature=1.0, seed=1).choices[0]
+    c = _chat(
+        client, response_format={"type": "json_object"}, max_tokens=40, temperature=1.0, seed=1
+    ).choices[0]
     if c.finish_reason == "stop":
         assert isinstance(json.loads(c.message.content), dict)
     else:
         assert c.finish_reason == "length" and c.message.content.lstrip().startswith("{")
 
 
-@pytest.mark.parametrize("extra, check", [
-    ({"structured_outputs": {"choice": ["red", "green"]}}, lambda t: t in ("red", "green")),
-    ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
-    ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
-    ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) or True),
-    ({"structured_outputs": {"grammar": 'start: "x" ("y" | "z")'}}, lambda t: t in ("xy", "xz")),
-])
+@pytest.mark.parametrize(
+    "extra, check",
+    [
+        ({"structured_outputs": {"choice": ["red", "green"]}}, lambda t: t in ("red", "green")),
+        ({"guided_choice": ["up", "down"]}, lambda t: t in ("up", "down")),
+        ({"guided_regex": "[0-9]{3}-[a-z]{2}"}, lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+        ({"guided_json": SCHEMA}, lambda t: jsonschema.validate(json.loads(t), SCHEMA) or True),
+        (
+            {"structured_outputs": {"grammar": 'start: "x" ("y" | "z")'}},
+            lambda t: t in ("xy", "xz"),
+        ),
+    ],
+)
 def test_vllm_fields_on_chat_and_completions(client, extra, check):
     chat = _chat(client, extra_body=extra).choices[0]
     assert chat.finish_reason == "stop" and check(chat.message.content)
-    text = client.completions.create(model=MODEL, prompt="Say it:", max_tokens=60,
-                                     temperature=0, extra_body=extra).choices[0]
+    text = client.completions.create(
+        model=MODEL, prompt="Say it:", max_tokens=60, temperature=0, extra_body=extra
+    ).choices[0]
     assert text.finish_reason == "stop" and check(text.text)
 
 
-@pytest.mark.parametrize("extra, words", [
-    ({"guided_regex": "(unclosed"}, "regex"),
-    ({"guided_json": {"type": "object", "properties": {"a": {"type": 7}}}}, "JSON schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
-    ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "twice"),
-    ({"structured_outputs": {"choice": "ab"}}, "list of strings"),
-])
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"guided_regex": "(unclosed"}, "regex"),
+        ({"guided_json": {"type": "object", "properties": {"a": {"type": 7}}}}, "JSON schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "twice"),
+        ({"structured_outputs": {"choice": "ab"}}, "list of strings"),
+    ],
+)
 def test_bad_guides_are_400_naming_the_problem(client, extra, words):
     import openai
 

@@ -37,14 +37,18 @@ def test_manager_keeps_rows_equal_to_lists_under_random_traffic():
     """Admissions with prefix hits, growth, preemption-like frees: after every change the
     array rows equal the lists (``check_integrity`` compares them)."""
     rng = random.Random(0)
-    kv = KVCacheManager(num_blocks=40, block_size=4, enable_prefix_caching=True, max_blocks_per_seq=2)
+    kv = KVCacheManager(
+        num_blocks=40, block_size=4, enable_prefix_caching=True, max_blocks_per_seq=2
+    )
     shared = [rng.randrange(100) for _ in range(12)]
     live: dict[str, list[int]] = {}
     for step in range(300):
         op = rng.random()
         if op < 0.3 and len(live) < 6:
             rid = f"r{step}"
-            tokens = shared[: rng.randrange(1, 12)] + [rng.randrange(100) for _ in range(rng.randrange(1, 6))]
+            tokens = shared[: rng.randrange(1, 12)] + [
+                rng.randrange(100) for _ in range(rng.randrange(1, 6))
+            ]
             computed = kv.get_computed_blocks(rid, tokens)
             if kv.allocate_slots(rid, len(tokens)):
                 live[rid] = tokens

@@ -8,7 +8,9 @@ from tokenmill.kv_cache import prefix as prefix_mod
 BS = 4
 
 
-def run(kv: KVCacheManager, rid: str, tokens: list[int], reuse: bool = True, key: bytes = b"") -> int:
+def run(
+    kv: KVCacheManager, rid: str, tokens: list[int], reuse: bool = True, key: bytes = b""
+) -> int:
     """Admit a request, 'compute' all its tokens, commit them. Returns the reused count."""
     hit = kv.get_computed_blocks(rid, tokens, key, reuse)
     assert kv.allocate_slots(rid, len(tokens))

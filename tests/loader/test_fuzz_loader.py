@@ -99,7 +99,7 @@ def _header_end(data: bytes) -> int:
 
 
 def _patch_u64(data: bytes, offset: int, value: int) -> bytes:
-    return data[:offset] + struct.pack("<Q", value) + data[offset + 8:]
+    return data[:offset] + struct.pack("<Q", value) + data[offset + 8 :]
 
 
 def _kv_value_offset(data: bytes, key: str) -> int:
@@ -111,12 +111,15 @@ def _kv_value_offset(data: bytes, key: str) -> int:
 def _gguf_cases(data: bytes) -> list[tuple[str, bytes]]:
     rng = random.Random(1234)
     end = _header_end(data)
-    cases = [(f"truncate@{n}", data[:n]) for n in
-             sorted({0, 3, 4, 8, 16, 23, 24, 25, *rng.sample(range(26, len(data)), 60)})]
+    cases = [
+        (f"truncate@{n}", data[:n])
+        for n in sorted({0, 3, 4, 8, 16, 23, 24, 25, *rng.sample(range(26, len(data)), 60)})
+    ]
     for k in range(200):
         pos = rng.randrange(4, end)
-        cases.append((f"flip@{pos}#{k}", data[:pos] + bytes([rng.randrange(256)])
-                      + data[pos + 1:]))
+        cases.append(
+            (f"flip@{pos}#{k}", data[:pos] + bytes([rng.randrange(256)]) + data[pos + 1 :])
+        )
     cases += [
         ("n_tensors=2^62", _patch_u64(data, 8, 2**62)),
         ("n_kv=2^63", _patch_u64(data, 16, 2**63)),
@@ -127,8 +130,7 @@ def _gguf_cases(data: bytes) -> list[tuple[str, bytes]]:
     length_pos = data.index(b"blk.0.attn_q.weight") - 8
     cases.append(("tensor_name_length=2^40", _patch_u64(data, length_pos, 2**40)))
     name_end = length_pos + 8 + len(b"blk.0.attn_q.weight")
-    cases.append(("n_dims=2^31", data[:name_end] + struct.pack("<I", 2**31)
-                  + data[name_end + 4:]))
+    cases.append(("n_dims=2^31", data[:name_end] + struct.pack("<I", 2**31) + data[name_end + 4 :]))
     cases.append(("dim=2^60", _patch_u64(data, name_end + 4, 2**60)))
     cases.append(("dim=3 (partial block)", _patch_u64(data, name_end + 4, 3)))
     offset_pos = name_end + 4 + 2 * 8 + 4
@@ -141,8 +143,15 @@ def test_gguf_mutations_fail_clearly(gguf_bytes, tmp_path):
     assert len(cases) >= 250
     results = _run(cases, tmp_path / "m.gguf")
     assert results["truncate@0"] != "ok" and "n_kv=2^63" in results
-    for name in ("n_tensors=2^62", "n_kv=2^63", "string_length=2^60",
-                 "tensor_name_length=2^40", "n_dims=2^31", "dim=2^60", "offset past the end"):
+    for name in (
+        "n_tensors=2^62",
+        "n_kv=2^63",
+        "string_length=2^60",
+        "tensor_name_length=2^40",
+        "n_dims=2^31",
+        "dim=2^60",
+        "offset past the end",
+    ):
         assert "corrupt" in results[name] or "truncated" in results[name], (name, results[name])
 
 
@@ -153,9 +162,9 @@ def _gguf_with_alignment(tmp_path: Path, alignment: int) -> bytes:
     data = path.read_bytes()
     key, new_key = b"llama.context_length", b"general.alignment"
     i = data.index(key)
-    renamed = data[:i - 8] + struct.pack("<Q", len(new_key)) + new_key + data[i + len(key):]
+    renamed = data[: i - 8] + struct.pack("<Q", len(new_key)) + new_key + data[i + len(key) :]
     value = i + len(new_key) + 4  # after the key, its uint32 type id
-    return renamed[:value] + struct.pack("<I", alignment) + renamed[value + 4:]
+    return renamed[:value] + struct.pack("<I", alignment) + renamed[value + 4 :]
 
 
 @pytest.mark.parametrize("alignment", [0, 7])
@@ -184,22 +193,34 @@ def hf_folder(tmp_path_factory) -> Path:
     from safetensors.torch import save_file
 
     folder = tmp_path_factory.mktemp("fuzz-hf")
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8,
-              "intermediate_size": 16, "num_attention_heads": 2, "num_key_value_heads": 1,
-              "num_hidden_layers": 1, "vocab_size": 32, "max_position_embeddings": 64}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 1,
+        "vocab_size": 32,
+        "max_position_embeddings": 64,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     gen = torch.Generator().manual_seed(0)
-    save_file({"model.embed_tokens.weight": torch.randn(32, 8, generator=gen),
-               "model.norm.weight": torch.ones(8),
-               "lm_head.weight": torch.randn(32, 8, generator=gen).to(torch.bfloat16)},
-              str(folder / "model.safetensors"))
+    save_file(
+        {
+            "model.embed_tokens.weight": torch.randn(32, 8, generator=gen),
+            "model.norm.weight": torch.ones(8),
+            "lm_head.weight": torch.randn(32, 8, generator=gen).to(torch.bfloat16),
+        },
+        str(folder / "model.safetensors"),
+    )
     return folder
 
 
 def _lying_headers(data: bytes) -> list[tuple[str, bytes]]:
     (n,) = struct.unpack_from("<Q", data, 0)
-    header = json.loads(data[8:8 + n])
-    body = data[8 + n:]
+    header = json.loads(data[8 : 8 + n])
+    body = data[8 + n :]
     cases = []
 
     def with_header(name: str, h: dict) -> None:
@@ -232,12 +253,15 @@ def test_safetensors_mutations_fail_clearly(hf_folder, tmp_path):
     data = (hf_folder / "model.safetensors").read_bytes()
     (n,) = struct.unpack_from("<Q", data, 0)
     rng = random.Random(99)
-    cases = [(f"truncate@{k}", data[:k]) for k in sorted({0, 4, 8, 9, *rng.sample(
-        range(10, len(data)), 40)})]
+    cases = [
+        (f"truncate@{k}", data[:k])
+        for k in sorted({0, 4, 8, 9, *rng.sample(range(10, len(data)), 40)})
+    ]
     for k in range(120):
         pos = rng.randrange(0, 8 + n)
-        cases.append((f"flip@{pos}#{k}", data[:pos] + bytes([rng.randrange(256)])
-                      + data[pos + 1:]))
+        cases.append(
+            (f"flip@{pos}#{k}", data[:pos] + bytes([rng.randrange(256)]) + data[pos + 1 :])
+        )
     lies = _lying_headers(data)
     results = {}
     with PeakRSS() as rss:

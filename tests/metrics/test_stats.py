@@ -19,8 +19,11 @@ def test_engine_counts_requests_tokens_and_latencies(tiny_llm):
     stats = tiny_llm.engine.stats
     before = dict(stats.scheduling_metrics())
     prompt_tokens, generated = stats.prompt_tokens, stats.generation_tokens
-    ttft, itl, e2e = (stats.time_to_first_token.count, stats.inter_token_latency.count,
-                      stats.e2e_latency.count)
+    ttft, itl, e2e = (
+        stats.time_to_first_token.count,
+        stats.inter_token_latency.count,
+        stats.e2e_latency.count,
+    )
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
     outs = tiny_llm.generate(["one prompt", "another prompt here"], params)
     after = tiny_llm.get_scheduling_metrics()

@@ -20,9 +20,7 @@ def _kernels() -> list:
     marks = pytest.mark.skipif(
         native.available() and not dense16.has_avx512_bf16(), reason="no AVX512-BF16 here"
     )
-    return [
-        pytest.param(k, marks=marks) if k == "bf16-avx512bf16" else k for k in dense16.KERNELS
-    ]
+    return [pytest.param(k, marks=marks) if k == "bf16-avx512bf16" else k for k in dense16.KERNELS]
 
 
 # The AVX512-BF16 kernel keeps activations to 16 significant bits (hi + lo bfloat16 terms).
@@ -59,8 +57,9 @@ def test_kernels_agree_with_the_fallback(kernel: str) -> None:
     fallback = "fp16-fma" if dtype == torch.float16 else "bf16-fma"
     g = torch.Generator().manual_seed(1)
     w = torch.randn(1536, 576, generator=g).to(dtype)
-    ours, base = Linear(576, 1536, method=Dense16Method(kernel)), Linear(
-        576, 1536, method=Dense16Method(fallback)
+    ours, base = (
+        Linear(576, 1536, method=Dense16Method(kernel)),
+        Linear(576, 1536, method=Dense16Method(fallback)),
     )
     ours.load_weight(w)
     base.load_weight(w)

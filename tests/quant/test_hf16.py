@@ -60,7 +60,9 @@ def reference(hf_folder, smollm2_hf_tokenizer) -> tuple[list[list[int]], list[fl
     model = AutoModelForCausalLM.from_pretrained(str(hf_folder[1]), dtype=torch.float32).eval()
     tok = smollm2_hf_tokenizer
     prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
-    return hf_greedy(model, prompts), hf_logprobs(model, tok.encode(HELD_OUT, add_special_tokens=False))
+    return hf_greedy(model, prompts), hf_logprobs(
+        model, tok.encode(HELD_OUT, add_special_tokens=False)
+    )
 
 
 def hf_greedy(model, prompts: list[list[int]]) -> list[list[int]]:

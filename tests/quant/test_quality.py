@@ -80,6 +80,8 @@ def test_held_out_logprob_within_005(engines) -> None:
     q, r = held_out_logprobs(quantized), held_out_logprobs(reference)
     assert len(q) == len(r) > 50
     diff = abs(sum(q) / len(q) - sum(r) / len(r))
-    print(f"mean logprob: quantized {sum(q) / len(q):.6f}, "
-          f"reference {sum(r) / len(r):.6f}, diff {diff:.2e}")
+    print(
+        f"mean logprob: quantized {sum(q) / len(q):.6f}, "
+        f"reference {sum(r) / len(r):.6f}, diff {diff:.2e}"
+    )
     assert diff < 0.05, diff

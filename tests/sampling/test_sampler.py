@@ -44,8 +44,10 @@ def test_empty_batch() -> None:
 
 def test_greedy_rows_mixed_with_random_rows() -> None:
     logits = rand_logits(6, seed=1)
-    rows = [row(temperature=0.0 if i % 2 == 0 else 5.0, seed=None if i % 2 == 0 else i)
-            for i in range(6)]
+    rows = [
+        row(temperature=0.0 if i % 2 == 0 else 5.0, seed=None if i % 2 == 0 else i)
+        for i in range(6)
+    ]
     s = sampler()
     picks = torch.stack([s(logits, rows).token_ids for _ in range(30)])  # [30, 6]
     assert torch.equal(picks[:, ::2], logits.argmax(-1)[::2].expand(30, 3))
@@ -65,8 +67,7 @@ def test_min_p_masks_below_fraction_of_top() -> None:
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]])
     logits = probs.log()
     apply_min_p(logits, torch.tensor([0.2, 0.7]))
-    assert torch.isinf(logits).tolist() == [[False, False, False, True],
-                                            [False, True, True, True]]
+    assert torch.isinf(logits).tolist() == [[False, False, False, True], [False, True, True, True]]
     rows = [row(min_p=0.2) for _ in range(2000)]
     picks = sampler()(probs.log()[:1].expand(2000, 4), rows).token_ids
     assert 3 not in picks.tolist() and set(picks.tolist()) == {0, 1, 2}
@@ -122,16 +123,19 @@ def _run_target(target_kwargs: dict, others: list[dict], steps: int = 20) -> lis
     return target.output_token_ids
 
 
-@pytest.mark.parametrize("target", [
-    {"seed": 1234},
-    {"seed": 42, "temperature": 0.8, "top_p": 0.9},
-    {"seed": 7, "top_k": 10, "min_p": 0.05, "presence_penalty": 0.5},
-])
+@pytest.mark.parametrize(
+    "target",
+    [
+        {"seed": 1234},
+        {"seed": 42, "temperature": 0.8, "top_p": 0.9},
+        {"seed": 7, "top_k": 10, "min_p": 0.05, "presence_penalty": 0.5},
+    ],
+)
 def test_seeded_request_independent_of_batch(target: dict) -> None:
     others = [
-        {},                                                      # unseeded
-        {"seed": 5, "temperature": 1.3, "top_k": 5},             # another seeded request
-        {"temperature": 0.0},                                    # greedy
+        {},  # unseeded
+        {"seed": 5, "temperature": 1.3, "top_k": 5},  # another seeded request
+        {"temperature": 0.0},  # greedy
         {"top_p": 0.5, "min_p": 0.1, "repetition_penalty": 1.3},  # unseeded with filters
     ]
     alone = _run_target(target, [])
@@ -171,8 +175,10 @@ def test_min_tokens_suppresses_eos_and_stop_ids() -> None:
 
 def test_repetition_penalty_formula() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0], [2.0, -1.0, 0.5, 3.0]])
-    rows = [row(prompt=[0], output=[1, 2, 2], repetition_penalty=2.0),
-            row(prompt=[0], output=[1, 2, 2])]
+    rows = [
+        row(prompt=[0], output=[1, 2, 2], repetition_penalty=2.0),
+        row(prompt=[0], output=[1, 2, 2]),
+    ]
     apply_penalties(logits, rows)
     # seen in prompt or output: positive halved, negative doubled; row 2 untouched
     assert logits.tolist() == [[1.0, -2.0, 0.25, 3.0], [2.0, -1.0, 0.5, 3.0]]
@@ -180,29 +186,41 @@ def test_repetition_penalty_formula() -> None:
 
 def test_frequency_and_presence_penalty_formula() -> None:
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]]).repeat(3, 1)
-    rows = [row(prompt=[0], output=[1, 2, 2], frequency_penalty=0.5),
-            row(prompt=[0], output=[1, 2, 2], presence_penalty=0.5),
-            row(prompt=[0], output=[1, 2, 2], frequency_penalty=0.5, presence_penalty=1.0,
-                repetition_penalty=2.0)]
+    rows = [
+        row(prompt=[0], output=[1, 2, 2], frequency_penalty=0.5),
+        row(prompt=[0], output=[1, 2, 2], presence_penalty=0.5),
+        row(
+            prompt=[0],
+            output=[1, 2, 2],
+            frequency_penalty=0.5,
+            presence_penalty=1.0,
+            repetition_penalty=2.0,
+        ),
+    ]
     apply_penalties(logits, rows)
     # counts in output = [0, 1, 2, 0]; the prompt token 0 is not penalized by these two
-    assert logits.tolist() == [[2.0, -1.5, -0.5, 3.0],
-                               [2.0, -1.5, 0.0, 3.0],
-                               [1.0, -3.5, -1.75, 3.0]]
+    assert logits.tolist() == [
+        [2.0, -1.5, -0.5, 3.0],
+        [2.0, -1.5, 0.0, 3.0],
+        [1.0, -3.5, -1.75, 3.0],
+    ]
 
 
 def test_presence_penalty_changes_greedy_choice() -> None:
     logits = torch.tensor([[3.0, 2.9] + [0.0] * (V - 2)])
-    assert sampler()(logits, [row(temperature=0.0, output=[0], presence_penalty=0.5)]
-                     ).token_ids.tolist() == [1]
+    assert sampler()(
+        logits, [row(temperature=0.0, output=[0], presence_penalty=0.5)]
+    ).token_ids.tolist() == [1]
 
 
 def test_logprobs_match_log_softmax_of_raw_logits() -> None:
     logits = rand_logits(4, seed=3)
-    rows = [row(logprobs=5, temperature=0.0, logit_bias={0: 50}),
-            row(logprobs=2, temperature=0.5, seed=1),
-            row(),
-            row(logprobs=0, top_k=3)]
+    rows = [
+        row(logprobs=5, temperature=0.0, logit_bias={0: 50}),
+        row(logprobs=2, temperature=0.5, seed=1),
+        row(),
+        row(logprobs=0, top_k=3),
+    ]
     out = sampler()(logits, rows)
     ref = torch.log_softmax(logits, -1)
     lp = out.logprobs
@@ -219,9 +237,11 @@ def test_logprobs_match_log_softmax_of_raw_logits() -> None:
 def test_in_place_edits_the_given_logits_and_samples_the_same() -> None:
     """The runner's mode: processors edit its fresh logits instead of a copy. Same tokens
     (seeded random rows too) and the same raw logprobs as with the copy."""
-    rows = lambda: [row(temperature=0.0, logit_bias={5: 40}, logprobs=3),  # noqa: E731
-                    row(temperature=0.7, seed=4, top_k=5, logprobs=1),
-                    row(temperature=0.0, output=[1], repetition_penalty=1.5)]
+    rows = lambda: [
+        row(temperature=0.0, logit_bias={5: 40}, logprobs=3),  # noqa: E731
+        row(temperature=0.7, seed=4, top_k=5, logprobs=1),
+        row(temperature=0.0, output=[1], repetition_penalty=1.5),
+    ]
     logits = rand_logits(3, seed=7)
     before = logits.clone()
     copied = sampler()(logits, rows())

@@ -13,7 +13,12 @@ def test_defaults_match_vllm() -> None:
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, 0, 0.0)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert (p.max_tokens, p.min_tokens, p.seed, p.logprobs, p.prompt_logprobs) == (
-        16, 0, None, None, None)
+        16,
+        0,
+        None,
+        None,
+        None,
+    )
     assert p.stop == [] and p.stop_token_ids == [] and p.logit_bias is None
     assert p.skip_special_tokens and p.spaces_between_special_tokens and p.detokenize
     assert not p.ignore_eos and not p.include_stop_str_in_output
@@ -21,8 +26,15 @@ def test_defaults_match_vllm() -> None:
 
 
 def test_normalization() -> None:
-    p = SamplingParams(stop="###", stop_token_ids=(7, 8), top_k=-1, seed=-1,
-                       logit_bias={"12": 3, 5: -1.5}, temperature=2, logprobs=0)
+    p = SamplingParams(
+        stop="###",
+        stop_token_ids=(7, 8),
+        top_k=-1,
+        seed=-1,
+        logit_bias={"12": 3, 5: -1.5},
+        temperature=2,
+        logprobs=0,
+    )
     assert p.stop == ["###"] and p.stop_token_ids == [7, 8]
     assert p.top_k == 0 and p.seed is None
     assert p.logit_bias == {12: 3.0, 5: -1.5}
@@ -56,8 +68,10 @@ def test_normalization() -> None:
         ({"logprobs": -1}, "logprobs must be in [0, 20] or None, got -1"),
         ({"logprobs": True}, "logprobs must be an int, got True"),
         ({"prompt_logprobs": 25}, "prompt_logprobs must be in [0, 20] or None, got 25"),
-        ({"logit_bias": {i: 1.0 for i in range(1025)}},
-         "logit_bias has 1025 entries, at most 1024 are allowed"),
+        (
+            {"logit_bias": {i: 1.0 for i in range(1025)}},
+            "logit_bias has 1025 entries, at most 1024 are allowed",
+        ),
         ({"logit_bias": {3: 150}}, "logit_bias[3] must be in [-100, 100], got 150.0"),
         ({"logit_bias": {"3": -101}}, "logit_bias[3] must be in [-100, 100], got -101.0"),
         ({"logit_bias": {"abc": 1}}, "logit_bias keys must be token ids (integers), got 'abc'"),
@@ -105,13 +119,24 @@ def test_clone_is_deep() -> None:
     q = p.clone()
     q.stop.append("y")
     q.logit_bias[3] = 1.0
-    assert p.stop == ["x"] and p.logit_bias == {1: 2.0} and q == SamplingParams(
-        stop=["x", "y"], logit_bias={1: 2.0, 3: 1.0})
+    assert (
+        p.stop == ["x"]
+        and p.logit_bias == {1: 2.0}
+        and q == SamplingParams(stop=["x", "y"], logit_bias={1: 2.0, 3: 1.0})
+    )
 
 
 def test_from_generation_config() -> None:
-    gen_cfg = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.05,
-               "min_p": None, "max_new_tokens": 512, "do_sample": True, "eos_token_id": 2}
+    gen_cfg = {
+        "temperature": 0.6,
+        "top_p": 0.9,
+        "top_k": 20,
+        "repetition_penalty": 1.05,
+        "min_p": None,
+        "max_new_tokens": 512,
+        "do_sample": True,
+        "eos_token_id": 2,
+    }
     p = SamplingParams.from_generation_config(gen_cfg)
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.6, 0.9, 20, 1.05)
     assert p.min_p == 0.0 and p.max_tokens == 16

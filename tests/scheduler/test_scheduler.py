@@ -10,8 +10,13 @@ def make(num_blocks=8, block_size=4, budget=16, max_seqs=8, max_len=64):
 
 
 def req(rid, n_prompt, max_tokens=8):
-    return Request(rid, list(range(1, n_prompt + 1)), SamplingParams(temperature=0, max_tokens=max_tokens),
-                   max_tokens, frozenset({0}))
+    return Request(
+        rid,
+        list(range(1, n_prompt + 1)),
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        max_tokens,
+        frozenset({0}),
+    )
 
 
 def run_step(sched, token=7):
@@ -25,7 +30,9 @@ def test_chunked_prefill_then_decode_under_token_budget():
     a = req("a", 10)
     sched.add(a)
     out = run_step(sched)
-    assert [(s.request.request_id, s.start, s.num_new_tokens, s.samples) for s in out.seqs] == [("a", 0, 6, False)]
+    assert [(s.request.request_id, s.start, s.num_new_tokens, s.samples) for s in out.seqs] == [
+        ("a", 0, 6, False)
+    ]
     out = run_step(sched)
     assert [(s.start, s.num_new_tokens, s.samples) for s in out.seqs] == [(6, 4, True)]
     assert a.output_token_ids == [7]
@@ -42,7 +49,11 @@ def test_running_decodes_first_then_waiting_fcfs_in_the_same_step():
     sched.add(req("c", 5))
     out = run_step(sched)
     # a decodes 1 token, b gets its 5-token prefill, c gets the 2 left of the budget
-    assert [(s.request.request_id, s.num_new_tokens) for s in out.seqs] == [("a", 1), ("b", 5), ("c", 2)]
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.seqs] == [
+        ("a", 1),
+        ("b", 5),
+        ("c", 2),
+    ]
 
 
 def test_max_num_seqs_caps_the_batch():

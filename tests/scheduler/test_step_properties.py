@@ -39,7 +39,10 @@ class Run:
     # -- random events ----------------------------------------------------------------
     def arrive(self) -> None:
         rng = self.rng
-        prompt = [*rng.choice(PREFIXES)[: rng.randrange(1, 13)], *rng.sample(range(3, 90), rng.randrange(0, 9))]
+        prompt = [
+            *rng.choice(PREFIXES)[: rng.randrange(1, 13)],
+            *rng.sample(range(3, 90), rng.randrange(0, 9)),
+        ]
         max_tokens = rng.randrange(1, 30)
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         req = Request(f"r{self.counter}", prompt, params, max_tokens, frozenset({EOS}))
@@ -89,7 +92,10 @@ class Run:
         for req in self.live.values():
             assert not req.is_finished
             held = len(self.kv.block_table(req.request_id))
-            assert req.num_computed_tokens <= req.num_tokens_with_placeholders + req.num_drafts_in_flight
+            assert (
+                req.num_computed_tokens
+                <= req.num_tokens_with_placeholders + req.num_drafts_in_flight
+            )
             assert 0 <= req.num_placeholders <= 2
             if req.status is RequestStatus.RUNNING:
                 assert held == blocks_needed(req.num_computed_tokens, BLOCK)  # rollback frees
@@ -127,7 +133,9 @@ class Run:
     budget=st.sampled_from([8, 16, 64]),
     eos_every=st.sampled_from([0, 20]),
 )
-def test_random_steps_keep_every_invariant(seed, overlap, drafts, corrupt, num_blocks, budget, eos_every):
+def test_random_steps_keep_every_invariant(
+    seed, overlap, drafts, corrupt, num_blocks, budget, eos_every
+):
     rng = random.Random(seed)
     run = Run(rng, overlap, drafts, corrupt, num_blocks, budget, eos_every)
     for _ in range(150):

@@ -124,7 +124,10 @@ def test_a_stop_inside_a_multi_token_step_cuts_the_output_there(llm, smollm2_hf_
         got, _ = run(drafting_engine(llm, OracleProposer(refs)), params)
         for g, e in zip(got, expected):
             assert (g.token_ids, g.text, g.finish_reason, g.stop_reason) == (
-                e.token_ids, e.text, e.finish_reason, e.stop_reason
+                e.token_ids,
+                e.text,
+                e.finish_reason,
+                e.stop_reason,
             )
 
 

@@ -9,8 +9,15 @@ from tokenmill.structured_output.bitmask import allocate_bitmask, apply_bitmask,
 
 def _reference(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     words = bitmask.tolist()
-    return torch.tensor([[(row[t // 32] >> (t % 32)) & 1 == 1 if t // 32 < len(row) else False
-                          for t in range(vocab)] for row in words])
+    return torch.tensor(
+        [
+            [
+                (row[t // 32] >> (t % 32)) & 1 == 1 if t // 32 < len(row) else False
+                for t in range(vocab)
+            ]
+            for row in words
+        ]
+    )
 
 
 def test_unpack_matches_the_bit_layout():

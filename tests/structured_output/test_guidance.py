@@ -34,8 +34,10 @@ def _matcher(backend, **guide):
 
 
 def test_json_stops_after_the_closing_brace(backend, encode):
-    m = _matcher(backend, json={"type": "object", "properties": {"a": {"type": "integer"}},
-                                "required": ["a"]})
+    m = _matcher(
+        backend,
+        json={"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+    )
     assert EOS not in _allowed(backend, m)
     for t in encode('{"a": 12}'):
         assert m.accept_token(t) and EOS not in _allowed(backend, m) or m.is_terminated()
@@ -71,8 +73,12 @@ def test_matchers_of_one_grammar_are_independent(backend, encode):
 
 def test_whitespace_between_json_tokens_is_bounded(backend, encode):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
-    for text, ok in (('{\n    "a": 1\n}', True), ('{"a":  1}', True),
-                     ('{\n\n\n"a": 1}', False), ('{' + " " * 12 + '"a": 1}', False)):
+    for text, ok in (
+        ('{\n    "a": 1\n}', True),
+        ('{"a":  1}', True),
+        ('{\n\n\n"a": 1}', False),
+        ("{" + " " * 12 + '"a": 1}', False),
+    ):
         m = _matcher(backend, json=schema)
         assert all(m.accept_token(t) for t in encode(text)) is ok, text
     compact = _matcher(backend, json=schema, disable_any_whitespace=True)
@@ -82,8 +88,11 @@ def test_whitespace_between_json_tokens_is_bounded(backend, encode):
 def test_objects_are_closed_unless_the_schema_or_the_option_opens_them(backend, encode):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     extra = '{"a": 1, "b": 2}'
-    for guide, accepted in (({}, False), ({"disable_additional_properties": True}, False),
-                            ({"allow_additional_properties": True}, True)):
+    for guide, accepted in (
+        ({}, False),
+        ({"disable_additional_properties": True}, False),
+        ({"allow_additional_properties": True}, True),
+    ):
         m = _matcher(backend, json=schema, **guide)
         assert all(m.accept_token(t) for t in encode(extra)) is accepted, guide
     stated = _matcher(backend, json={**schema, "additionalProperties": True})
@@ -92,34 +101,57 @@ def test_objects_are_closed_unless_the_schema_or_the_option_opens_them(backend, 
     assert not all(nested.accept_token(t) for t in encode('{"o": {"a": 1, "b": 2}}'))
 
 
-@pytest.mark.parametrize("grammar,text", [
-    ('?start: pair\npair: WORD "=" WORD\nWORD: /[a-z]+/', "ab=cd"),  # Lark, vLLM's style
-    ('root ::= "yes" | "no"', "no"),  # GBNF
-    ('start: "x"+  // a comment with ::= in it', "xxx"),
-])
+@pytest.mark.parametrize(
+    "grammar,text",
+    [
+        ('?start: pair\npair: WORD "=" WORD\nWORD: /[a-z]+/', "ab=cd"),  # Lark, vLLM's style
+        ('root ::= "yes" | "no"', "no"),  # GBNF
+        ('start: "x"+  // a comment with ::= in it', "xxx"),
+    ],
+)
 def test_grammar_syntax_is_detected(backend, encode, grammar, text):
     m = _matcher(backend, grammar=grammar)
     assert all(m.accept_token(t) for t in encode(text)) and m.is_accepting()
 
 
 def test_structural_tag_constrains_only_the_tagged_part(backend, encode):
-    tag = {"structures": [{"begin": "<f=add>", "end": "</f>", "schema": {
-        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-        "additionalProperties": False}}], "triggers": ["<f="]}
+    tag = {
+        "structures": [
+            {
+                "begin": "<f=add>",
+                "end": "</f>",
+                "schema": {
+                    "type": "object",
+                    "properties": {"a": {"type": "integer"}},
+                    "required": ["a"],
+                    "additionalProperties": False,
+                },
+            }
+        ],
+        "triggers": ["<f="],
+    }
     good = _matcher(backend, structural_tag=tag)
     assert all(good.accept_token(t) for t in encode('Sure. <f=add>{"a": 3}</f> done'))
     bad = _matcher(backend, structural_tag=tag)
     assert not all(bad.accept_token(t) for t in encode('Sure. <f=add>{"b": 3}'))
 
 
-@pytest.mark.parametrize("guide, words", [
-    (Guide(regex="(a"), "invalid regex"),
-    (Guide(grammar="start: nope"), "invalid grammar"),
-    (Guide(json={"type": "object", "properties": {"a": {"type": "nope"}}}), "invalid JSON schema"),
-    (Guide(structural_tag={"structures": [{"begin": "<x>"}], "triggers": ["<y"]}),
-     "starts with none of the triggers"),
-    (Guide(structural_tag={"structures": []}), "triggers"),
-])
+@pytest.mark.parametrize(
+    "guide, words",
+    [
+        (Guide(regex="(a"), "invalid regex"),
+        (Guide(grammar="start: nope"), "invalid grammar"),
+        (
+            Guide(json={"type": "object", "properties": {"a": {"type": "nope"}}}),
+            "invalid JSON schema",
+        ),
+        (
+            Guide(structural_tag={"structures": [{"begin": "<x>"}], "triggers": ["<y"]}),
+            "starts with none of the triggers",
+        ),
+        (Guide(structural_tag={"structures": []}), "triggers"),
+    ],
+)
 def test_validation_names_the_problem(backend, guide, words):
     with pytest.raises(ValueError, match=words):
         backend.validate(guide.spec())

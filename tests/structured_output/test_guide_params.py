@@ -20,8 +20,12 @@ def test_one_mode_gives_its_spec():
 
 def test_empty_guide_means_not_requested():
     assert SamplingParams(structured_outputs=StructuredOutputsParams()).structured_outputs is None
-    assert SamplingParams(structured_outputs=StructuredOutputsParams(json_object=False)
-                          ).structured_outputs is None
+    assert (
+        SamplingParams(
+            structured_outputs=StructuredOutputsParams(json_object=False)
+        ).structured_outputs
+        is None
+    )
     assert SamplingParams(structured_outputs={}).structured_outputs is None
 
 
@@ -42,18 +46,21 @@ def test_pydantic_model_class_is_a_schema():
     assert '"required":["x","y"]' in spec.text
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(json={"type": "object"}, regex="a"), "json and regex"),
-    (dict(choice=["a"], grammar="start: 'a'"), "choice and grammar"),
-    (dict(choice="ab"), "list of strings"),
-    (dict(choice=[]), "empty"),
-    (dict(choice=["a", 1]), "strings"),
-    (dict(regex=5), "regex must be a str"),
-    (dict(regex=""), "empty string"),
-    (dict(json="{not json"), "not valid JSON"),
-    (dict(json=[1, 2]), "JSON schema"),
-    (dict(json_object="yes"), "true or false"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(json={"type": "object"}, regex="a"), "json and regex"),
+        (dict(choice=["a"], grammar="start: 'a'"), "choice and grammar"),
+        (dict(choice="ab"), "list of strings"),
+        (dict(choice=[]), "empty"),
+        (dict(choice=["a", 1]), "strings"),
+        (dict(regex=5), "regex must be a str"),
+        (dict(regex=""), "empty string"),
+        (dict(json="{not json"), "not valid JSON"),
+        (dict(json=[1, 2]), "JSON schema"),
+        (dict(json_object="yes"), "true or false"),
+    ],
+)
 def test_bad_guides_raise_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**kwargs).spec()

@@ -40,8 +40,11 @@ def test_compiling_never_stalls_other_requests(tiny_llm, gated):
     engine = tiny_llm.engine
     regex = _unique_regex()
     engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=5), "plain")
-    engine.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=30,
-                                              structured_outputs=Guide(regex=regex)), "guided")
+    engine.add_request(
+        PROMPT,
+        SamplingParams(temperature=0, max_tokens=30, structured_outputs=Guide(regex=regex)),
+        "guided",
+    )
     done = {}
     while "plain" not in done:
         done.update((o.request_id, o) for o in engine.step() if o.finished)
@@ -55,8 +58,9 @@ def test_compiling_never_stalls_other_requests(tiny_llm, gated):
 
 def test_abort_while_compiling(tiny_llm, gated):
     engine = tiny_llm.engine
-    engine.add_request(PROMPT, SamplingParams(structured_outputs=Guide(regex=_unique_regex())),
-                       "doomed")
+    engine.add_request(
+        PROMPT, SamplingParams(structured_outputs=Guide(regex=_unique_regex())), "doomed"
+    )
     out = engine.abort("doomed")
     assert out is not None and out.finished and out.outputs[0].finish_reason == "cancelled"
     assert not engine.has_unfinished() and not engine.structured.has_waiting
@@ -77,12 +81,18 @@ def test_same_spec_compiles_once(tiny_llm, monkeypatch):
 
 def test_random_weights_follow_a_choice_when_sampling(tiny_llm):
     choices = ["first option", "second", "a third one"]
-    params = [SamplingParams(temperature=1.5, seed=i, max_tokens=20,
-                             structured_outputs=Guide(choice=choices)) for i in range(8)]
+    params = [
+        SamplingParams(
+            temperature=1.5, seed=i, max_tokens=20, structured_outputs=Guide(choice=choices)
+        )
+        for i in range(8)
+    ]
     outs = tiny_llm.generate([{"prompt_token_ids": PROMPT}] * 8, params)
     assert all(o.outputs[0].text in choices for o in outs)
-    mixed = tiny_llm.generate([{"prompt_token_ids": PROMPT}] * 2, [
-        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), params[0]])
+    mixed = tiny_llm.generate(
+        [{"prompt_token_ids": PROMPT}] * 2,
+        [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), params[0]],
+    )
     assert len(mixed[0].outputs[0].token_ids) == 6  # unconstrained rows are left alone
     assert mixed[1].outputs[0].text in choices
 
@@ -100,10 +110,16 @@ def test_grammar_state_survives_preemption(tiny_llm):
     engine = tiny_llm.engine
     before = engine.scheduler.num_preemptions
     regex = "(ab|ba){30}" + re.escape(uuid.uuid4().hex[:4])
-    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=80,
-                             structured_outputs=Guide(regex=regex)) for i in range(8)]
+    params = [
+        SamplingParams(
+            temperature=1.0, seed=i, max_tokens=80, structured_outputs=Guide(regex=regex)
+        )
+        for i in range(8)
+    ]
     # 8 x (19 + 30..64) tokens: more than the 64 blocks x 4 tokens of the tiny engine
     prompts = [{"prompt_token_ids": PROMPT * 3 + [100 + i]} for i in range(8)]
     outs = tiny_llm.generate(prompts, params)
     assert engine.scheduler.num_preemptions > before
-    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs), [o.outputs[0].text for o in outs]
+    assert all(re.fullmatch(regex, o.outputs[0].text) for o in outs), [
+        o.outputs[0].text for o in outs
+    ]

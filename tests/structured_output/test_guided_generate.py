@@ -27,8 +27,9 @@ def _chat(llm: LLM, text: str) -> dict:
 
 
 def _params(guide: Guide, **kwargs) -> SamplingParams:
-    return SamplingParams(**{"temperature": 0, "max_tokens": 80, **kwargs},
-                          structured_outputs=guide)
+    return SamplingParams(
+        **{"temperature": 0, "max_tokens": 80, **kwargs}, structured_outputs=guide
+    )
 
 
 def test_json_schemas_regexes_and_choices_are_always_valid(smol):
@@ -70,10 +71,14 @@ def test_grammar_and_compact_json(smol):
     lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[0-9]{1,3}/'
     gbnf = 'root ::= ("cat" | "dog") " says " ("hi" | "bye")'
     compact = Guide(json=SCHEMAS[1][1], disable_any_whitespace=True)
-    outs = smol.generate([_chat(smol, "What is 6 times 7?"), _chat(smol, "Pick an animal."),
-                          _chat(smol, "Name a city as JSON.")],
-                         [_params(Guide(grammar=lark)), _params(Guide(grammar=gbnf)),
-                          _params(compact)])
+    outs = smol.generate(
+        [
+            _chat(smol, "What is 6 times 7?"),
+            _chat(smol, "Pick an animal."),
+            _chat(smol, "Name a city as JSON."),
+        ],
+        [_params(Guide(grammar=lark)), _params(Guide(grammar=gbnf)), _params(compact)],
+    )
     assert re.fullmatch(r"The answer is [0-9]{1,3}\.", outs[0].outputs[0].text)
     assert re.fullmatch(r"(cat|dog) says (hi|bye)", outs[1].outputs[0].text)
     text = outs[2].outputs[0].text
@@ -81,8 +86,9 @@ def test_grammar_and_compact_json(smol):
 
 
 def test_max_tokens_cuts_with_length(smol):
-    out = smol.generate(_chat(smol, "A person as JSON."),
-                        _params(Guide(json=SCHEMAS[0][1]), max_tokens=3))[0].outputs[0]
+    out = smol.generate(
+        _chat(smol, "A person as JSON."), _params(Guide(json=SCHEMAS[0][1]), max_tokens=3)
+    )[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 
 
@@ -92,11 +98,14 @@ def test_n_children_each_follow_the_grammar(smol):
     assert [c.text in ("alpha", "beta", "gamma") for c in out.outputs] == [True] * 3
 
 
-@pytest.mark.parametrize("guide, message", [
-    (Guide(json={"type": "object", "properties": {"a": {"type": "strng"}}}), "JSON schema"),
-    (Guide(regex="(unclosed"), "regex"),
-    (Guide(grammar="start: undefined_rule"), "grammar"),
-])
+@pytest.mark.parametrize(
+    "guide, message",
+    [
+        (Guide(json={"type": "object", "properties": {"a": {"type": "strng"}}}), "JSON schema"),
+        (Guide(regex="(unclosed"), "regex"),
+        (Guide(grammar="start: undefined_rule"), "grammar"),
+    ],
+)
 def test_invalid_guides_are_value_errors_naming_the_problem(smol, guide, message):
     with pytest.raises(ValueError, match=message):
         smol.generate("hi", SamplingParams(structured_outputs=guide))

@@ -27,63 +27,93 @@ def _nested(depth: int) -> dict:
     return schema
 
 
-@pytest.mark.parametrize("guide, limit", [
-    (dict(grammar="start: r0\n" + "".join(f'r{i}: "t" | r{i + 1}\n' for i in range(1500))
-          + 'r1500: "e"'), "max_rules"),
-    (dict(regex="x" * 300_000), "max_bytes"),
-    (dict(regex="a{1000}{1000}"), "max_repeat"),
-    (dict(regex="((a{100}){100}){100}"), "max_repeat"),
-    (dict(regex="(" * 200 + "a" + ")" * 200), "max_depth"),
-    (dict(grammar='start: ("a"{1000}){1000}'), "max_repeat"),
-    (dict(grammar='start: /(b{500}){500}/'), "max_repeat"),
-    (dict(json={"type": "string", "pattern": "(c{999}){999}"}), "max_repeat"),
-    (dict(json=_nested(100)), "max_depth"),
-    (dict(json={"anyOf": [{"const": i} for i in range(2500)]}), "max_alternatives"),
-    (dict(json={"enum": list(range(2500))}), "max_alternatives"),
-    (dict(json={"$defs": {f"d{i}": {"type": "integer"} for i in range(1200)}}), "max_rules"),
-    (dict(choice=[f"c{i}" for i in range(2500)]), "max_alternatives"),
-])
+@pytest.mark.parametrize(
+    "guide, limit",
+    [
+        (
+            dict(
+                grammar="start: r0\n"
+                + "".join(f'r{i}: "t" | r{i + 1}\n' for i in range(1500))
+                + 'r1500: "e"'
+            ),
+            "max_rules",
+        ),
+        (dict(regex="x" * 300_000), "max_bytes"),
+        (dict(regex="a{1000}{1000}"), "max_repeat"),
+        (dict(regex="((a{100}){100}){100}"), "max_repeat"),
+        (dict(regex="(" * 200 + "a" + ")" * 200), "max_depth"),
+        (dict(grammar='start: ("a"{1000}){1000}'), "max_repeat"),
+        (dict(grammar="start: /(b{500}){500}/"), "max_repeat"),
+        (dict(json={"type": "string", "pattern": "(c{999}){999}"}), "max_repeat"),
+        (dict(json=_nested(100)), "max_depth"),
+        (dict(json={"anyOf": [{"const": i} for i in range(2500)]}), "max_alternatives"),
+        (dict(json={"enum": list(range(2500))}), "max_alternatives"),
+        (dict(json={"$defs": {f"d{i}": {"type": "integer"} for i in range(1200)}}), "max_rules"),
+        (dict(choice=[f"c{i}" for i in range(2500)]), "max_alternatives"),
+    ],
+)
 def test_over_a_limit_names_it(guide, limit):
     with pytest.raises(GrammarLimitError, match=limit):
         check_grammar(Guide(**guide).spec(), LIMITS)
 
 
-@pytest.mark.parametrize("guide", [
-    dict(grammar='start: "a" start'),
-    dict(grammar="root ::= root"),
-    dict(grammar='root ::= "a" root'),
-    dict(grammar='start: a\na: "x" b\nb: "y" a'),
-    dict(json={"$ref": "#"}),
-    dict(json={"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
-               "$ref": "#/$defs/a"}),
-])
+@pytest.mark.parametrize(
+    "guide",
+    [
+        dict(grammar='start: "a" start'),
+        dict(grammar="root ::= root"),
+        dict(grammar='root ::= "a" root'),
+        dict(grammar='start: a\na: "x" b\nb: "y" a'),
+        dict(json={"$ref": "#"}),
+        dict(
+            json={
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                "$ref": "#/$defs/a",
+            }
+        ),
+    ],
+)
 def test_unsatisfiable_grammars_are_refused(guide):
     with pytest.raises(GrammarLimitError, match="can never be satisfied"):
         check_grammar(Guide(**guide).spec(), LIMITS)
 
 
-@pytest.mark.parametrize("guide", [
-    dict(grammar='start: "x" ("y" | "z")'),
-    dict(grammar='start: expr\nexpr: NUM | "(" expr ")" | expr "+" expr\nNUM: /[0-9]+/'),
-    dict(grammar='root ::= "a" root | "b"'),
-    dict(grammar='start: "a" [start]'),
-    dict(grammar='start: ("a" start)* "b"'),
-    dict(grammar='start: "a"{0,3} start{0,1}'),
-    dict(grammar='start: item+\nitem: "k" | "v"'),
-    dict(regex=r"[0-9]{3}-[a-z]{2}\{5\}"),
-    dict(regex="(a{300}){300}"),
-    dict(json={"type": "object", "properties": {"n": {"$ref": "#/$defs/node"}},
-               "$defs": {"node": {"type": "object", "properties": {
-                   "next": {"$ref": "#/$defs/node"}}}}}),
-    dict(choice=["red", "green"]),
-])
+@pytest.mark.parametrize(
+    "guide",
+    [
+        dict(grammar='start: "x" ("y" | "z")'),
+        dict(grammar='start: expr\nexpr: NUM | "(" expr ")" | expr "+" expr\nNUM: /[0-9]+/'),
+        dict(grammar='root ::= "a" root | "b"'),
+        dict(grammar='start: "a" [start]'),
+        dict(grammar='start: ("a" start)* "b"'),
+        dict(grammar='start: "a"{0,3} start{0,1}'),
+        dict(grammar='start: item+\nitem: "k" | "v"'),
+        dict(regex=r"[0-9]{3}-[a-z]{2}\{5\}"),
+        dict(regex="(a{300}){300}"),
+        dict(
+            json={
+                "type": "object",
+                "properties": {"n": {"$ref": "#/$defs/node"}},
+                "$defs": {
+                    "node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}}}
+                },
+            }
+        ),
+        dict(choice=["red", "green"]),
+    ],
+)
 def test_ordinary_grammars_pass(guide):
     check_grammar(Guide(**guide).spec(), LIMITS)
 
 
 def test_the_checks_are_fast_on_the_largest_allowed_inputs():
-    big = dict(grammar="start: " + " | ".join(f'"w{i}"' for i in range(1800)) + "\n"
-               + "".join(f"r{i}: r{i + 1}\n" for i in range(990)) + 'r990: "x"\n')
+    big = dict(
+        grammar="start: "
+        + " | ".join(f'"w{i}"' for i in range(1800))
+        + "\n"
+        + "".join(f"r{i}: r{i + 1}\n" for i in range(990))
+        + 'r990: "x"\n'
+    )
     t0 = time.monotonic()
     check_grammar(Guide(**big).spec(), LIMITS)
     check_grammar(Guide(regex="(ab|cd)" * 30_000).spec(), LIMITS)
@@ -101,8 +131,12 @@ def manager_of(smollm2_hf_tokenizer):
     managers = []
 
     def make(**limits) -> StructuredOutputManager:
-        m = StructuredOutputManager("guidance", _Tok(smollm2_hf_tokenizer),
-                                    len(smollm2_hf_tokenizer), limits=GrammarLimits(**limits))
+        m = StructuredOutputManager(
+            "guidance",
+            _Tok(smollm2_hf_tokenizer),
+            len(smollm2_hf_tokenizer),
+            limits=GrammarLimits(**limits),
+        )
         managers.append(m)
         return m
 
@@ -123,8 +157,9 @@ def test_first_step_probe_refuses_what_fails_mid_generation(manager_of):
 
 def test_cycles_llguidance_resolves_to_nothing_are_refused_by_the_probe(manager_of):
     m = manager_of()
-    guide = Guide(json={"allOf": [{"$ref": "#/$defs/a"}],
-                        "$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}}})
+    guide = Guide(
+        json={"allOf": [{"$ref": "#/$defs/a"}], "$defs": {"a": {"allOf": [{"$ref": "#/$defs/a"}]}}}
+    )
     with pytest.raises(GrammarLimitError, match="can never be satisfied"):
         m.precompile(guide).result(timeout=60)
 
@@ -151,8 +186,7 @@ def test_deep_chain_compiles_on_the_big_stack_without_crashing(tiny_llama_dir):
         except GrammarLimitError as e:
             print("refused:", e)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "refused:" in out.stdout and "too complex" in out.stdout
 
@@ -202,8 +236,7 @@ def test_fifty_big_grammars_leave_rss_bounded(manager_of):
     rng = random.Random(0)
     before = resident_bytes()
     for i in range(50):
-        words = "|".join("".join(rng.choice("abcdefghij") for _ in range(12))
-                         for _ in range(8000))
+        words = "|".join("".join(rng.choice("abcdefghij") for _ in range(12)) for _ in range(8000))
         m.precompile(Guide(regex=f"({words})+ end{i}")).result(timeout=120)
     grown = resident_bytes() - before
     assert m.cache_bytes <= 16 * 2**20 + 8 * 2**20

@@ -106,20 +106,25 @@ def test_assistant_tool_call_without_content_is_accepted(smollm2_tok):
     assert _text(smollm2_tok, ids) == "user;assistant;"
 
 
-CALL_TEMPLATE = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
-                 "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}"
-                 "{% endfor %}")
+CALL_TEMPLATE = (
+    "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+    "{{ c.function.name }}{{ c.function.arguments | tojson }}{% endfor %}"
+    "{% endfor %}"
+)
 
 
 def test_tool_call_arguments_reach_the_template_as_objects(tiny_llm):
     """OpenAI sends arguments as JSON text; templates print them with tojson (LLM.chat)."""
     from tokenmill import SamplingParams
 
-    calls = [{"id": "c1", "type": "function",
-              "function": {"name": "add", "arguments": '{"a": 1}'}}]
+    calls = [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1}'}}]
     conversation = HI + [{"role": "assistant", "content": None, "tool_calls": calls}]
-    out = tiny_llm.chat(conversation, SamplingParams(max_tokens=1), chat_template=CALL_TEMPLATE,
-                        add_generation_prompt=False)[0]
+    out = tiny_llm.chat(
+        conversation,
+        SamplingParams(max_tokens=1),
+        chat_template=CALL_TEMPLATE,
+        add_generation_prompt=False,
+    )[0]
     assert _text(tiny_llm.tokenizer, out.prompt_token_ids).endswith('add{"a": 1}')
     calls[0]["function"]["arguments"] = "{not json"
     with pytest.raises(InvalidRequestError, match="arguments are not JSON"):

@@ -31,7 +31,9 @@ def test_prompt_chunk_without_sampling_still_waits_for_its_logprobs(tiny_llama_d
         monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
         monkeypatch.setattr(runner.host_ids, "pinned", True)  # as on CUDA
         FakeEvent.log = []
-        rid = engine.add_request(list(range(10, 22)), SamplingParams(max_tokens=2, prompt_logprobs=1))
+        rid = engine.add_request(
+            list(range(10, 22)), SamplingParams(max_tokens=2, prompt_logprobs=1)
+        )
         sched = engine.scheduler.schedule()
         assert [s.samples for s in sched.seqs] == [False]  # the first 4 of 12 prompt tokens
         step = runner.launch(sched)
@@ -39,7 +41,9 @@ def test_prompt_chunk_without_sampling_still_waits_for_its_logprobs(tiny_llama_d
         out = runner.collect(step)
         assert FakeEvent.log == ["record", "synchronize"]
         start, entries = out.prompt_logprobs[rid]
-        assert out.tokens == [[]] and start == 0 and [e.token_id for e in entries] == [11, 12, 13, 14]
+        assert (
+            out.tokens == [[]] and start == 0 and [e.token_id for e in entries] == [11, 12, 13, 14]
+        )
         engine.abort(rid)
     finally:
         llm.close()

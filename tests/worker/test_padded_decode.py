@@ -284,7 +284,9 @@ def test_upload_sends_only_used_table_columns_at_aligned_offsets(llm, monkeypatc
                           PadSkippingBackend(), capture=False)  # fmt: skip
     sent: list[int] = []
     send = decode.staging.send
-    monkeypatch.setattr(decode.staging, "send", lambda host, out=None: sent.append(host.size) or send(host, out))
+    monkeypatch.setattr(
+        decode.staging, "send", lambda host, out=None: sent.append(host.size) or send(host, out)
+    )
     three = (seq([1, 2, 3, 4, 5, 6], (10, 11)), seq([7, 8], (20,)), seq([9] * 9, (30, 31, 32)))
     decode.run(three)  # bucket 4: ids, pos, slots, lens 4 each, qsl 5 (+1 to align), 3 x 3 table
     assert sent == [4 * 4 + 6 + 10] and decode.width == MAX_MODEL_LEN // BS == 16

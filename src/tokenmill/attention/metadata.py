@@ -56,7 +56,9 @@ class AttentionMetadata:
 
     @property
     def max_query_len(self) -> int:
-        return max((b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:])), default=0)
+        return max(
+            (b - a for a, b in zip(self.query_start_loc, self.query_start_loc[1:])), default=0
+        )
 
     @property
     def is_all_decode(self) -> bool:

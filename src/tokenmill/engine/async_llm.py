@@ -44,6 +44,7 @@ from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+
 @dataclass
 class _Add:
     stream: RequestStream
@@ -172,8 +173,9 @@ class AsyncLLM:
         assert params.structured_outputs is not None
         future = structured.precompile(params.structured_outputs)
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)),
-                                   structured.limits.compile_timeout)
+            await asyncio.wait_for(
+                asyncio.shield(asyncio.wrap_future(future)), structured.limits.compile_timeout
+            )
         except asyncio.TimeoutError as e:
             raise structured.compile_timeout_error() from e
 
@@ -298,8 +300,9 @@ class AsyncLLM:
     def _add(self, cmd: _Add) -> None:
         stream = cmd.stream
         try:
-            self.engine.add_request(cmd.prompt_token_ids, cmd.params, stream.request_id,
-                                    cmd.prompt, cmd.options)
+            self.engine.add_request(
+                cmd.prompt_token_ids, cmd.params, stream.request_id, cmd.prompt, cmd.options
+            )
         except Exception as exc:  # bad input: the caller gets the ValueError
             self._done(started=False)
             self._send(stream, exc)
@@ -323,10 +326,13 @@ class AsyncLLM:
                 continue
             self.engine.mark_timed_out(rid)
             self.engine.abort(rid)
-            self._release(rid, QueueTimeoutError(
-                f"the request waited {now - live.arrival:.1f}s to start "
-                f"(queue_timeout={self.queue_timeout}s); the server is overloaded, retry later"
-            ))
+            self._release(
+                rid,
+                QueueTimeoutError(
+                    f"the request waited {now - live.arrival:.1f}s to start "
+                    f"(queue_timeout={self.queue_timeout}s); the server is overloaded, retry later"
+                ),
+            )
 
     def _mark_started(self) -> None:
         for rid, live in self._live.items():

@@ -76,4 +76,6 @@ def build_engine(
         config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len, state_slot
     )
     logger.info("KV cache: %d blocks x %d tokens", num_blocks, config.block_size)
-    return EngineParts(loaded, kv, scheduler, structured, all_hooks, runner, UniProcExecutor(runner))
+    return EngineParts(
+        loaded, kv, scheduler, structured, all_hooks, runner, UniProcExecutor(runner)
+    )

@@ -239,9 +239,11 @@ class LLMEngine:
         assert out is not None
         for rid, (start, entries) in out.prompt_logprobs.items():
             self.processor.record_prompt_logprobs(rid, start, entries)
-        row_of = {s.request.request_id: i for i, s in enumerate(result.sched.seqs)} if (
-            out.logprobs is not None
-        ) else None
+        row_of = (
+            {s.request.request_id: i for i, s in enumerate(result.sched.seqs)}
+            if (out.logprobs is not None)
+            else None
+        )
         outputs: list[RequestOutput] = []
         progressed = self.scheduler.update(result.sched, out.tokens)
         now = time.monotonic()
@@ -300,7 +302,9 @@ class LLMEngine:
         if self.kv.enable_prefix_caching and logger.isEnabledFor(logging.INFO):
             logger.info(
                 "request %s: %d of %d prompt tokens from the prefix cache",
-                req.request_id, req.num_cached_tokens, req.num_prompt_tokens,
+                req.request_id,
+                req.num_cached_tokens,
+                req.num_prompt_tokens,
             )
 
     def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:

@@ -64,8 +64,14 @@ def load_model(config: EngineConfig) -> LoadedModel:
     plan = build_plan(quantization, _stored_types(ckpt) if quantization == "gguf" else {})
     dtype = auto_dtype() if plan and config.dtype == "auto" else config.torch_dtype()
     tokenizer = load_tokenizer(ckpt, config.tokenizer)
-    logger.info("building %s (%s, %s, weights %s) from %s", model_cls.__name__, dtype, device,
-                quantization, ckpt.path)
+    logger.info(
+        "building %s (%s, %s, weights %s) from %s",
+        model_cls.__name__,
+        dtype,
+        device,
+        quantization,
+        ckpt.path,
+    )
     ops = select_ops(device, dtype, plan, config.attention_backend)  # every layer's kernels
     logger.info("attention backend %s, layer kernels %s", ops.backend.name, ops.kernels.name)
     with torch.device(device):  # parameters are created in place: no second copy
@@ -89,8 +95,7 @@ def kv_cache_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
     return _kv_blocks(config, loaded.model, loaded.dtype, loaded.max_model_len)
 
 
-def _kv_blocks(config: EngineConfig, m: CausalLM, dtype: torch.dtype, max_model_len: int
-               ) -> int:
+def _kv_blocks(config: EngineConfig, m: CausalLM, dtype: torch.dtype, max_model_len: int) -> int:
     elem = torch.tensor([], dtype=dtype).element_size()
     block_bytes = 2 * m.num_layers * config.block_size * m.num_kv_heads * m.head_dim * elem
     one_seq = -(-max_model_len // config.block_size)

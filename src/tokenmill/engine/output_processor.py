@@ -111,7 +111,9 @@ class OutputProcessor:
             self.children[cid] = ChildState(parent, index, detok, stops, deferred)
         parent.num_unfinished = len(child_ids)
 
-    def record_prompt_logprobs(self, request_id: str, start: int, entries: list[TokenLogprobs]) -> None:
+    def record_prompt_logprobs(
+        self, request_id: str, start: int, entries: list[TokenLogprobs]
+    ) -> None:
         child = self.children.get(request_id)
         if child is None:  # ended (aborted) while its step was in flight
             return
@@ -119,7 +121,9 @@ class OutputProcessor:
         if parent.prompt_logprobs is None:
             parent.prompt_logprobs = [None]
         for j, entry in enumerate(entries):
-            if start + 1 + j == len(parent.prompt_logprobs):  # skip positions seen before a preemption
+            if start + 1 + j == len(
+                parent.prompt_logprobs
+            ):  # skip positions seen before a preemption
                 parent.prompt_logprobs.append(self._position(entry))
 
     def process_tokens(
@@ -133,8 +137,10 @@ class OutputProcessor:
             child.parent.num_cached_tokens = req.num_cached_tokens
         outputs = req.output_token_ids
         first = len(outputs) - num_new
-        hidden_stop = req.is_finished and req.status is RequestStatus.FINISHED_STOPPED and not (
-            req.params.include_stop_str_in_output
+        hidden_stop = (
+            req.is_finished
+            and req.status is RequestStatus.FINISHED_STOPPED
+            and not (req.params.include_stop_str_in_output)
         )  # the last token stopped the request (EOS, a stop id) and is not shown
         stop, consumed = None, num_new
         for j in range(num_new):
@@ -226,7 +232,9 @@ class OutputProcessor:
         comp.cumulative_logprob = (comp.cumulative_logprob or 0.0) + entry.logprob
 
     def _position(self, entry: TokenLogprobs) -> PositionLogprobs:
-        out: PositionLogprobs = {entry.token_id: self._logprob(entry.token_id, entry.logprob, entry.rank)}
+        out: PositionLogprobs = {
+            entry.token_id: self._logprob(entry.token_id, entry.logprob, entry.rank)
+        }
         for rank, (tid, value) in enumerate(entry.top, start=1):
             if tid not in out:
                 out[tid] = self._logprob(tid, value, rank)

@@ -14,10 +14,16 @@ PromptInput = str | dict | list
 
 
 def _is_token_list(x: object) -> TypeGuard[list[int]]:
-    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    )
 
 
-def normalize_prompts(prompts: PromptInput, tokenizer: Tokenizer) -> list[tuple[str | None, list[int]]]:
+def normalize_prompts(
+    prompts: PromptInput, tokenizer: Tokenizer
+) -> list[tuple[str | None, list[int]]]:
     """Accept a string, a token-id list, a {"prompt" | "prompt_token_ids"} dict, or a list of them."""
     if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
         prompts = [prompts]
@@ -36,7 +42,9 @@ def request_options(
 ) -> list[RequestOptions]:
     """Per-prompt engine options: dict prompts may carry cache_salt, reuse_context and
     cache_generated_tokens; ``priority`` is one int or one per prompt (vLLM's argument)."""
-    items = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
+    items = (
+        [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
+    )
     if priority is None or isinstance(priority, int):
         priorities = [priority or 0] * len(items)
     else:
@@ -44,7 +52,10 @@ def request_options(
         if len(priorities) != len(items):
             raise InvalidRequestError(f"got {len(priorities)} priorities for {len(items)} prompts")
     return [
-        RequestOptions(priority=prio, **({k: p[k] for k in _OPTION_KEYS if k in p} if isinstance(p, dict) else {}))
+        RequestOptions(
+            priority=prio,
+            **({k: p[k] for k in _OPTION_KEYS if k in p} if isinstance(p, dict) else {}),
+        )
         for p, prio in zip(items, priorities)
     ]
 

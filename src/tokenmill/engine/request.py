@@ -29,7 +29,9 @@ class RequestOptions:
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise InvalidRequestError(f"priority must be an integer, got {self.priority!r}")
         if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise InvalidRequestError(f"cache_salt must be a string, got {type(self.cache_salt).__name__}")
+            raise InvalidRequestError(
+                f"cache_salt must be a string, got {type(self.cache_salt).__name__}"
+            )
 
     def apply(self, req: Request) -> None:
         """Copy the options onto the scheduler's record of the request."""

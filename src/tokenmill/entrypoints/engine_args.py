@@ -21,8 +21,10 @@ from tokenmill.vllm_compat import COMPAT_OPTIONS, check_compat_options
 
 
 def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
-    fields = [(f.name, f.type, dataclasses.field(default=f.default))
-              for f in dataclasses.fields(EngineConfig)]
+    fields = [
+        (f.name, f.type, dataclasses.field(default=f.default))
+        for f in dataclasses.fields(EngineConfig)
+    ]
     fields.append(("generation_config", "str", dataclasses.field(default="auto")))
     fields += [(o.name, "Any", dataclasses.field(default=o.default)) for o in COMPAT_OPTIONS]
     return fields
@@ -33,8 +35,14 @@ class _EngineArgsMethods:
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         """Add every engine flag (``--model``, ``--max-model-len``, ``-tp``, ...)."""
         add_engine_flags(parser)
-        add_flags(parser, (Flag("--generation-config", "generation_config", str,
-                                GENERATION_CONFIG_HELP, "auto"),))
+        add_flags(
+            parser,
+            (
+                Flag(
+                    "--generation-config", "generation_config", str, GENERATION_CONFIG_HELP, "auto"
+                ),
+            ),
+        )
         return parser
 
     @classmethod

@@ -42,22 +42,29 @@ def parse_line(line: str, number: int) -> BatchLine:
     except json.JSONDecodeError as exc:
         return BatchLine(None, None, None, _error("invalid_json", f"line {number}: {exc}"))
     if not isinstance(item, dict):
-        return BatchLine(None, None, None, _error("invalid_request",
-                                                  f"line {number} is not a JSON object"))
+        return BatchLine(
+            None, None, None, _error("invalid_request", f"line {number} is not a JSON object")
+        )
     cid, url, body = item.get("custom_id"), item.get("url"), item.get("body")
     if not isinstance(cid, str) or not cid:
-        return BatchLine(None, url, None, _error("missing_custom_id",
-                                                 f"line {number}: no custom_id string"))
+        return BatchLine(
+            None, url, None, _error("missing_custom_id", f"line {number}: no custom_id string")
+        )
     if item.get("method", "POST") != "POST":
         return BatchLine(cid, url, None, _error("invalid_method", "method must be POST"))
     if url not in URLS:
-        return BatchLine(cid, url, None, _error(
-            "invalid_url", f"url {url!r} is not supported; use one of {', '.join(URLS)}"))
+        return BatchLine(
+            cid,
+            url,
+            None,
+            _error("invalid_url", f"url {url!r} is not supported; use one of {', '.join(URLS)}"),
+        )
     if not isinstance(body, dict):
         return BatchLine(cid, url, None, _error("invalid_body", "body must be a JSON object"))
     if body.get("stream"):
-        return BatchLine(cid, url, None, _error("invalid_body",
-                                                "stream is not supported in a batch"))
+        return BatchLine(
+            cid, url, None, _error("invalid_body", "stream is not supported in a batch")
+        )
     return BatchLine(cid, url, body, None)
 
 
@@ -84,14 +91,25 @@ def done_ids(output: Path) -> set[str]:
     return ids
 
 
-def output_line(cid: str | None, response: dict[str, Any] | None,
-                error: dict[str, str] | None) -> str:
-    return json.dumps({"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": cid,
-                       "response": response, "error": error}) + "\n"
+def output_line(
+    cid: str | None, response: dict[str, Any] | None, error: dict[str, str] | None
+) -> str:
+    return (
+        json.dumps(
+            {
+                "id": f"batch_req_{uuid.uuid4().hex}",
+                "custom_id": cid,
+                "response": response,
+                "error": error,
+            }
+        )
+        + "\n"
+    )
 
 
-async def _run(url: str, lines: list[BatchLine], out, default_model: str,
-               progress) -> dict[str, int]:
+async def _run(
+    url: str, lines: list[BatchLine], out, default_model: str, progress
+) -> dict[str, int]:
     import httpx
 
     counts = {"ok": 0, "failed": 0}
@@ -101,9 +119,11 @@ async def _run(url: str, lines: list[BatchLine], out, default_model: str,
         async with limit:
             body = {"model": default_model, **item.body}  # type: ignore[dict-item]
             r = await client.post(item.url, json=body)  # type: ignore[arg-type]
-        response = {"status_code": r.status_code,
-                    "request_id": r.headers.get("x-request-id", f"req_{uuid.uuid4().hex}"),
-                    "body": r.json()}
+        response = {
+            "status_code": r.status_code,
+            "request_id": r.headers.get("x-request-id", f"req_{uuid.uuid4().hex}"),
+            "body": r.json(),
+        }
         counts["ok" if r.status_code == 200 else "failed"] += 1
         out.write(output_line(item.custom_id, response, None))
         out.flush()
@@ -122,21 +142,33 @@ def run_batch(input_path: Path, output_path: Path, llm_factory) -> dict[str, int
     from tokenmill.entrypoints.openai.state import ServerConfig
 
     skip = done_ids(output_path)
-    lines = [parse_line(text, i + 1) for i, text in enumerate(
-        input_path.read_text().splitlines()) if text.strip()]
+    lines = [
+        parse_line(text, i + 1)
+        for i, text in enumerate(input_path.read_text().splitlines())
+        if text.strip()
+    ]
     seen: set[str] = set()
     todo, bad = [], []
     for item in lines:
-        if (item.custom_id if item.custom_id is not None else item.error["message"]  # type: ignore[index]
-                ) in skip:
+        if (
+            item.custom_id if item.custom_id is not None else item.error["message"]  # type: ignore[index]
+        ) in skip:
             continue
         if item.error is None and item.custom_id in seen:
-            item = BatchLine(item.custom_id, item.url, None, _error(
-                "duplicate_custom_id", f"custom_id {item.custom_id!r} appears twice"))
+            item = BatchLine(
+                item.custom_id,
+                item.url,
+                None,
+                _error("duplicate_custom_id", f"custom_id {item.custom_id!r} appears twice"),
+            )
         seen.add(item.custom_id or "")
         (bad if item.error is not None else todo).append(item)
-    counts = {"skipped": len(lines) - len(todo) - len(bad), "invalid": len(bad), "ok": 0,
-              "failed": 0}
+    counts = {
+        "skipped": len(lines) - len(todo) - len(bad),
+        "invalid": len(bad),
+        "ok": 0,
+        "failed": 0,
+    }
     with output_path.open("a") as out:
         for item in bad:
             out.write(output_line(item.custom_id, None, item.error))
@@ -144,12 +176,12 @@ def run_batch(input_path: Path, output_path: Path, llm_factory) -> dict[str, int
         if not todo:
             return counts
         llm = llm_factory()
-        srv = OpenAIServer(llm.engine, ServerConfig(port=0, log_level="warning",
-                                                    max_queued_requests=None)).start()
+        srv = OpenAIServer(
+            llm.engine, ServerConfig(port=0, log_level="warning", max_queued_requests=None)
+        ).start()
         try:
             with tqdm(total=len(todo), desc="Batch requests", unit="req") as progress:
-                counts.update(asyncio.run(_run(srv.url, todo, out, srv.state.model_name,
-                                               progress)))
+                counts.update(asyncio.run(_run(srv.url, todo, out, srv.state.model_name, progress)))
         finally:
             srv.close(timeout=60)
             llm.close()
@@ -157,19 +189,34 @@ def run_batch(input_path: Path, output_path: Path, llm_factory) -> dict[str, int
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline",
-                       description=__doc__.split("\n\n", 1)[1],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-i", "--input-file", required=True, type=Path,
-                   help="JSONL requests: {custom_id, method, url, body} per line")
-    p.add_argument("-o", "--output-file", required=True, type=Path,
-                   help="JSONL results, appended (lines whose custom_id is there are skipped)")
+    p = sub.add_parser(
+        "run-batch",
+        help="run an OpenAI batch file (JSONL) offline",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "-i",
+        "--input-file",
+        required=True,
+        type=Path,
+        help="JSONL requests: {custom_id, method, url, body} per line",
+    )
+    p.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        type=Path,
+        help="JSONL results, appended (lines whose custom_id is there are skipped)",
+    )
     return p
 
 
 def cmd_run_batch(args: argparse.Namespace, llm_factory) -> int:
     counts = run_batch(args.input_file, args.output_file, llm_factory)
-    print(f"run-batch: {counts['ok']} answered, {counts['failed']} refused by the API, "
-          f"{counts['invalid']} invalid lines, {counts['skipped']} already done "
-          f"-> {args.output_file}")
+    print(
+        f"run-batch: {counts['ok']} answered, {counts['failed']} refused by the API, "
+        f"{counts['invalid']} invalid lines, {counts['skipped']} already done "
+        f"-> {args.output_file}"
+    )
     return 0

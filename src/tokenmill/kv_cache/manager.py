@@ -127,7 +127,9 @@ class KVCacheManager:
         seq.table.extend(new)
         return True
 
-    def commit(self, request_id: str, token_ids: list[int], num_computed: int, extra_key: bytes = b"") -> None:
+    def commit(
+        self, request_id: str, token_ids: list[int], num_computed: int, extra_key: bytes = b""
+    ) -> None:
         """Make the request's full, computed blocks findable for later requests.
 
         ``token_ids`` are the tokens whose KV may be shared (the caller passes
@@ -209,9 +211,9 @@ class KVCacheManager:
             for b in seq.table:
                 holders[b] += 1
             row = self.tables.array[seq.row]
-            assert row[: len(seq.table)].tolist() == seq.table and not row[len(seq.table) :].any(), (
-                f"table row {seq.row} disagrees with its list"
-            )
+            assert (
+                row[: len(seq.table)].tolist() == seq.table and not row[len(seq.table) :].any()
+            ), f"table row {seq.row} disagrees with its list"
         free = set(pool.free_block_ids())
         assert len(free) == pool.num_free, "a block is in the free queue twice"
         for b, (count, ref) in enumerate(zip(holders, pool.ref_counts)):
@@ -219,5 +221,9 @@ class KVCacheManager:
             assert (ref == 0) == (b in free), f"block {b}: ref count {ref}, free={b in free}"
         for h, b in pool.by_hash.items():
             entry = pool.committed[b]
-            assert entry is not None and entry.block_hash == h, f"hash index points at block {b} wrongly"
-        assert sum(e is not None for e in pool.committed) == len(pool.by_hash), "unindexed committed block"
+            assert entry is not None and entry.block_hash == h, (
+                f"hash index points at block {b} wrongly"
+            )
+        assert sum(e is not None for e in pool.committed) == len(pool.by_hash), (
+            "unindexed committed block"
+        )

@@ -22,9 +22,15 @@ def block_hash(parent: bytes | None, tokens: Sequence[int], extra_key: bytes = b
 
 
 def extend_hashes(
-    hashes: list[bytes], token_ids: Sequence[int], num_tokens: int, block_size: int, extra_key: bytes
+    hashes: list[bytes],
+    token_ids: Sequence[int],
+    num_tokens: int,
+    block_size: int,
+    extra_key: bytes,
 ) -> None:
     """Append the hashes of every full block within the first ``num_tokens`` tokens."""
     for i in range(len(hashes), num_tokens // block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(block_hash(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key))
+        hashes.append(
+            block_hash(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key)
+        )

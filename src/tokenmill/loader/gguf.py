@@ -101,7 +101,9 @@ class GgufWeights:
                     last_log - start,
                 )
 
-    def _dequantized(self, info: GgufTensorInfo, mapped: MappedName, dtype: torch.dtype) -> torch.Tensor:
+    def _dequantized(
+        self, info: GgufTensorInfo, mapped: MappedName, dtype: torch.dtype
+    ) -> torch.Tensor:
         tensor = dequantize(self.file.raw(info), info.qtype, info.shape)
         if mapped.transform is not None:
             tensor = TRANSFORMS[mapped.transform](tensor, self.hf_config)
@@ -115,7 +117,9 @@ class GgufWeights:
         return GgufBlocks(raw, info.qtype, (info.shape[0], info.shape[1]))
 
 
-def _keeps_blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], transform: str | None) -> bool:
+def _keeps_blocks(
+    qtype: GGMLQuantizationType, shape: tuple[int, ...], transform: str | None
+) -> bool:
     return len(shape) == 2 and qtype not in DENSE_TYPES and transform in (None, *_ROW_TRANSFORMS)
 
 

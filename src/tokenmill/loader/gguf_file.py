@@ -96,8 +96,14 @@ def read_gguf(path: Path) -> GgufFile:
         return _parse(path, blob)
     except (ModelLoadError, UnsupportedModelError):
         raise
-    except (struct.error, UnicodeDecodeError, IndexError, OverflowError, ValueError,
-            MemoryError) as e:
+    except (
+        struct.error,
+        UnicodeDecodeError,
+        IndexError,
+        OverflowError,
+        ValueError,
+        MemoryError,
+    ) as e:
         raise ModelLoadError(
             f"{path} is truncated or corrupt ({type(e).__name__}: {e}); download or assemble "
             "the file again"
@@ -117,10 +123,16 @@ def _parse(path: Path, blob: np.ndarray) -> GgufFile:
     metadata = {reader.string(): reader.value() for _ in range(n_kv)}
     entries = [reader.tensor_entry() for _ in range(n_tensors)]
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0 \
-            or alignment % 8:
-        raise ModelLoadError(f"{path} has general.alignment = {alignment!r}; GGUF requires a "
-                             "positive multiple of 8: the file is corrupt")
+    if (
+        isinstance(alignment, bool)
+        or not isinstance(alignment, int)
+        or alignment <= 0
+        or alignment % 8
+    ):
+        raise ModelLoadError(
+            f"{path} has general.alignment = {alignment!r}; GGUF requires a "
+            "positive multiple of 8: the file is corrupt"
+        )
     data_start = -(-reader.pos // alignment) * alignment
     tensors = tuple(_tensor_info(path, data_start, *entry) for entry in entries)
     end = max((t.offset + t.nbytes for t in tensors), default=data_start)
@@ -145,8 +157,10 @@ def _tensor_info(
     shape = tuple(reversed(dims))
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     if not shape or shape[-1] % block_size:
-        raise ModelLoadError(f"tensor {name} of {path} has shape {shape}, whose rows are not "
-                             f"whole {qtype.name} blocks of {block_size}: the file is corrupt")
+        raise ModelLoadError(
+            f"tensor {name} of {path} has shape {shape}, whose rows are not "
+            f"whole {qtype.name} blocks of {block_size}: the file is corrupt"
+        )
     nbytes = prod(shape) // block_size * type_size
     return GgufTensorInfo(name, shape, qtype, data_start + offset, nbytes)
 
@@ -166,9 +180,11 @@ class _Cursor:
         """Refuse a count whose items can not fit in the bytes left (before looping on it)."""
         left = len(self.buf) - self.pos
         if count * item_bytes > left:
-            raise ModelLoadError(f"a GGUF {what} of {count} items at byte {self.pos} needs at "
-                                 f"least {count * item_bytes} bytes; {left} are left: the file "
-                                 "is truncated or corrupt")
+            raise ModelLoadError(
+                f"a GGUF {what} of {count} items at byte {self.pos} needs at "
+                f"least {count * item_bytes} bytes; {left} are left: the file "
+                "is truncated or corrupt"
+            )
 
     def string(self) -> str:
         (length,) = self.unpack("Q")
@@ -189,8 +205,10 @@ class _Cursor:
 
     def array(self, depth: int = 1) -> Any:
         if depth > _MAX_ARRAY_NESTING:
-            raise ModelLoadError(f"GGUF metadata arrays nested deeper than {_MAX_ARRAY_NESTING} "
-                                 f"at byte {self.pos}: the file is corrupt")
+            raise ModelLoadError(
+                f"GGUF metadata arrays nested deeper than {_MAX_ARRAY_NESTING} "
+                f"at byte {self.pos}: the file is corrupt"
+            )
         item_type, count = self.unpack("IQ")
         if item_type in _SCALAR_FORMATS:
             fmt = _SCALAR_FORMATS[item_type]
@@ -211,8 +229,10 @@ class _Cursor:
         name = self.string()
         (n_dims,) = self.unpack("I")
         if not 1 <= n_dims <= _MAX_DIMS:
-            raise ModelLoadError(f"tensor {name} has {n_dims} dimensions (GGUF allows 1 to "
-                                 f"{_MAX_DIMS}): the file is corrupt")
+            raise ModelLoadError(
+                f"tensor {name} has {n_dims} dimensions (GGUF allows 1 to "
+                f"{_MAX_DIMS}): the file is corrupt"
+            )
         dims = self.unpack(f"{n_dims}Q")
         type_id, offset = self.unpack("IQ")
         return name, dims, type_id, offset

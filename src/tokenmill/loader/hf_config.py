@@ -15,8 +15,10 @@ from tokenmill.errors import ModelLoadError
 try:
     from huggingface_hub.errors import StrictDataclassClassValidationError as _INVALID
 except ImportError:  # older huggingface_hub: transformers raises ValueError instead
+
     class _INVALID(Exception):  # type: ignore[no-redef]
         """Never raised."""
+
 
 logger = logging.getLogger(__name__)
 

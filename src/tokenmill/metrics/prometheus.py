@@ -42,43 +42,60 @@ class StatsCollector(Collector):
         s = self._stats()
         if s is None:
             return
-        yield self._gauge("num_requests_running", "Sequences holding KV cache blocks.", s.num_running)
-        yield self._gauge("num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting)
-        yield self._gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).",
-                          self._kv_usage())
+        yield self._gauge(
+            "num_requests_running", "Sequences holding KV cache blocks.", s.num_running
+        )
+        yield self._gauge(
+            "num_requests_waiting", "Sequences waiting to be scheduled.", s.num_waiting
+        )
+        yield self._gauge(
+            "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", self._kv_usage()
+        )
         yield self._counter("prompt_tokens", "Prompt tokens prefilled.", s.prompt_tokens)
         yield self._counter("generation_tokens", "Output tokens generated.", s.generation_tokens)
-        yield self._counter("num_preemptions", "Sequences preempted for lack of KV blocks.",
-                            s.num_preemptions)
+        yield self._counter(
+            "num_preemptions", "Sequences preempted for lack of KV blocks.", s.num_preemptions
+        )
         yield self._counter("request_submitted", "Requests accepted by the engine.", s.submitted)
         success = CounterMetricFamily(
-            PREFIX + "request_success", "Completed requests by finish reason.",
+            PREFIX + "request_success",
+            "Completed requests by finish reason.",
             labels=["model_name", "finished_reason"],
         )
         for reason in ("stop", "length", *sorted(set(s.finished_reasons) - {"stop", "length"})):
             success.add_metric([self._model, reason], s.finished_reasons.get(reason, 0))
         yield success
         refused = CounterMetricFamily(
-            PREFIX + "request_refused", "Requests refused: queue full (429), queue timeout "
-            "or draining (503).", labels=["model_name", "reason"],
+            PREFIX + "request_refused",
+            "Requests refused: queue full (429), queue timeout or draining (503).",
+            labels=["model_name", "reason"],
         )
-        for reason, value in (("queue_full", s.refused_queue_full),
-                              ("queue_timeout", s.refused_queue_timeout),
-                              ("draining", s.refused_draining)):
+        for reason, value in (
+            ("queue_full", s.refused_queue_full),
+            ("queue_timeout", s.refused_queue_timeout),
+            ("draining", s.refused_draining),
+        ):
             refused.add_metric([self._model, reason], value)
         yield refused
-        yield self._counter("request_aborted", "Requests cancelled before finishing "
-                            "(client disconnected or aborted).", s.cancelled)
+        yield self._counter(
+            "request_aborted",
+            "Requests cancelled before finishing (client disconnected or aborted).",
+            s.cancelled,
+        )
         yield self._counter("request_failed", "Requests failed by an engine error.", s.failed)
         yield from self._prefix_cache_metrics()
-        yield self._histogram("time_to_first_token_seconds", "Arrival to first output token.",
-                              s.time_to_first_token)
-        yield self._histogram("inter_token_latency_seconds", "Time between two output tokens.",
-                              s.inter_token_latency)
-        yield self._histogram("e2e_request_latency_seconds", "Arrival to finish, completed "
-                              "requests.", s.e2e_latency)
-        yield self._histogram("request_queue_time_seconds", "Arrival to first scheduled.",
-                              s.queue_time)
+        yield self._histogram(
+            "time_to_first_token_seconds", "Arrival to first output token.", s.time_to_first_token
+        )
+        yield self._histogram(
+            "inter_token_latency_seconds", "Time between two output tokens.", s.inter_token_latency
+        )
+        yield self._histogram(
+            "e2e_request_latency_seconds", "Arrival to finish, completed requests.", s.e2e_latency
+        )
+        yield self._histogram(
+            "request_queue_time_seconds", "Arrival to first scheduled.", s.queue_time
+        )
 
     def _prefix_cache_metrics(self) -> Iterator[Metric]:
         """``LLMEngine.prefix_cache_metrics()``: counters, and the cached blocks gauge."""
@@ -87,8 +104,11 @@ class StatsCollector(Collector):
             if key in values:
                 yield self._counter(key, doc, values[key])
         if "prefix_cache_cached_blocks" in values:
-            yield self._gauge("prefix_cache_cached_blocks", "KV blocks holding a reusable "
-                              "prefix (in use or free).", values["prefix_cache_cached_blocks"])
+            yield self._gauge(
+                "prefix_cache_cached_blocks",
+                "KV blocks holding a reusable prefix (in use or free).",
+                values["prefix_cache_cached_blocks"],
+            )
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
         g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])

@@ -94,8 +94,13 @@ def _library() -> ctypes.CDLL | None:
     lib.dense16_gemm.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, ptr]
     lib.dense16_has_bf16.argtypes = []
     lib.dense16_has_bf16.restype = ctypes.c_int
-    for fn in (lib.add_rms_norm, lib.rope_store_kv, lib.decode_attention, lib.decode_layer,
-               lib.dense16_gemm):
+    for fn in (
+        lib.add_rms_norm,
+        lib.rope_store_kv,
+        lib.decode_attention,
+        lib.decode_layer,
+        lib.dense16_gemm,
+    ):
         fn.restype = None
     return lib
 

@@ -42,7 +42,9 @@ class Dense16Method(LinearMethod):
         cols = _in_features(layer)
         check_rows(layer, start, src, layer.dense16_out, cols)
         for i, part in row_chunks(src):
-            dense16.write_rows(layer.wtiles, start + i, part if isinstance(part, torch.Tensor) else to_float(part))
+            dense16.write_rows(
+                layer.wtiles, start + i, part if isinstance(part, torch.Tensor) else to_float(part)
+            )
 
     def apply(self, layer, x, bias):
         n = layer.dense16_out

@@ -185,7 +185,11 @@ def apply_top_k_top_p(
 # ---- helpers ---------------------------------------------------------------------
 
 
-def upload(values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def upload(
+    values: Sequence[int] | Sequence[float] | Sequence[Sequence[int]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     """A small host list as a tensor on ``device`` without waiting for the device: on CUDA
     through pinned memory and a non-blocking copy (a pageable copy synchronizes the
     stream, which would stall the step queued behind it with asynchronous scheduling)."""

@@ -86,15 +86,19 @@ class StructuredOutputBackend(ABC):
     def bitmask_width(self) -> int:
         """int32 words per bitmask row: ceil(vocab / 32)."""
 
-    def fill_bitmasks(self, matchers: Sequence[tuple[GrammarMatcher, int]],
-                      bitmask: torch.Tensor) -> None:
+    def fill_bitmasks(
+        self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor
+    ) -> None:
         """Fill ``bitmask[row]`` for every (matcher, row); backends may do it in parallel."""
         for matcher, row in matchers:
             matcher.fill_bitmask(bitmask, row)
 
 
 def create_backend(
-    name: str, hf_tokenizer, vocab_size: int, eos_token_ids: Iterable[int],
+    name: str,
+    hf_tokenizer,
+    vocab_size: int,
+    eos_token_ids: Iterable[int],
     limits: GrammarLimits | None = None,
 ) -> StructuredOutputBackend:
     """The backend called ``name`` (or the first installed one for ``auto``); ``limits``
@@ -114,6 +118,7 @@ def create_backend(
             continue
         return backend_cls(hf_tokenizer, vocab_size, list(eos_token_ids), limits)
     raise InvalidRequestError(
-        "no structured output backend is installed (" + "; ".join(errors)
+        "no structured output backend is installed ("
+        + "; ".join(errors)
         + "); pip install llguidance"
     )

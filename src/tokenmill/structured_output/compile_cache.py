@@ -62,8 +62,9 @@ def start_thread(target: Callable[[], None], name: str, stack_bytes: int) -> thr
 class CompilePool:
     """``submit(fn, *args) -> Future`` on ``num_threads`` big-stack threads, started lazily."""
 
-    def __init__(self, num_threads: int = 2, name: str = "tokenmill-grammar",
-                 stack_bytes: int = STACK_BYTES) -> None:
+    def __init__(
+        self, num_threads: int = 2, name: str = "tokenmill-grammar", stack_bytes: int = STACK_BYTES
+    ) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._num = num_threads
         self._name = name
@@ -78,8 +79,9 @@ class CompilePool:
             if self._closed:
                 raise RuntimeError("the compile pool is shut down")
             if len(self._threads) < self._num:
-                self._threads.append(start_thread(
-                    self._work, f"{self._name}-{len(self._threads)}", self._stack))
+                self._threads.append(
+                    start_thread(self._work, f"{self._name}-{len(self._threads)}", self._stack)
+                )
         self._jobs.put((future, fn, args))
         return future
 

@@ -65,8 +65,13 @@ class GuidanceGrammar(CompiledGrammar):
 class GuidanceBackend(StructuredOutputBackend):
     name = "guidance"
 
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: Sequence[int],
-                 limits: GrammarLimits | None = None) -> None:
+    def __init__(
+        self,
+        hf_tokenizer,
+        vocab_size: int,
+        eos_token_ids: Sequence[int],
+        limits: GrammarLimits | None = None,
+    ) -> None:
         if getattr(hf_tokenizer, "backend_tokenizer", None) is None:
             raise InvalidRequestError(
                 "structured output needs a fast tokenizer (tokenizer.json); this model's "
@@ -84,7 +89,9 @@ class GuidanceBackend(StructuredOutputBackend):
         # requests below it. Short errors: verbose ones echo the whole grammar.
         self._limits = llguidance.LLParserLimits(
             max_items_in_row=max(2000, limits.max_alternatives + 64),
-            max_lexer_states=limits.max_lexer_states, verbose_errors=False)
+            max_lexer_states=limits.max_lexer_states,
+            verbose_errors=False,
+        )
 
     @property
     def ll_tokenizer(self) -> llguidance.LLTokenizer:
@@ -106,8 +113,9 @@ class GuidanceBackend(StructuredOutputBackend):
             raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {error}")
 
     def compile(self, spec: GrammarSpec) -> GuidanceGrammar:
-        matcher = llguidance.LLMatcher(self.ll_tokenizer, self._grammar(spec), log_level=0,
-                                       limits=self._limits)
+        matcher = llguidance.LLMatcher(
+            self.ll_tokenizer, self._grammar(spec), log_level=0, limits=self._limits
+        )
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {_WHAT[spec.kind]}: {matcher.get_error()}")
         self._probe(spec, matcher)
@@ -120,15 +128,18 @@ class GuidanceBackend(StructuredOutputBackend):
         probe = matcher.deep_copy()
         mask = probe.compute_bitmask()
         if probe.is_error() or (probe.is_stopped() and not probe.is_accepting()):
-            raise GrammarLimitError(f"the {_WHAT[spec.kind]} can never be satisfied"
-                                    f"{_reason(probe)}")
+            raise GrammarLimitError(
+                f"the {_WHAT[spec.kind]} can never be satisfied{_reason(probe)}"
+            )
         token = _first_allowed(mask, set(self._eos or ()))
         if token is not None and not probe.consume_token(token):
-            raise GrammarLimitError(f"the {_WHAT[spec.kind]} is too complex to generate: "
-                                    f"{_short(probe.get_error())}")
+            raise GrammarLimitError(
+                f"the {_WHAT[spec.kind]} is too complex to generate: {_short(probe.get_error())}"
+            )
 
-    def fill_bitmasks(self, matchers: Sequence[tuple[GrammarMatcher, int]],
-                      bitmask: torch.Tensor) -> None:
+    def fill_bitmasks(
+        self, matchers: Sequence[tuple[GrammarMatcher, int]], bitmask: torch.Tensor
+    ) -> None:
         """All rows in parallel (llguidance's thread pool, without the GIL)."""
         pairs = [(m.ll, row) for m, row in matchers]  # type: ignore[attr-defined]
         self._executor.unsafe_compute_mask_ptr(
@@ -164,18 +175,26 @@ class GuidanceBackend(StructuredOutputBackend):
         triggers = tag.get("triggers")
         structures = tag.get("structures")
         if not isinstance(triggers, list) or not triggers or not isinstance(structures, list):
-            raise ValueError('a structural tag needs "triggers" (a non-empty list) and '
-                             '"structures" (a list of {"begin", "schema", "end"})')
+            raise ValueError(
+                'a structural tag needs "triggers" (a non-empty list) and '
+                '"structures" (a list of {"begin", "schema", "end"})'
+            )
         tags = []
         for i, s in enumerate(structures):
             begin = s.get("begin", "")
             trigger = next((t for t in triggers if begin.startswith(t)), None)
             if trigger is None:
-                raise ValueError(f"structures[{i}].begin {begin!r} starts with none of the "
-                                 f"triggers {triggers}")
-            tags.append(llguidance.StructTag(trigger=trigger, begin=begin,
-                                             grammar=_schema(spec, s.get("schema", {})),
-                                             end=s.get("end", "")))
+                raise ValueError(
+                    f"structures[{i}].begin {begin!r} starts with none of the triggers {triggers}"
+                )
+            tags.append(
+                llguidance.StructTag(
+                    trigger=trigger,
+                    begin=begin,
+                    grammar=_schema(spec, s.get("schema", {})),
+                    end=s.get("end", ""),
+                )
+            )
         if not tags:
             raise ValueError("a structural tag needs at least one structure")
         special = all(t in self._special for t in triggers if t.startswith("<"))
@@ -238,8 +257,19 @@ def _schema(spec: GrammarSpec, schema):
 
 
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
-_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else",
-               "prefixItems", "allOf", "anyOf", "oneOf")
+_SUBSCHEMAS = (
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "prefixItems",
+    "allOf",
+    "anyOf",
+    "oneOf",
+)
 
 
 def _close_objects(node) -> None:
@@ -265,5 +295,8 @@ def _special_tokens(hf_tokenizer) -> set[str]:
     """Tokens llguidance treats as special: flagged so, or added ones shaped like ``<...>``
     (Qwen's ``<tool_call>``). A grammar names them as ``<tool_call>``, not as text."""
     decoder = getattr(hf_tokenizer, "added_tokens_decoder", {}) or {}
-    return {t.content for t in decoder.values() if getattr(t, "special", False)
-            or (t.content.startswith("<") and t.content.endswith(">"))}
+    return {
+        t.content
+        for t in decoder.values()
+        if getattr(t, "special", False) or (t.content.startswith("<") and t.content.endswith(">"))
+    }

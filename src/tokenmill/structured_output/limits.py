@@ -58,23 +58,36 @@ class GrammarLimits:
     grammar's lexer may grow to during generation."""
 
     def __post_init__(self) -> None:
-        for name in ("max_bytes", "max_rules", "max_depth", "max_repeat", "max_alternatives",
-                     "cache_bytes", "max_lexer_states"):
+        for name in (
+            "max_bytes",
+            "max_rules",
+            "max_depth",
+            "max_repeat",
+            "max_alternatives",
+            "cache_bytes",
+            "max_lexer_states",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.compile_timeout <= 0:
             raise ValueError(f"compile_timeout must be > 0 seconds, got {self.compile_timeout}")
 
 
-_FLAGS = {"max_bytes": "--max-grammar-bytes", "max_rules": "--max-grammar-rules",
-          "max_depth": "--max-grammar-depth", "max_repeat": "--max-grammar-repeat",
-          "max_alternatives": "--max-grammar-alternatives"}
+_FLAGS = {
+    "max_bytes": "--max-grammar-bytes",
+    "max_rules": "--max-grammar-rules",
+    "max_depth": "--max-grammar-depth",
+    "max_repeat": "--max-grammar-repeat",
+    "max_alternatives": "--max-grammar-alternatives",
+}
 
 
 def _over(limits: GrammarLimits, name: str, what: str, value: int) -> GrammarLimitError:
     limit = getattr(limits, name)
-    return GrammarLimitError(f"the guide's {what} is {value}, over the limit of {limit} "
-                             f"({name}; server flag {_FLAGS[name]})")
+    return GrammarLimitError(
+        f"the guide's {what} is {value}, over the limit of {limit} "
+        f"({name}; server flag {_FLAGS[name]})"
+    )
 
 
 def check_grammar(spec: GrammarSpec, limits: GrammarLimits) -> None:
@@ -192,14 +205,17 @@ def _check_refs(schema: dict) -> None:
         seen.add(ref)
         ref = node["$ref"]
         if ref in seen:
-            raise GrammarLimitError(f"the JSON schema can never be satisfied: $ref {ref!r} "
-                                    "refers back to itself (a $ref cycle with no value)")
+            raise GrammarLimitError(
+                f"the JSON schema can never be satisfied: $ref {ref!r} "
+                "refers back to itself (a $ref cycle with no value)"
+            )
         node = _resolve(schema, ref)
 
 
 def _only_ref(node: dict) -> bool:
-    return not ({"type", "properties", "anyOf", "oneOf", "allOf", "enum", "const",
-                 "items"} & node.keys())
+    return not (
+        {"type", "properties", "anyOf", "oneOf", "allOf", "enum", "const", "items"} & node.keys()
+    )
 
 
 def _resolve(root: dict, ref: str):
@@ -214,7 +230,8 @@ def _resolve(root: dict, ref: str):
 
 
 # -- Lark / GBNF -----------------------------------------------------------------------------
-_TOKEN = re.compile(r"""
+_TOKEN = re.compile(
+    r"""
     (?P<ws>[ \t\r\n]+|//[^\n]*|\#[^\n]*)
   | (?P<str>"(?:[^"\\\n]|\\.)*"i?|'(?:[^'\\\n]|\\.)*')
   | (?P<re>/(?![/*])(?:[^/\\\n]|\\.)+/[imslux]*)
@@ -227,7 +244,9 @@ _TOKEN = re.compile(r"""
   | (?P<name>[?!]?[A-Za-z_][A-Za-z0-9_\-]*(?:\.-?\d+)?)
   | (?P<op>->|[|()\[\]?*+,.])
   | (?P<num>\d+)
-""", re.VERBOSE)
+""",
+    re.VERBOSE,
+)
 
 
 def _tokens(text: str) -> list[tuple[str, str]] | None:
@@ -262,7 +281,7 @@ def check_lark(text: str, limits: GrammarLimits) -> None:
     depth = 0
     for kind, tok in toks:
         if kind == "re":
-            check_regex(tok[1:tok.rindex("/")], limits, depth)
+            check_regex(tok[1 : tok.rindex("/")], limits, depth)
         elif tok in ("(", "["):
             depth += 1
             if depth > limits.max_depth:
@@ -274,7 +293,8 @@ def check_lark(text: str, limits: GrammarLimits) -> None:
     if start in rules and not _Productive(rules).of(start):
         raise GrammarLimitError(
             f"the grammar can never be satisfied: rule {start!r} derives no finite string "
-            "(every alternative needs itself or another rule without an end)")
+            "(every alternative needs itself or another rule without an end)"
+        )
 
 
 def _check_brackets(text: str, limits: GrammarLimits) -> None:
@@ -432,8 +452,7 @@ class _Productive:
         else:  # literals, classes, special tokens, numbers, separators
             ok = True
             i += 1
-        while i < len(toks) and (toks[i][1] in ("?", "*", "+") or
-                                 toks[i][0] in ("bound", "range")):
+        while i < len(toks) and (toks[i][1] in ("?", "*", "+") or toks[i][0] in ("bound", "range")):
             kind, tok = toks[i]
             bound = _repeat_bound(kind, tok)
             if tok in ("?", "*") or (bound is not None and bound[0] == 0):

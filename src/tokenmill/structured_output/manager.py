@@ -51,10 +51,10 @@ from tokenmill.structured_output.state import StepResult, StructuredRequest
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
-    from tokenmill.scheduler.request import Request
     from tokenmill.parsers.reasoning import ReasoningParser
     from tokenmill.sampling.sampler import SamplingRow
     from tokenmill.scheduler.output import SchedulerOutput
+    from tokenmill.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
@@ -91,8 +91,9 @@ class StructuredOutputManager:
         self._prepared: tuple[list[StructuredRequest], Future[torch.Tensor]] | None = None
 
     @classmethod
-    def from_config(cls, config: EngineConfig, tokenizer, vocab_size: int
-                    ) -> StructuredOutputManager:
+    def from_config(
+        cls, config: EngineConfig, tokenizer, vocab_size: int
+    ) -> StructuredOutputManager:
         from tokenmill.parsers.reasoning import resolve_reasoning_parser
 
         parser = resolve_reasoning_parser(config.reasoning_parser, tokenizer.chat_template)
@@ -105,7 +106,10 @@ class StructuredOutputManager:
             if self._backend is None:
                 tok = self._tokenizer
                 self._backend = create_backend(
-                    self.backend_name, tok.hf, self._vocab_size, sorted(tok.eos_token_ids),
+                    self.backend_name,
+                    tok.hf,
+                    self._vocab_size,
+                    sorted(tok.eos_token_ids),
                     self.limits,
                 )
             return self._backend
@@ -192,7 +196,8 @@ class StructuredOutputManager:
     def compile_timeout_error(self) -> GrammarLimitError:
         return GrammarLimitError(
             f"the grammar did not compile within {self.limits.compile_timeout:g} s "
-            "(compile_timeout; server flag --grammar-compile-timeout)")
+            "(compile_timeout; server flag --grammar-compile-timeout)"
+        )
 
     @staticmethod
     def _remember(cache: OrderedDict, key, value) -> None:
@@ -230,8 +235,7 @@ class StructuredOutputManager:
     def wait(self, timeout: float) -> None:
         """Block until a compile finishes or ``timeout`` seconds pass (an idle engine)."""
         if self._waiting:
-            wait([f for _, f, _ in self._waiting.values()], timeout,
-                 return_when="FIRST_COMPLETED")
+            wait([f for _, f, _ in self._waiting.values()], timeout, return_when="FIRST_COMPLETED")
 
     def discard(self, request_id: str) -> Request | None:
         """Forget a waiting request (aborted before its grammar was ready)."""
@@ -242,8 +246,11 @@ class StructuredOutputManager:
     def prepare(self, sched: SchedulerOutput) -> None:
         """Start filling this step's bitmask in the background (llguidance releases the GIL),
         so that it overlaps the model's forward pass; ``mask_logits`` collects it."""
-        states = [s.request.structured for s in sched.seqs if s.samples
-                  and s.request.structured is not None and s.request.structured.masks]
+        states = [
+            s.request.structured
+            for s in sched.seqs
+            if s.samples and s.request.structured is not None and s.request.structured.masks
+        ]
         self._prepared = None
         if states:
             if self._mask_thread is None:
@@ -264,15 +271,19 @@ class StructuredOutputManager:
     def mask_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         """Sampler row processor: -inf on the tokens each constrained row may not take."""
         constrained = [
-            (i, row.structured) for i, row in enumerate(rows)
+            (i, row.structured)
+            for i, row in enumerate(rows)
             if row.structured is not None and row.structured.masks
         ]
         prepared, self._prepared = self._prepared, None
         if not constrained:
             return
         states = [state for _, state in constrained]
-        if prepared is not None and len(prepared[0]) == len(states) and all(
-                a is b for a, b in zip(prepared[0], states)):
+        if (
+            prepared is not None
+            and len(prepared[0]) == len(states)
+            and all(a is b for a, b in zip(prepared[0], states))
+        ):
             bitmask = prepared[1].result()
         else:  # not prepared (a sampler used on its own): fill now
             bitmask = self._fill(states)
@@ -286,8 +297,11 @@ class StructuredOutputManager:
         assert req.structured is not None
         result = req.structured.advance(req.output_token_ids)
         if result is StepResult.REJECTED:
-            logger.warning("request %s: the grammar rejected token %d",
-                           req.request_id, req.output_token_ids[-1])
+            logger.warning(
+                "request %s: the grammar rejected token %d",
+                req.request_id,
+                req.output_token_ids[-1],
+            )
         return result
 
     def shutdown(self) -> None:
@@ -297,12 +311,13 @@ class StructuredOutputManager:
 
 
 def _digest(spec: GrammarSpec) -> bytes:
-    text = repr((spec.kind, spec.any_whitespace, spec.additional_properties,
-                 spec.whitespace_pattern)) + spec.text
+    text = (
+        repr((spec.kind, spec.any_whitespace, spec.additional_properties, spec.whitespace_pattern))
+        + spec.text
+    )
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def _bit(k: int) -> int:
     """Bit k of an int32 word, as a Python int that fits in int32."""
     return (1 << k) - (1 << 32) if k == 31 else 1 << k
-

@@ -129,8 +129,9 @@ class StructuredOutputsParams:
         else:
             text = value
         open_objects = self.allow_additional_properties and not self.disable_additional_properties
-        return GrammarSpec(kind, text, not self.disable_any_whitespace, open_objects,
-                           self.whitespace_pattern)
+        return GrammarSpec(
+            kind, text, not self.disable_any_whitespace, open_objects, self.whitespace_pattern
+        )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> StructuredOutputsParams:

@@ -59,8 +59,9 @@ class StructuredRequest:
     """Tokens the matcher consumed (what ``rollback`` may undo)."""
 
     @classmethod
-    def start(cls, spec: GrammarSpec, markers: ReasoningMarkers | None,
-              prompt_token_ids: Sequence[int]) -> StructuredRequest:
+    def start(
+        cls, spec: GrammarSpec, markers: ReasoningMarkers | None, prompt_token_ids: Sequence[int]
+    ) -> StructuredRequest:
         if markers is None:
             return cls(spec)
         phase = Phase.REASONING if markers.open_in(prompt_token_ids) else Phase.UNDECIDED

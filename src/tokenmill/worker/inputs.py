@@ -126,7 +126,9 @@ class PendingTokens:
     rows: tuple[int, ...]
     """Their rows in ``source``."""
 
-    def fill(self, input_ids: torch.Tensor, token_rows: torch.Tensor, src_rows: torch.Tensor) -> None:
+    def fill(
+        self, input_ids: torch.Tensor, token_rows: torch.Tensor, src_rows: torch.Tensor
+    ) -> None:
         """input_ids[token_rows] := source[src_rows] (device ops only; the index vectors
         came with the step's packed copy)."""
         input_ids[token_rows] = self.source[src_rows]

@@ -307,9 +307,11 @@ def _sample_rows(
     if not in_flight and not _has_drafts(seqs):  # the common step: one row per sampler
         sampling = [i for i, s in enumerate(seqs) if s.samples]
         if len(sampling) == len(seqs):  # all of them (decode)
-            return tuple(range(len(seqs))), [qsl[i + 1] - 1 for i in sampling], [
-                s.request for s in seqs
-            ]
+            return (
+                tuple(range(len(seqs))),
+                [qsl[i + 1] - 1 for i in sampling],
+                [s.request for s in seqs],
+            )
         first = tuple(accumulate((s.samples for s in seqs), initial=0))[:-1]
         return first, [qsl[i + 1] - 1 for i in sampling], [seqs[i].request for i in sampling]
     first_rows: list[int] = []
@@ -363,7 +365,9 @@ def _to_host(step: LaunchedStep, token_list: list[int]) -> ModelRunnerOutput:
         tokens = []
         for s, row in zip(step.seqs, step.first_rows):
             sampled = token_list[row : row + s.num_sample_rows]
-            tokens.append(verify_drafts(s.draft_token_ids, sampled) if s.draft_token_ids else sampled)
+            tokens.append(
+                verify_drafts(s.draft_token_ids, sampled) if s.draft_token_ids else sampled
+            )
     logprobs = None
     if step.logprobs is not None:
         entries = _entries(step.logprobs, token_list)

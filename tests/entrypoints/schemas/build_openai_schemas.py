@@ -22,42 +22,51 @@ REQUIRED = {
     ("chat.completion", "Choice"): ["finish_reason", "index", "message", "logprobs"],
     ("chat.completion", "ChatCompletionMessage"): ["role", "content", "refusal"],
     ("chat.completion", "ChoiceLogprobs"): ["content", "refusal"],
-    ("chat.completion", "ChatCompletionTokenLogprob"): ["token", "logprob", "bytes",
-                                                        "top_logprobs"],
+    ("chat.completion", "ChatCompletionTokenLogprob"): [
+        "token",
+        "logprob",
+        "bytes",
+        "top_logprobs",
+    ],
     ("chat.completion", "TopLogprob"): ["token", "logprob", "bytes"],
     ("chat.completion.chunk", "Choice"): ["delta", "index", "finish_reason"],
     ("chat.completion.chunk", "ChoiceLogprobs"): ["content", "refusal"],
-    ("chat.completion.chunk", "ChatCompletionTokenLogprob"): ["token", "logprob", "bytes",
-                                                              "top_logprobs"],
+    ("chat.completion.chunk", "ChatCompletionTokenLogprob"): [
+        "token",
+        "logprob",
+        "bytes",
+        "top_logprobs",
+    ],
     ("chat.completion.chunk", "TopLogprob"): ["token", "logprob", "bytes"],
     ("text_completion", "CompletionChoice"): ["finish_reason", "index", "logprobs", "text"],
-    ("text_completion.chunk", "CompletionChoice"): ["finish_reason", "index", "logprobs",
-                                                    "text"],
+    ("text_completion.chunk", "CompletionChoice"): ["finish_reason", "index", "logprobs", "text"],
     ("error", None): ["message", "type", "param", "code"],
 }
 NOT_NULL = {
     # (schema, $defs name or None for the top level) -> fields that are never null
     ("chat.completion", None): ["usage", "system_fingerprint"],
     ("chat.completion", "Choice"): ["finish_reason"],
-    ("chat.completion", "ChatCompletionMessage"): ["tool_calls", "annotations",
-                                                   "function_call"],
-    ("chat.completion", "CompletionUsage"): ["completion_tokens_details",
-                                             "prompt_tokens_details"],
+    ("chat.completion", "ChatCompletionMessage"): ["tool_calls", "annotations", "function_call"],
+    ("chat.completion", "CompletionUsage"): ["completion_tokens_details", "prompt_tokens_details"],
     ("chat.completion.chunk", None): ["system_fingerprint"],
     ("chat.completion.chunk", "ChoiceDelta"): ["tool_calls", "function_call"],
     ("chat.completion.chunk", "ChoiceDeltaToolCall"): ["id", "function", "type"],
     ("chat.completion.chunk", "ChoiceDeltaToolCallFunction"): ["name", "arguments"],
-    ("chat.completion.chunk", "CompletionUsage"): ["completion_tokens_details",
-                                                   "prompt_tokens_details"],
+    ("chat.completion.chunk", "CompletionUsage"): [
+        "completion_tokens_details",
+        "prompt_tokens_details",
+    ],
     ("text_completion", None): ["usage", "system_fingerprint"],
     ("text_completion", "CompletionChoice"): ["finish_reason"],
-    ("text_completion", "Logprobs"): ["text_offset", "token_logprobs", "tokens",
-                                      "top_logprobs"],
-    ("text_completion", "CompletionUsage"): ["completion_tokens_details",
-                                             "prompt_tokens_details"],
+    ("text_completion", "Logprobs"): ["text_offset", "token_logprobs", "tokens", "top_logprobs"],
+    ("text_completion", "CompletionUsage"): ["completion_tokens_details", "prompt_tokens_details"],
     ("text_completion.chunk", None): ["system_fingerprint"],
-    ("text_completion.chunk", "Logprobs"): ["text_offset", "token_logprobs", "tokens",
-                                            "top_logprobs"],
+    ("text_completion.chunk", "Logprobs"): [
+        "text_offset",
+        "token_logprobs",
+        "tokens",
+        "top_logprobs",
+    ],
 }
 NULLABLE = {
     # A streamed completion's chunks reuse the response object; finish_reason is null
@@ -71,9 +80,14 @@ def _schemas() -> dict[str, dict]:
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
     from pydantic import TypeAdapter
 
-    types = {"chat.completion": ChatCompletion, "chat.completion.chunk": ChatCompletionChunk,
-             "text_completion": Completion, "text_completion.chunk": Completion,
-             "model": Model, "error": ErrorObject}
+    types = {
+        "chat.completion": ChatCompletion,
+        "chat.completion.chunk": ChatCompletionChunk,
+        "text_completion": Completion,
+        "text_completion.chunk": Completion,
+        "model": Model,
+        "error": ErrorObject,
+    }
     return {name: TypeAdapter(t).json_schema(mode="serialization") for name, t in types.items()}
 
 
@@ -110,11 +124,16 @@ def build() -> dict:
         for f in fields:
             node["properties"][f] = {"anyOf": [node["properties"][f], {"type": "null"}]}
     # The error body wraps the error object.
-    schemas["error"] = {"type": "object", "required": ["error"],
-                        "properties": {"error": schemas["error"]}}
-    return {"source": f"openai-python {openai.__version__} pydantic types (Apache-2.0), "
-                      "tightened to OpenAI's published OpenAPI required/nullable rules",
-            "schemas": schemas}
+    schemas["error"] = {
+        "type": "object",
+        "required": ["error"],
+        "properties": {"error": schemas["error"]},
+    }
+    return {
+        "source": f"openai-python {openai.__version__} pydantic types (Apache-2.0), "
+        "tightened to OpenAI's published OpenAPI required/nullable rules",
+        "schemas": schemas,
+    }
 
 
 if __name__ == "__main__":

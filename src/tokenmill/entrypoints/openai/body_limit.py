@@ -29,9 +29,12 @@ class BodyLimitMiddleware:
             return await self._too_large(scope, receive, send, int(length))
         if not _is_json(headers.get(b"content-type")):
             kind = headers[b"content-type"].decode("latin-1")
-            error = APIError(400, f"the body must be JSON sent with 'Content-Type: "
-                             f"application/json'; this request's Content-Type is {kind!r}",
-                             code="unsupported_content_type")
+            error = APIError(
+                400,
+                f"the body must be JSON sent with 'Content-Type: "
+                f"application/json'; this request's Content-Type is {kind!r}",
+                code="unsupported_content_type",
+            )
             return await error.response()(scope, receive, send)
         chunks: list[bytes] = []
         size = 0
@@ -57,14 +60,20 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _too_large(self, scope: Scope, receive: Receive, send: Send,
-                         length: int | None) -> None:
+    async def _too_large(
+        self, scope: Scope, receive: Receive, send: Send, length: int | None
+    ) -> None:
         size = f"{length} bytes" if length is not None else "more bytes"
-        error = APIError(413, f"the request body has {size} than the server's limit of "
-                         f"{self.max_bytes} bytes (--max-request-body-bytes)"
-                         if length is None else f"the request body has {size}, over the "
-                         f"server's limit of {self.max_bytes} bytes (--max-request-body-bytes)",
-                         code="request_too_large", headers={"Connection": "close"})
+        error = APIError(
+            413,
+            f"the request body has {size} than the server's limit of "
+            f"{self.max_bytes} bytes (--max-request-body-bytes)"
+            if length is None
+            else f"the request body has {size}, over the "
+            f"server's limit of {self.max_bytes} bytes (--max-request-body-bytes)",
+            code="request_too_large",
+            headers={"Connection": "close"},
+        )
         await error.response()(scope, receive, send)
 
 

@@ -27,8 +27,12 @@ class ChatParts:
 class ChatOutputParser:
     """Per choice. ``reasoning``/``tools`` None: that part is not parsed."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None,
-                 max_calls: int | None = None) -> None:
+    def __init__(
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolParser | None,
+        max_calls: int | None = None,
+    ) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.max_calls = max_calls
@@ -83,18 +87,25 @@ class ChatStreamer:
         if self.parser.is_plain:
             return DeltaParts(content=new_text)
         parts = self.parser.parse(self.text, final)
-        delta = DeltaParts(reasoning=self._tail(parts.reasoning or "", "_reasoning"),
-                           content=self._tail(parts.content, "_content"))
+        delta = DeltaParts(
+            reasoning=self._tail(parts.reasoning or "", "_reasoning"),
+            content=self._tail(parts.content, "_content"),
+        )
         for i, call in enumerate(parts.calls):
             if i == len(self._calls):
                 sent = _SentCall(self.parser.tools.new_call_id())  # type: ignore[union-attr]
                 self._calls.append(sent)
-                delta.calls.append({"index": i, "id": sent.id, "type": "function",
-                                    "function": {"name": call.name,
-                                                 "arguments": call.arguments}})
+                delta.calls.append(
+                    {
+                        "index": i,
+                        "id": sent.id,
+                        "type": "function",
+                        "function": {"name": call.name, "arguments": call.arguments},
+                    }
+                )
             else:
                 sent = self._calls[i]
-                more = call.arguments[sent.arguments:]
+                more = call.arguments[sent.arguments :]
                 if more:
                     delta.calls.append({"index": i, "function": {"arguments": more}})
             sent.arguments = len(call.arguments)
@@ -107,8 +118,9 @@ class ChatStreamer:
     def _tail(self, value: str, attr: str) -> str:
         sent = getattr(self, attr)
         if len(value) < sent:
-            logger.warning("chat output parser went back on %s (%d < %d chars)", attr,
-                           len(value), sent)
+            logger.warning(
+                "chat output parser went back on %s (%d < %d chars)", attr, len(value), sent
+            )
             return ""
         setattr(self, attr, len(value))
         return value[sent:]

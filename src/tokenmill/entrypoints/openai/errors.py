@@ -47,8 +47,14 @@ class APIError(Exception):
         self.headers = headers
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type,
-                          "param": self.param, "code": self.code}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
@@ -67,8 +73,13 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc), type="rate_limit_error", code="queue_full",
-                        headers={"Retry-After": str(RETRY_AFTER_S)})
+        return APIError(
+            429,
+            str(exc),
+            type="rate_limit_error",
+            code="queue_full",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
     if isinstance(exc, QueueTimeoutError):
         return unavailable(str(exc), "queue_timeout")
     if isinstance(exc, DrainingError):
@@ -80,8 +91,12 @@ def from_exception(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     logger.error("internal error", exc_info=exc)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error",
-                    code="internal_error")
+    return APIError(
+        500,
+        f"internal error: {type(exc).__name__}: {exc}",
+        type="server_error",
+        code="internal_error",
+    )
 
 
 def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:

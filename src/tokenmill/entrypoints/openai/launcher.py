@@ -53,8 +53,10 @@ class OpenAIServer:
     ) -> None:
         self.config = config or ServerConfig()
         if isinstance(engine, LLMEngine) and self.config.engine_process == "on":
-            raise ValueError("engine_process='on' loads the engine in its own process: pass "
-                             "an EngineConfig, not a loaded engine")
+            raise ValueError(
+                "engine_process='on' loads the engine in its own process: pass "
+                "an EngineConfig, not a loaded engine"
+            )
         if model_name is None:
             if not isinstance(engine, LLMEngine | EngineConfig):
                 raise ValueError("pass model_name when the engine is loaded by the server")
@@ -72,10 +74,14 @@ class OpenAIServer:
         lim = self.config.limits
         self.port: int = self._socket.getsockname()[1]
         uv_level = self.config.uvicorn_log_level or self.config.log_level
-        uv_config = uvicorn.Config(self.app, log_level=uv_level, lifespan="on",
-                                   timeout_keep_alive=lim.timeout_keep_alive,
-                                   limit_concurrency=lim.limit_concurrency,
-                                   http=with_header_timeout(lim.timeout_headers))
+        uv_config = uvicorn.Config(
+            self.app,
+            log_level=uv_level,
+            lifespan="on",
+            timeout_keep_alive=lim.timeout_keep_alive,
+            limit_concurrency=lim.limit_concurrency,
+            http=with_header_timeout(lim.timeout_headers),
+        )
         self._uv = _Uvicorn(uv_config, self)
 
     @property
@@ -101,8 +107,9 @@ class OpenAIServer:
     # -- background ---------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> OpenAIServer:
         """Serve from a background thread; returns once the socket accepts connections."""
-        self._thread = threading.Thread(target=self._run_quietly, name="tokenmill-http",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run_quietly, name="tokenmill-http", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout
         while not self._uv.started:
@@ -145,8 +152,9 @@ class OpenAIServer:
             self._attach(source)
         else:
             factory = source if callable(source) else lambda: source
-            threading.Thread(target=self._load, args=(factory,), name="tokenmill-load",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._load, args=(factory,), name="tokenmill-load", daemon=True
+            ).start()
 
     def _load(self, factory: Callable[[], LLMEngine | EngineConfig]) -> None:
         try:
@@ -163,8 +171,9 @@ class OpenAIServer:
             from tokenmill.engine.core_process import EngineCoreClient, use_engine_process
 
             if use_engine_process(cfg.engine_process, engine):
-                self.state.llm = EngineCoreClient(engine, cfg.max_queued_requests,
-                                                  cfg.queue_timeout, cfg.limits.grammar)
+                self.state.llm = EngineCoreClient(
+                    engine, cfg.max_queued_requests, cfg.queue_timeout, cfg.limits.grammar
+                )
                 self._log_serving()
                 return
             engine = LLMEngine(engine)
@@ -184,8 +193,11 @@ class OpenAIServer:
         llm = self.state.llm
         if llm is not None:
             timeout = self.config.limits.shutdown_timeout
-            logger.info("draining: %d requests to finish within %g s (a second signal "
-                        "exits now)", llm.num_live, timeout)
+            logger.info(
+                "draining: %d requests to finish within %g s (a second signal exits now)",
+                llm.num_live,
+                timeout,
+            )
             if not await llm.drain(timeout):
                 logger.warning("the drain took longer than shutdown_timeout=%g s", timeout)
                 self.force_exit()
@@ -194,8 +206,9 @@ class OpenAIServer:
 
     def force_exit(self) -> None:
         """Stop now: abort whatever runs; open streams get an error event first."""
-        logger.warning("exiting now; aborting %d requests",
-                       self.state.llm.num_live if self.state.llm else 0)
+        logger.warning(
+            "exiting now; aborting %d requests", self.state.llm.num_live if self.state.llm else 0
+        )
         self.exit_code = 1
         self.state.draining = True
         llm = self.state.llm
@@ -249,9 +262,7 @@ class _Uvicorn(uvicorn.Server):
         owner.state.draining = True  # /health and new requests see it at once
         if owner.state.llm is not None:
             owner.state.llm.stop_accepting()
-        owner._loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(owner.drain_and_exit())
-        )
+        owner._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(owner.drain_and_exit()))
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -262,6 +273,8 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise OSError(f"can not listen on {host}:{port}: {exc.strerror}; pick another --port") from exc
+        raise OSError(
+            f"can not listen on {host}:{port}: {exc.strerror}; pick another --port"
+        ) from exc
     sock.set_inheritable(True)
     return sock

@@ -42,12 +42,20 @@ class ServerLimits:
     """Bounds on a request's grammar (structured output)."""
 
     def __post_init__(self) -> None:
-        for name in ("max_request_body_bytes", "max_prompts_per_request",
-                     "max_prompt_logprobs_cost", "preprocess_workers"):
+        for name in (
+            "max_request_body_bytes",
+            "max_prompts_per_request",
+            "max_prompt_logprobs_cost",
+            "preprocess_workers",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("chat_template_timeout", "timeout_keep_alive", "timeout_headers",
-                     "shutdown_timeout"):
+        for name in (
+            "chat_template_timeout",
+            "timeout_keep_alive",
+            "timeout_headers",
+            "shutdown_timeout",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.limit_concurrency is not None and self.limit_concurrency < 1:
@@ -57,30 +65,137 @@ class ServerLimits:
 _S = ServerLimits()
 
 LIMIT_FLAGS = (
-    Flag("--max-request-body-bytes", "max_request_body_bytes", memory_size, "largest request body; larger ones get HTTP 413", _S.max_request_body_bytes),
-    Flag("--trust-request-chat-template", "trust_request_chat_template", None, "render a chat_template sent in a request (off: such requests get 400)", False, action="store_true"),
-    Flag("--chat-template-timeout", "chat_template_timeout", float, "seconds a request's own chat template may render", _S.chat_template_timeout),
-    Flag("--max-prompts-per-request", "max_prompts_per_request", int, "most prompts in one /v1/completions request", _S.max_prompts_per_request),
-    Flag("--max-prompt-logprobs-cost", "max_prompt_logprobs_cost", int, "most prompt tokens x (prompt_logprobs + 1) per request", _S.max_prompt_logprobs_cost),
-    Flag("--preprocess-workers", "preprocess_workers", int, "threads that template and tokenize requests off the event loop", _S.preprocess_workers),
-    Flag("--timeout-keep-alive", "timeout_keep_alive", float, "seconds an idle keep-alive connection stays open", _S.timeout_keep_alive),
-    Flag("--timeout-headers", "timeout_headers", float, "seconds a client has to send a request's headers", _S.timeout_headers),
-    Flag("--limit-concurrency", "limit_concurrency", int, "connections + running requests beyond which new requests get HTTP 503", _S.limit_concurrency),
-    Flag("--shutdown-timeout", "shutdown_timeout", float, "seconds the drain after SIGTERM may take before the rest is aborted", _S.shutdown_timeout),
-    Flag("--max-grammar-bytes", "max_grammar_bytes", memory_size, "largest grammar, schema, regex or choice list of a request", _G.max_bytes),
-    Flag("--max-grammar-rules", "max_grammar_rules", int, "most rules of a grammar ($defs of a JSON schema)", _G.max_rules),
-    Flag("--max-grammar-depth", "max_grammar_depth", int, "deepest nesting of a grammar, regex or JSON schema", _G.max_depth),
-    Flag("--max-grammar-repeat", "max_grammar_repeat", int, "largest product of nested counted repetitions (a{100}{100} = 10000)", _G.max_repeat),
-    Flag("--max-grammar-alternatives", "max_grammar_alternatives", int, "most choices / anyOf / enum entries", _G.max_alternatives),
-    Flag("--grammar-compile-timeout", "grammar_compile_timeout", float, "seconds a grammar may take to compile", _G.compile_timeout),
-    Flag("--grammar-cache-bytes", "grammar_cache_bytes", memory_size, "estimated memory of the compiled grammars kept for reuse", _G.cache_bytes),
+    Flag(
+        "--max-request-body-bytes",
+        "max_request_body_bytes",
+        memory_size,
+        "largest request body; larger ones get HTTP 413",
+        _S.max_request_body_bytes,
+    ),
+    Flag(
+        "--trust-request-chat-template",
+        "trust_request_chat_template",
+        None,
+        "render a chat_template sent in a request (off: such requests get 400)",
+        False,
+        action="store_true",
+    ),
+    Flag(
+        "--chat-template-timeout",
+        "chat_template_timeout",
+        float,
+        "seconds a request's own chat template may render",
+        _S.chat_template_timeout,
+    ),
+    Flag(
+        "--max-prompts-per-request",
+        "max_prompts_per_request",
+        int,
+        "most prompts in one /v1/completions request",
+        _S.max_prompts_per_request,
+    ),
+    Flag(
+        "--max-prompt-logprobs-cost",
+        "max_prompt_logprobs_cost",
+        int,
+        "most prompt tokens x (prompt_logprobs + 1) per request",
+        _S.max_prompt_logprobs_cost,
+    ),
+    Flag(
+        "--preprocess-workers",
+        "preprocess_workers",
+        int,
+        "threads that template and tokenize requests off the event loop",
+        _S.preprocess_workers,
+    ),
+    Flag(
+        "--timeout-keep-alive",
+        "timeout_keep_alive",
+        float,
+        "seconds an idle keep-alive connection stays open",
+        _S.timeout_keep_alive,
+    ),
+    Flag(
+        "--timeout-headers",
+        "timeout_headers",
+        float,
+        "seconds a client has to send a request's headers",
+        _S.timeout_headers,
+    ),
+    Flag(
+        "--limit-concurrency",
+        "limit_concurrency",
+        int,
+        "connections + running requests beyond which new requests get HTTP 503",
+        _S.limit_concurrency,
+    ),
+    Flag(
+        "--shutdown-timeout",
+        "shutdown_timeout",
+        float,
+        "seconds the drain after SIGTERM may take before the rest is aborted",
+        _S.shutdown_timeout,
+    ),
+    Flag(
+        "--max-grammar-bytes",
+        "max_grammar_bytes",
+        memory_size,
+        "largest grammar, schema, regex or choice list of a request",
+        _G.max_bytes,
+    ),
+    Flag(
+        "--max-grammar-rules",
+        "max_grammar_rules",
+        int,
+        "most rules of a grammar ($defs of a JSON schema)",
+        _G.max_rules,
+    ),
+    Flag(
+        "--max-grammar-depth",
+        "max_grammar_depth",
+        int,
+        "deepest nesting of a grammar, regex or JSON schema",
+        _G.max_depth,
+    ),
+    Flag(
+        "--max-grammar-repeat",
+        "max_grammar_repeat",
+        int,
+        "largest product of nested counted repetitions (a{100}{100} = 10000)",
+        _G.max_repeat,
+    ),
+    Flag(
+        "--max-grammar-alternatives",
+        "max_grammar_alternatives",
+        int,
+        "most choices / anyOf / enum entries",
+        _G.max_alternatives,
+    ),
+    Flag(
+        "--grammar-compile-timeout",
+        "grammar_compile_timeout",
+        float,
+        "seconds a grammar may take to compile",
+        _G.compile_timeout,
+    ),
+    Flag(
+        "--grammar-cache-bytes",
+        "grammar_cache_bytes",
+        memory_size,
+        "estimated memory of the compiled grammars kept for reuse",
+        _G.cache_bytes,
+    ),
 )
 
-_GRAMMAR_DESTS = {"max_grammar_bytes": "max_bytes", "max_grammar_rules": "max_rules",
-                  "max_grammar_depth": "max_depth", "max_grammar_repeat": "max_repeat",
-                  "max_grammar_alternatives": "max_alternatives",
-                  "grammar_compile_timeout": "compile_timeout",
-                  "grammar_cache_bytes": "cache_bytes"}
+_GRAMMAR_DESTS = {
+    "max_grammar_bytes": "max_bytes",
+    "max_grammar_rules": "max_rules",
+    "max_grammar_depth": "max_depth",
+    "max_grammar_repeat": "max_repeat",
+    "max_grammar_alternatives": "max_alternatives",
+    "grammar_compile_timeout": "compile_timeout",
+    "grammar_cache_bytes": "cache_bytes",
+}
 
 
 def limit_options(args: argparse.Namespace) -> ServerLimits:

@@ -45,8 +45,9 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     with _pools_lock:
         pool = _pools.get(workers)
         if pool is None:
-            pool = _pools[workers] = ThreadPoolExecutor(workers,
-                                                        thread_name_prefix="tokenmill-prep")
+            pool = _pools[workers] = ThreadPoolExecutor(
+                workers, thread_name_prefix="tokenmill-prep"
+            )
         return pool
 
 
@@ -70,9 +71,11 @@ def check_unicode(value: Any, where: str) -> int:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError as e:
-                raise bad_request(f"{path} is not valid Unicode: {e.reason} at character "
-                                  f"{e.start} ({item[e.start]!r}); send UTF-8 text",
-                                  where.split("[")[0]) from None
+                raise bad_request(
+                    f"{path} is not valid Unicode: {e.reason} at character "
+                    f"{e.start} ({item[e.start]!r}); send UTF-8 text",
+                    where.split("[")[0],
+                ) from None
         elif isinstance(item, dict):
             stack.extend((v, f"{path}.{k}") for k, v in item.items())
         elif isinstance(item, (list, tuple)):
@@ -97,11 +100,11 @@ def check_fits(chars: int, tokenizer: Tokenizer, max_model_len: int, what: str) 
         raise ContextLengthError(
             f"the {what} has {chars} characters: at least {-(-chars // longest)} tokens "
             f"(no token is longer than {longest} characters), over max_model_len="
-            f"{max_model_len}")
+            f"{max_model_len}"
+        )
 
 
-def check_prompt_logprobs(state: ServerState, prompt_len: int, prompt_logprobs: int | None
-                          ) -> None:
+def check_prompt_logprobs(state: ServerState, prompt_len: int, prompt_logprobs: int | None) -> None:
     if prompt_logprobs is None:
         return
     cost = prompt_len * (prompt_logprobs + 1)
@@ -111,7 +114,8 @@ def check_prompt_logprobs(state: ServerState, prompt_len: int, prompt_logprobs: 
             f"prompt_logprobs={prompt_logprobs} over a {prompt_len}-token prompt costs "
             f"{cost} (prompt tokens x (prompt_logprobs + 1)), over the server's limit of "
             f"{cap} (--max-prompt-logprobs-cost); ask fewer or a shorter prompt",
-            "prompt_logprobs")
+            "prompt_logprobs",
+        )
 
 
 def check_tool_schemas(state: ServerState, tools: list | None) -> None:
@@ -126,8 +130,9 @@ def check_tool_schemas(state: ServerState, tools: list | None) -> None:
             continue
         where = f"tools[{i}].function.parameters"
         if not isinstance(params, dict):
-            raise bad_request(f"{where} must be a JSON schema object, got "
-                              f"{type(params).__name__}", "tools")
+            raise bad_request(
+                f"{where} must be a JSON schema object, got {type(params).__name__}", "tools"
+            )
         try:
             state.require_llm().engine.structured.validate(StructuredOutputsParams(json=params))
         except ValueError as e:
@@ -135,11 +140,19 @@ def check_tool_schemas(state: ServerState, tools: list | None) -> None:
 
 
 # -- chat ------------------------------------------------------------------------------------
-def render_chat(state: ServerState, tokenizer: Tokenizer, conversation: list[Any], *,
-                request_template: str | None, server_template: str | None,
-                prompt_logprobs: int | None, add_generation_prompt: bool,
-                continue_final_message: bool, tools: list | None,
-                **template_kwargs: Any) -> list[int]:
+def render_chat(
+    state: ServerState,
+    tokenizer: Tokenizer,
+    conversation: list[Any],
+    *,
+    request_template: str | None,
+    server_template: str | None,
+    prompt_logprobs: int | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: list | None,
+    **template_kwargs: Any,
+) -> list[int]:
     """The conversation's prompt ids (blocking: call it off the event loop, ``off_loop``).
 
     Cheap checks first (Unicode, a conversation too long to fit, an untrusted request
@@ -152,33 +165,61 @@ def render_chat(state: ServerState, tokenizer: Tokenizer, conversation: list[Any
     check_tool_schemas(state, tools)
     if request_template is None:
         ids = tokenizer.apply_chat_template(
-            conversation, chat_template=server_template,
+            conversation,
+            chat_template=server_template,
             add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, tools=tools, **template_kwargs)
+            continue_final_message=continue_final_message,
+            tools=tools,
+            **template_kwargs,
+        )
     elif not limits.trust_request_chat_template:
-        raise bad_request("this server does not render chat templates sent in requests; "
-                          "leave chat_template out (the model's template is used), or start "
-                          "the server with --trust-request-chat-template", "chat_template")
+        raise bad_request(
+            "this server does not render chat templates sent in requests; "
+            "leave chat_template out (the model's template is used), or start "
+            "the server with --trust-request-chat-template",
+            "chat_template",
+        )
     else:
         check_unicode(request_template, "chat_template")
-        ids = _render_request_template(state, tokenizer, conversation, request_template,
-                                       add_generation_prompt, continue_final_message, tools,
-                                       template_kwargs)
+        ids = _render_request_template(
+            state,
+            tokenizer,
+            conversation,
+            request_template,
+            add_generation_prompt,
+            continue_final_message,
+            tools,
+            template_kwargs,
+        )
     check_prompt_logprobs(state, len(ids), prompt_logprobs)
     return ids
 
 
-def _render_request_template(state: ServerState, tokenizer: Tokenizer, conversation: list[Any],
-                             template: str, add_generation_prompt: bool,
-                             continue_final_message: bool, tools: list | None,
-                             template_kwargs: dict[str, Any]) -> list[int]:
+def _render_request_template(
+    state: ServerState,
+    tokenizer: Tokenizer,
+    conversation: list[Any],
+    template: str,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    tools: list | None,
+    template_kwargs: dict[str, Any],
+) -> list[int]:
     max_len = state.max_model_len
-    context = template_context(tokenizer, conversation, tools, add_generation_prompt,
-                               **template_kwargs)
-    text = render_untrusted(template, context, state.config.limits.chat_template_timeout,
-                            max_len * longest_token_chars(tokenizer))
-    final = conversation[-1].get("content") if conversation and isinstance(
-        conversation[-1], dict) else None
+    context = template_context(
+        tokenizer, conversation, tools, add_generation_prompt, **template_kwargs
+    )
+    text = render_untrusted(
+        template,
+        context,
+        state.config.limits.chat_template_timeout,
+        max_len * longest_token_chars(tokenizer),
+    )
+    final = (
+        conversation[-1].get("content")
+        if conversation and isinstance(conversation[-1], dict)
+        else None
+    )
     if continue_final_message and isinstance(final, str) and final and final in text:
         text = text[: text.rindex(final) + len(final)]
     check_fits(len(text), tokenizer, max_len, "rendered conversation")
@@ -193,12 +234,18 @@ def _render_request_template(state: ServerState, tokenizer: Tokenizer, conversat
 def check_prompts(state: ServerState, prompt: Any) -> None:
     """A completions ``prompt``: how many, valid Unicode, none too long to fit (cheap)."""
     limits = state.config.limits
-    items = prompt if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) \
+    items = (
+        prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
         else [prompt]
+    )
     if len(items) > limits.max_prompts_per_request:
-        raise bad_request(f"the request has {len(items)} prompts, over the server's limit of "
-                          f"{limits.max_prompts_per_request} (--max-prompts-per-request); "
-                          "send them in several requests", "prompt")
+        raise bad_request(
+            f"the request has {len(items)} prompts, over the server's limit of "
+            f"{limits.max_prompts_per_request} (--max-prompts-per-request); "
+            "send them in several requests",
+            "prompt",
+        )
     tokenizer = state.tokenizer
     for i, item in enumerate(items):
         if isinstance(item, str):
@@ -207,9 +254,12 @@ def check_prompts(state: ServerState, prompt: Any) -> None:
             check_fits(len(item), tokenizer, state.max_model_len, where)
 
 
-async def prepare_prompts(state: ServerState, prompt: Any, prompt_logprobs: int | None,
-                          tokenize: Callable[[], list[tuple[str, list[int]]]]
-                          ) -> list[tuple[str, list[int]]]:
+async def prepare_prompts(
+    state: ServerState,
+    prompt: Any,
+    prompt_logprobs: int | None,
+    tokenize: Callable[[], list[tuple[str, list[int]]]],
+) -> list[tuple[str, list[int]]]:
     """``check_prompts``, then ``tokenize()`` off the event loop; then each prompt's
     prompt_logprobs cost."""
     check_prompts(state, prompt)

@@ -35,8 +35,9 @@ class OmitNone(OpenAIModel):
 
     @model_serializer(mode="wrap")
     def _omit_none(self, handler: Any) -> dict[str, Any]:
-        return {k: v for k, v in handler(self).items()
-                if v is not None or k not in self.omit_if_none}
+        return {
+            k: v for k, v in handler(self).items() if v is not None or k not in self.omit_if_none
+        }
 
 
 # -- requests -------------------------------------------------------------------------
@@ -167,16 +168,18 @@ class UsageInfo(OpenAIModel):
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     completion_tokens_details: CompletionTokensDetails = Field(
-        default_factory=CompletionTokensDetails)
+        default_factory=CompletionTokensDetails
+    )
 
     @classmethod
-    def of(cls, prompt: int, completion: int, cached: int = 0, reasoning: int = 0
-           ) -> UsageInfo:
-        return cls(prompt_tokens=prompt, completion_tokens=completion,
-                   total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
-                   completion_tokens_details=CompletionTokensDetails(
-                       reasoning_tokens=reasoning))
+    def of(cls, prompt: int, completion: int, cached: int = 0, reasoning: int = 0) -> UsageInfo:
+        return cls(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            total_tokens=prompt + completion,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+            completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning),
+        )
 
 
 class TopLogprob(OpenAIModel):

@@ -13,16 +13,26 @@ from pydantic import Field
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIModel
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-               403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-               429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def anthropic_error(error: APIError) -> JSONResponse:
     """``{"type": "error", "error": {"type", "message"}}`` with the same HTTP status."""
     kind = ERROR_TYPES.get(error.status, "api_error")
-    return JSONResponse({"type": "error", "error": {"type": kind, "message": error.message}},
-                        status_code=error.status, headers=error.headers)
+    return JSONResponse(
+        {"type": "error", "error": {"type": kind, "message": error.message}},
+        status_code=error.status,
+        headers=error.headers,
+    )
 
 
 def block_id(prefix: str) -> str:
@@ -55,12 +65,16 @@ def to_chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
         messages.append({"role": "system", "content": _text(req.system, "system")})
     for i, message in enumerate(req.messages):
         messages += _to_chat(i, message)
-    body: dict[str, Any] = {"model": req.model, "messages": messages,
-                            "tools": _tools(req.tools)}
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "tools": _tools(req.tools)}
     if isinstance(req, MessagesRequest):
-        body.update(max_tokens=req.max_tokens, stop=req.stop_sequences,
-                    temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                    stream=req.stream)
+        body.update(
+            max_tokens=req.max_tokens,
+            stop=req.stop_sequences,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stream=req.stream,
+        )
     choice = req.tool_choice or {"type": "auto"}
     if req.tools:
         body["tool_choice"] = _tool_choice(choice)
@@ -80,8 +94,9 @@ def _text(content: Any, where: str) -> str:
     for block in content:
         if not isinstance(block, dict) or block.get("type") != "text":
             kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise bad_request(f"{where} has a {kind!r} block; only text blocks are supported "
-                              "here", where)
+            raise bad_request(
+                f"{where} has a {kind!r} block; only text blocks are supported here", where
+            )
         parts.append(block.get("text", ""))
     return "\n".join(parts)
 
@@ -104,20 +119,32 @@ def _to_chat(i: int, message: Any) -> list[dict[str, Any]]:
         if kind == "text":
             texts.append(block.get("text", ""))
         elif kind == "tool_use" and role == "assistant":
-            calls.append({"id": block.get("id"), "type": "function", "function": {
-                "name": block.get("name"), "arguments": json.dumps(block.get("input", {}))}})
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {
+                        "name": block.get("name"),
+                        "arguments": json.dumps(block.get("input", {})),
+                    },
+                }
+            )
         elif kind == "tool_result" and role == "user":
             result = block.get("content", "")
             text = result if isinstance(result, str) else _text(result, f"{where}.content.{j}")
             if block.get("is_error"):
                 text = f"Error: {text}"
-            results.append({"role": "tool", "tool_call_id": block.get("tool_use_id"),
-                            "content": text})
+            results.append(
+                {"role": "tool", "tool_call_id": block.get("tool_use_id"), "content": text}
+            )
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # earlier reasoning is not shown to the model again
         else:
-            raise bad_request(f"{where}.content.{j}: a {kind!r} block is not supported in a "
-                              f"{role} message (text, tool_use, tool_result)", "messages")
+            raise bad_request(
+                f"{where}.content.{j}: a {kind!r} block is not supported in a "
+                f"{role} message (text, tool_use, tool_result)",
+                "messages",
+            )
     out = list(results)
     if texts or calls or not results:
         turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
@@ -132,10 +159,16 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         return None
     out = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type", "custom") not in ("custom", None) \
-                or "input_schema" not in tool:
-            raise bad_request(f"tools.{i}: only client tools {{name, description, "
-                              "input_schema}} are supported (server tools are not)", "tools")
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type", "custom") not in ("custom", None)
+            or "input_schema" not in tool
+        ):
+            raise bad_request(
+                f"tools.{i}: only client tools {{name, description, "
+                "input_schema}} are supported (server tools are not)",
+                "tools",
+            )
         fn = {"name": tool.get("name"), "parameters": tool["input_schema"]}
         if tool.get("description"):
             fn["description"] = tool["description"]
@@ -151,8 +184,10 @@ def _tool_choice(choice: dict[str, Any]) -> str | dict[str, Any]:
         return "required"
     if kind == "tool" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request(f"tool_choice {choice!r}: use auto, any, none or "
-                      '{"type": "tool", "name": ...}', "tool_choice")
+    raise bad_request(
+        f'tool_choice {choice!r}: use auto, any, none or {{"type": "tool", "name": ...}}',
+        "tool_choice",
+    )
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
@@ -164,8 +199,7 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def stop_reason(finish_reason: str | None, stop: Any, has_calls: bool
-                ) -> tuple[str, str | None]:
+def stop_reason(finish_reason: str | None, stop: Any, has_calls: bool) -> tuple[str, str | None]:
     """(stop_reason, stop_sequence) from the engine's finish reason."""
     if finish_reason == "length":
         return "max_tokens", None
@@ -188,5 +222,9 @@ class MessageObject(OpenAIModel):
 
 
 def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
-    return {"input_tokens": prompt, "output_tokens": completion,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+    return {
+        "input_tokens": prompt,
+        "output_tokens": completion,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    }

@@ -13,8 +13,17 @@ from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIModel
 from tokenmill.parsers.tools import ToolCall
 
-BUILT_IN_TOOLS = ("web_search", "web_search_preview", "file_search", "computer_use_preview",
-                  "code_interpreter", "image_generation", "mcp", "local_shell", "custom")
+BUILT_IN_TOOLS = (
+    "web_search",
+    "web_search_preview",
+    "file_search",
+    "computer_use_preview",
+    "code_interpreter",
+    "image_generation",
+    "mcp",
+    "local_shell",
+    "custom",
+)
 
 
 def item_id(prefix: str) -> str:
@@ -51,19 +60,31 @@ class ResponsesRequest(OpenAIModel):
 def input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
     """``input`` as a list of items, each with an id (what input_items lists)."""
     if isinstance(req.input, str):
-        return [{"type": "message", "id": item_id("msg"), "role": "user", "status": "completed",
-                 "content": [{"type": "input_text", "text": req.input}]}]
+        return [
+            {
+                "type": "message",
+                "id": item_id("msg"),
+                "role": "user",
+                "status": "completed",
+                "content": [{"type": "input_text", "text": req.input}],
+            }
+        ]
     items = []
     for i, item in enumerate(req.input):
         if not isinstance(item, dict):
             raise bad_request(f"input[{i}] must be an object", "input")
         kind = item.get("type", "message")
         if kind not in ("message", "function_call", "function_call_output", "reasoning"):
-            raise bad_request(f"input[{i}] has type {kind!r}; supported: message, "
-                              "function_call, function_call_output, reasoning", "input")
+            raise bad_request(
+                f"input[{i}] has type {kind!r}; supported: message, "
+                "function_call, function_call_output, reasoning",
+                "input",
+            )
         item = {**item, "type": kind}
-        item.setdefault("id", item_id({"message": "msg", "function_call": "fc",
-                                       "reasoning": "rs"}.get(kind, "fco")))
+        item.setdefault(
+            "id",
+            item_id({"message": "msg", "function_call": "fc", "reasoning": "rs"}.get(kind, "fco")),
+        )
         if kind == "message" and isinstance(item.get("content"), str):
             text_type = "output_text" if item.get("role") == "assistant" else "input_text"
             item["content"] = [{"type": text_type, "text": item["content"]}]
@@ -79,17 +100,28 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
-                raise bad_request(f"input[{i}].role must be user, system, developer or "
-                                  f"assistant, got {role!r}", "input")
-            messages.append({"role": "system" if role == "developer" else role,
-                             "content": _text_of(i, item.get("content"))})
+                raise bad_request(
+                    f"input[{i}].role must be user, system, developer or assistant, got {role!r}",
+                    "input",
+                )
+            messages.append(
+                {
+                    "role": "system" if role == "developer" else role,
+                    "content": _text_of(i, item.get("content")),
+                }
+            )
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
-            if not all(isinstance(v, str) for v in (call["id"], item.get("name"),
-                                                    item.get("arguments"))):
-                raise bad_request(f"input[{i}] (function_call) needs call_id, name and "
-                                  "arguments strings", "input")
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+            }
+            if not all(
+                isinstance(v, str) for v in (call["id"], item.get("name"), item.get("arguments"))
+            ):
+                raise bad_request(
+                    f"input[{i}] (function_call) needs call_id, name and arguments strings", "input"
+                )
             last = messages[-1] if messages else None
             if last and last["role"] == "assistant" and last.get("tool_calls"):
                 last["tool_calls"].append(call)
@@ -98,11 +130,16 @@ def to_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             output = item.get("output")
             if not isinstance(item.get("call_id"), str) or output is None:
-                raise bad_request(f"input[{i}] (function_call_output) needs call_id and "
-                                  "output", "input")
-            messages.append({"role": "tool", "tool_call_id": item["call_id"],
-                             "content": output if isinstance(output, str) else
-                             _text_of(i, output)})
+                raise bad_request(
+                    f"input[{i}] (function_call_output) needs call_id and output", "input"
+                )
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": item["call_id"],
+                    "content": output if isinstance(output, str) else _text_of(i, output),
+                }
+            )
         # reasoning items are not shown to the model again
     return messages
 
@@ -116,25 +153,36 @@ def _text_of(i: int, content: Any) -> str:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text", "summary_text"):
-            raise bad_request(f"input[{i}].content has a part of type {kind!r}; only text "
-                              "parts are supported", "input")
+            raise bad_request(
+                f"input[{i}].content has a part of type {kind!r}; only text parts are supported",
+                "input",
+            )
         texts.append(part.get("text", ""))
     return "\n".join(texts)
 
 
-def to_chat_request(req: ResponsesRequest, history: list[dict[str, Any]],
-                    items: list[dict[str, Any]]) -> ChatCompletionRequest:
+def to_chat_request(
+    req: ResponsesRequest, history: list[dict[str, Any]], items: list[dict[str, Any]]
+) -> ChatCompletionRequest:
     """The chat request that answers ``req`` after ``history`` (previous_response_id)."""
     messages = list(history)
     if req.instructions:
-        messages = [{"role": "system", "content": req.instructions},
-                    *[m for m in messages if m["role"] != "system"]]
+        messages = [
+            {"role": "system", "content": req.instructions},
+            *[m for m in messages if m["role"] != "system"],
+        ]
     messages += to_messages(items)
     body: dict[str, Any] = {
-        "model": req.model, "messages": messages, "stream": req.stream,
-        "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature,
-        "top_p": req.top_p, "seed": req.seed, "parallel_tool_calls": req.parallel_tool_calls,
-        "tools": _chat_tools(req.tools), "response_format": _response_format(req.text),
+        "model": req.model,
+        "messages": messages,
+        "stream": req.stream,
+        "max_completion_tokens": req.max_output_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "seed": req.seed,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "tools": _chat_tools(req.tools),
+        "response_format": _response_format(req.text),
     }
     if req.tools:
         body["tool_choice"] = _chat_tool_choice(req.tool_choice)
@@ -152,8 +200,9 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
         kind = tool.get("type") if isinstance(tool, dict) else None
         if kind != "function":
             what = "a built-in tool" if kind in BUILT_IN_TOOLS else "an unknown tool type"
-            raise bad_request(f"tools[{i}] is {what} ({kind!r}); only function tools are "
-                              "supported", "tools")
+            raise bad_request(
+                f"tools[{i}] is {what} ({kind!r}); only function tools are supported", "tools"
+            )
         fn = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
         out.append({"type": "function", "function": fn})
     return out
@@ -164,8 +213,11 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
         return choice
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad_request(f"tool_choice {choice!r} is not supported; use auto, none, required or "
-                      '{"type": "function", "name": ...}', "tool_choice")
+    raise bad_request(
+        f"tool_choice {choice!r} is not supported; use auto, none, required or "
+        '{"type": "function", "name": ...}',
+        "tool_choice",
+    )
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -175,32 +227,56 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     if fmt.get("type") == "json_object":
         return {"type": "json_object"}
     if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {
-            "name": fmt.get("name", "response"), "schema": fmt.get("schema"),
-            "strict": fmt.get("strict")}}
-    raise bad_request(f"text.format type {fmt.get('type')!r} is not supported; use text, "
-                      "json_object or json_schema", "text")
+        return {
+            "type": "json_schema",
+            "json_schema": {
+                "name": fmt.get("name", "response"),
+                "schema": fmt.get("schema"),
+                "strict": fmt.get("strict"),
+            },
+        }
+    raise bad_request(
+        f"text.format type {fmt.get('type')!r} is not supported; use text, "
+        "json_object or json_schema",
+        "text",
+    )
 
 
 # -- parsed answer -> output items -------------------------------------------------------------
 def reasoning_item(text: str, rid: str | None = None) -> dict[str, Any]:
-    return {"type": "reasoning", "id": rid or item_id("rs"), "status": "completed",
-            "summary": [{"type": "summary_text", "text": text}]}
+    return {
+        "type": "reasoning",
+        "id": rid or item_id("rs"),
+        "status": "completed",
+        "summary": [{"type": "summary_text", "text": text}],
+    }
 
 
 def message_item(text: str, mid: str | None = None, status: str = "completed") -> dict[str, Any]:
-    return {"type": "message", "id": mid or item_id("msg"), "role": "assistant",
-            "status": status, "content": [output_text(text)]}
+    return {
+        "type": "message",
+        "id": mid or item_id("msg"),
+        "role": "assistant",
+        "status": status,
+        "content": [output_text(text)],
+    }
 
 
 def output_text(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
 
-def call_item(call: ToolCall, call_id: str, fid: str | None = None,
-              status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": fid or item_id("fc"), "call_id": call_id,
-            "name": call.name, "arguments": call.arguments, "status": status}
+def call_item(
+    call: ToolCall, call_id: str, fid: str | None = None, status: str = "completed"
+) -> dict[str, Any]:
+    return {
+        "type": "function_call",
+        "id": fid or item_id("fc"),
+        "call_id": call_id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": status,
+    }
 
 
 class ResponseObject(OpenAIModel):
@@ -222,8 +298,7 @@ class ResponseObject(OpenAIModel):
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     text: dict[str, Any] = Field(default_factory=lambda: {"format": {"type": "text"}})
-    reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None,
-                                                               "summary": None})
+    reasoning: dict[str, Any] = Field(default_factory=lambda: {"effort": None, "summary": None})
     previous_response_id: str | None = None
     store: bool = True
     background: bool = False
@@ -234,21 +309,34 @@ class ResponseObject(OpenAIModel):
 
     @classmethod
     def start(cls, rid: str, model: str, req: ResponsesRequest) -> ResponseObject:
-        return cls(id=rid, model=model, instructions=req.instructions,
-                   max_output_tokens=req.max_output_tokens, temperature=req.temperature,
-                   top_p=req.top_p, tools=req.tools or [], tool_choice=req.tool_choice,
-                   parallel_tool_calls=req.parallel_tool_calls,
-                   text=req.text or {"format": {"type": "text"}},
-                   reasoning=req.reasoning or {"effort": None, "summary": None},
-                   previous_response_id=req.previous_response_id, store=req.store,
-                   metadata=req.metadata or {}, user=req.user, truncation=req.truncation)
+        return cls(
+            id=rid,
+            model=model,
+            instructions=req.instructions,
+            max_output_tokens=req.max_output_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            tools=req.tools or [],
+            tool_choice=req.tool_choice,
+            parallel_tool_calls=req.parallel_tool_calls,
+            text=req.text or {"format": {"type": "text"}},
+            reasoning=req.reasoning or {"effort": None, "summary": None},
+            previous_response_id=req.previous_response_id,
+            store=req.store,
+            metadata=req.metadata or {},
+            user=req.user,
+            truncation=req.truncation,
+        )
 
 
 def usage(prompt: int, completion: int, cached: int, reasoning: int) -> dict[str, Any]:
-    return {"input_tokens": prompt,
-            "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
-            "output_tokens": completion, "output_tokens_details": {"reasoning_tokens": reasoning},
-            "total_tokens": prompt + completion}
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": prompt + completion,
+    }
 
 
 def finish(resp: ResponseObject, finish_reason: str | None) -> None:

@@ -67,17 +67,28 @@ class APIKeyMiddleware:
         x_api_key = headers.get(b"x-api-key")
         if x_api_key is not None and hmac.compare_digest(x_api_key.strip(), self.expected):
             return await self.app(scope, receive, send)
-        message = ("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
-                   if not given and x_api_key is None else "invalid API key")
-        error = APIError(401, message, type="authentication_error", code="invalid_api_key",
-                         headers={"WWW-Authenticate": "Bearer"})
+        message = (
+            "missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'"
+            if not given and x_api_key is None
+            else "invalid API key"
+        )
+        error = APIError(
+            401,
+            message,
+            type="authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
         if scope["path"].startswith("/v1/messages"):
             return await anthropic_error(error)(scope, receive, send)
         await error.response()(scope, receive, send)
 
 
-def build_app(state: ServerState, on_startup: Callable[[], None] | None = None,
-              on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+def build_app(
+    state: ServerState,
+    on_startup: Callable[[], None] | None = None,
+    on_shutdown: Callable[[], None] | None = None,
+) -> FastAPI:
     """The ASGI app over ``state``; ``on_startup``/``on_shutdown`` run in its lifespan."""
 
     @asynccontextmanager
@@ -88,8 +99,11 @@ def build_app(state: ServerState, on_startup: Callable[[], None] | None = None,
         if on_shutdown is not None:
             on_shutdown()
 
-    docs = {} if not state.config.disable_fastapi_docs else {
-        "docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs = (
+        {}
+        if not state.config.disable_fastapi_docs
+        else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    )
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan, **docs)
     app.state.tokenmill = state
     install_handlers(app)
@@ -151,8 +165,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return responses.cancel(response_id)
 
     @app.get("/v1/responses/{response_id}/input_items")
-    async def list_input_items(response_id: str, limit: int = 20, order: str = "desc",
-                               after: str | None = None) -> dict[str, Any]:
+    async def list_input_items(
+        response_id: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> dict[str, Any]:
         return responses.input_items(response_id, limit, order, after)
 
     @app.get("/v1/models")
@@ -169,11 +184,17 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request("send exactly one of 'prompt' (text) or 'messages' (a chat)")
         if body.messages is not None:
             ids = await off_loop(
-                state, render_chat, state, tok, body.messages,
-                request_template=body.chat_template, server_template=state.template_override,
+                state,
+                render_chat,
+                state,
+                tok,
+                body.messages,
+                request_template=body.chat_template,
+                server_template=state.template_override,
                 prompt_logprobs=None,
                 add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message, tools=body.tools,
+                continue_final_message=body.continue_final_message,
+                tools=body.tools,
                 **(body.chat_template_kwargs or {}),
             )
         else:
@@ -181,8 +202,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             check_unicode(body.prompt, "prompt")
             ids = await off_loop(state, tok.encode, body.prompt or "", add_special_tokens=special)
         strs = tok.hf.convert_ids_to_tokens(ids) if body.return_token_strs else None
-        return TokenizeResponse(count=len(ids), max_model_len=state.max_model_len, tokens=ids,
-                                token_strs=strs)
+        return TokenizeResponse(
+            count=len(ids), max_model_len=state.max_model_len, tokens=ids, token_strs=strs
+        )
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -190,8 +212,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         tok = state.tokenizer
         bad = [t for t in body.tokens if not 0 <= t < tok.vocab_size]
         if bad:
-            raise bad_request(f"token ids must be in [0, {tok.vocab_size}); got {bad[:5]}",
-                              "tokens")
+            raise bad_request(
+                f"token ids must be in [0, {tok.vocab_size}); got {bad[:5]}", "tokens"
+            )
         return DetokenizeResponse(prompt=tok.decode(body.tokens, skip_special_tokens=False))
 
     @app.get("/health")
@@ -214,11 +237,11 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     async def reset_prefix_cache() -> dict[str, Any]:
         """Admin: forget every cached KV block (API-key protected like /v1)."""
         if state.llm is None:
-            raise APIError(503, "the model is loading", type="service_unavailable_error",
-                           code="loading")
+            raise APIError(
+                503, "the model is loading", type="service_unavailable_error", code="loading"
+            )
         return {"reset_blocks": await state.llm.reset_prefix_cache()}
 
     @app.get("/version")
     async def version() -> dict[str, Any]:
         return {"version": __version__}
-

@@ -69,8 +69,15 @@ class ChatHandler:
         self.state.check_model(req.model, required=True)
         prep = await off_loop(self.state, self.prepare, req, "chatcmpl")
         stream, first = await self.start(prep, req, raw)
-        reply = _Reply(prep.rid, self.state.model_name, req, prep.top_n, prep.echo, prep.parser,
-                       self.state.tokenizer)
+        reply = _Reply(
+            prep.rid,
+            self.state.model_name,
+            req,
+            prep.top_n,
+            prep.echo,
+            prep.parser,
+            self.state.tokenizer,
+        )
         if req.stream:
             return StreamingResponse(reply.stream(first, stream), media_type="text/event-stream")
         return JSONResponse(reply.full(first).model_dump())
@@ -81,12 +88,17 @@ class ChatHandler:
         check_common(req)
         _check_supported(req)
         tokenizer = self.state.tokenizer
-        tools = tool_setup(req, self.state.config.tool_call_parser,
-                           req.chat_template or self.state.chat_template)
+        tools = tool_setup(
+            req, self.state.config.tool_call_parser, req.chat_template or self.state.chat_template
+        )
         conversation = [with_tool_arguments(_flatten(i, m)) for i, m in enumerate(req.messages)]
         prompt_ids = render_chat(
-            self.state, tokenizer, conversation, request_template=req.chat_template,
-            server_template=self.state.template_override, prompt_logprobs=req.prompt_logprobs,
+            self.state,
+            tokenizer,
+            conversation,
+            request_template=req.chat_template,
+            server_template=self.state.template_override,
+            prompt_logprobs=req.prompt_logprobs,
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
             tools=req.tools,
@@ -94,8 +106,9 @@ class ChatHandler:
         )
         reasoning_cls = llm.engine.structured.reasoning_parser
         reasoning = reasoning_cls.for_prompt(tokenizer, prompt_ids) if reasoning_cls else None
-        parser = ChatOutputParser(reasoning, tools.parser,
-                                  max_calls=None if req.parallel_tool_calls else 1)
+        parser = ChatOutputParser(
+            reasoning, tools.parser, max_calls=None if req.parallel_tool_calls else 1
+        )
         top_n = _top_logprobs(req)
         params = to_sampling_params(
             req,
@@ -107,17 +120,24 @@ class ChatHandler:
             structured_outputs=tools.guide,
             keep_special_tokens=keeps_special_tokens(tokenizer, reasoning, tools.parser),
         )
-        return PreparedChat(random_id(id_prefix), params.truncate_prompt(prompt_ids), params,
-                            parser, top_n, _echo_text(req, conversation))
+        return PreparedChat(
+            random_id(id_prefix),
+            params.truncate_prompt(prompt_ids),
+            params,
+            parser,
+            top_n,
+            _echo_text(req, conversation),
+        )
 
-    async def start(self, prep: PreparedChat, req: ChatCompletionRequest, raw: Request
-                    ) -> tuple[RequestStream, RequestOutput]:
+    async def start(
+        self, prep: PreparedChat, req: ChatCompletionRequest, raw: Request
+    ) -> tuple[RequestStream, RequestOutput]:
         """Queue the request; its stream and first output (the final one when not streamed)."""
         llm = self.state.require_llm()
-        log_request(self.state.config, prep.rid, prep.prompt_ids, prep.params,
-                    self.state.tokenizer)
-        add = llm.add_request(prep.prompt_ids, prep.params, prep.rid,
-                              options=to_request_options(req))
+        log_request(self.state.config, prep.rid, prep.prompt_ids, prep.params, self.state.tokenizer)
+        add = llm.add_request(
+            prep.prompt_ids, prep.params, prep.rid, options=to_request_options(req)
+        )
         stream = await unless_disconnected(raw, add)
         try:
             first = await unless_disconnected(raw, anext(stream))
@@ -132,8 +152,9 @@ def _check_supported(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
-        raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
-                          f"{req.top_logprobs}", "top_logprobs")
+        raise bad_request(
+            f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}", "top_logprobs"
+        )
 
 
 def _top_logprobs(req: ChatCompletionRequest) -> int | None:
@@ -151,8 +172,10 @@ def _flatten(i: int, message: Any) -> Any:
     for j, part in enumerate(message["content"]):
         if not isinstance(part, dict) or part.get("type") != "text":
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise bad_request(f"messages[{i}].content[{j}] is of type {kind!r}; only 'text' "
-                              "parts are supported", "messages")
+            raise bad_request(
+                f"messages[{i}].content[{j}] is of type {kind!r}; only 'text' parts are supported",
+                "messages",
+            )
         if not isinstance(part.get("text"), str):
             raise bad_request(f"messages[{i}].content[{j}] has no 'text' string", "messages")
         texts.append(part["text"])
@@ -170,8 +193,16 @@ def _echo_text(req: ChatCompletionRequest, conversation: list[Any]) -> str:
 class _Reply:
     """Builds the response or the SSE chunks of one chat request."""
 
-    def __init__(self, rid: str, model: str, req: ChatCompletionRequest, top_n: int | None,
-                 echo: str, parser: ChatOutputParser, tokenizer) -> None:
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        req: ChatCompletionRequest,
+        top_n: int | None,
+        echo: str,
+        parser: ChatOutputParser,
+        tokenizer,
+    ) -> None:
         self.parser = parser
         self.tokenizer = tokenizer
         self.rid = rid
@@ -192,18 +223,28 @@ class _Reply:
         for c in out.outputs:
             message = self._message(c)
             if message.reasoning_content:
-                reasoning += len(self.tokenizer.encode(message.reasoning_content,
-                                                       add_special_tokens=False))
-            choices.append(ChatChoice(
-                index=c.index, message=message, logprobs=self._logprobs(c),
-                finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)),
-                stop_reason=c.stop_reason))
+                reasoning += len(
+                    self.tokenizer.encode(message.reasoning_content, add_special_tokens=False)
+                )
+            choices.append(
+                ChatChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(c),
+                    finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)),
+                    stop_reason=c.stop_reason,
+                )
+            )
         completion = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(
-            id=self.rid, created=self.created, model=self.model, choices=choices,
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=choices,
             service_tier=answered_tier(self.req.service_tier),
-            usage=UsageInfo.of(len(out.prompt_token_ids), completion, out.num_cached_tokens,
-                               reasoning),
+            usage=UsageInfo.of(
+                len(out.prompt_token_ids), completion, out.num_cached_tokens, reasoning
+            ),
             prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
         )
 
@@ -211,17 +252,31 @@ class _Reply:
         if self.parser.is_plain:
             return ChatMessage(content=self.echo + comp.text)
         parts = self.parser.parse(comp.text, final=True)
-        calls = [{"id": self.parser.tools.new_call_id(), "type": "function",  # type: ignore[union-attr]
-                  "function": {"name": c.name, "arguments": c.arguments}} for c in parts.calls]
+        calls = [
+            {
+                "id": self.parser.tools.new_call_id(),
+                "type": "function",  # type: ignore[union-attr]
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in parts.calls
+        ]
         content = self.echo + parts.content
-        return ChatMessage(content=content or (None if calls else ""),
-                           reasoning_content=parts.reasoning, tool_calls=calls or None)
+        return ChatMessage(
+            content=content or (None if calls else ""),
+            reasoning_content=parts.reasoning,
+            tool_calls=calls or None,
+        )
 
     def _chunk(self, choices: list[ChatChunkChoice], usage: UsageInfo | None = None) -> str:
         opts = self.req.stream_options
-        chunk = ChatCompletionChunk(id=self.rid, created=self.created, model=self.model,
-                                    choices=choices, usage=usage,
-                                    service_tier=answered_tier(self.req.service_tier))
+        chunk = ChatCompletionChunk(
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            service_tier=answered_tier(self.req.service_tier),
+        )
         wants_usage = opts is not None and (opts.include_usage or opts.continuous_usage_stats)
         return sse(chunk, exclude=None if wants_usage else {"usage"})
 
@@ -248,14 +303,21 @@ class _Reply:
                     parts = streamer.feed(c.text, final=c.finish_reason is not None)
                     if not (parts or c.finish_reason or c.logprobs):
                         continue  # text held back (a stop string or a marker may follow)
-                    delta = DeltaMessage(content=parts.content if parts.content or not (
-                        parts.reasoning or parts.calls) else None,
+                    delta = DeltaMessage(
+                        content=parts.content
+                        if parts.content or not (parts.reasoning or parts.calls)
+                        else None,
                         reasoning_content=parts.reasoning or None,
-                        tool_calls=parts.calls or None)
+                        tool_calls=parts.calls or None,
+                    )
                     finish = _finish_reason(c.finish_reason, bool(streamer.call_ids))
-                    choice = ChatChunkChoice(index=c.index, delta=delta,
-                                             logprobs=self._logprobs(c), finish_reason=finish,
-                                             stop_reason=c.stop_reason)
+                    choice = ChatChunkChoice(
+                        index=c.index,
+                        delta=delta,
+                        logprobs=self._logprobs(c),
+                        finish_reason=finish,
+                        stop_reason=c.stop_reason,
+                    )
                     yield self._chunk([choice], usage())
                 if out.finished:
                     break

@@ -91,16 +91,16 @@ def to_sampling_params(
     )
 
 
-def log_request(config, rid: str, prompt_ids: Sequence[int], params: SamplingParams,
-                tokenizer) -> None:
+def log_request(
+    config, rid: str, prompt_ids: Sequence[int], params: SamplingParams, tokenizer
+) -> None:
     """--enable-log-requests: one INFO line per request (prompt cut to --max-log-len)."""
     if not config.log_requests:
         return
     text = tokenizer.decode(list(prompt_ids), skip_special_tokens=False)
     if config.max_log_len is not None:
         text = text[: config.max_log_len]
-    request_logger.info("request %s: %d prompt tokens %r, %s", rid, len(prompt_ids), text,
-                        params)
+    request_logger.info("request %s: %d prompt tokens %r, %s", rid, len(prompt_ids), text, params)
 
 
 def to_request_options(req: SamplingRequest) -> RequestOptions:
@@ -126,8 +126,12 @@ def check_common(req: SamplingRequest) -> None:
 
 def raise_if_failed(out: RequestOutput) -> None:
     if out.error is not None:
-        raise APIError(500, f"the engine failed on this request: {out.error}",
-                       type="server_error", code="engine_error")
+        raise APIError(
+            500,
+            f"the engine failed on this request: {out.error}",
+            type="server_error",
+            code="engine_error",
+        )
 
 
 # -- logprobs ---------------------------------------------------------------------------
@@ -146,10 +150,20 @@ def chat_logprobs(
     content = []
     for tid, pos in zip(token_ids, positions):
         chosen = pos[tid]
-        tops = [TopLogprob(token=lp.decoded_token or "", logprob=_value(lp),
-                           bytes=list(lp.bytes or b"")) for lp in _top(pos, top_n)]
-        content.append(TokenLogprob(token=chosen.decoded_token or "", logprob=_value(chosen),
-                                    bytes=list(chosen.bytes or b""), top_logprobs=tops))
+        tops = [
+            TopLogprob(
+                token=lp.decoded_token or "", logprob=_value(lp), bytes=list(lp.bytes or b"")
+            )
+            for lp in _top(pos, top_n)
+        ]
+        content.append(
+            TokenLogprob(
+                token=chosen.decoded_token or "",
+                logprob=_value(chosen),
+                bytes=list(chosen.bytes or b""),
+                top_logprobs=tops,
+            )
+        )
     return ChatLogprobs(content=content)
 
 
@@ -247,8 +261,12 @@ def prompt_logprobs_json(positions: Sequence[PositionLogprobs | None] | None):
     if positions is None:
         return None
     return [
-        None if pos is None else {
-            str(tid): PromptLogprob(logprob=_value(lp), rank=lp.rank, decoded_token=lp.decoded_token)
+        None
+        if pos is None
+        else {
+            str(tid): PromptLogprob(
+                logprob=_value(lp), rank=lp.rank, decoded_token=lp.decoded_token
+            )
             for tid, lp in pos.items()
         }
         for pos in positions

@@ -88,15 +88,21 @@ class MessagesHandler:
         comp = first.outputs[0]
         parts = prep.parser.parse(comp.text, final=True)
         if parts.reasoning:
-            msg.content.append({"type": "thinking", "thinking": parts.reasoning,
-                                "signature": ""})
+            msg.content.append({"type": "thinking", "thinking": parts.reasoning, "signature": ""})
         if parts.content or not parts.calls:
             msg.content.append({"type": "text", "text": parts.content})
         for call in parts.calls:
-            msg.content.append({"type": "tool_use", "id": block_id("toolu"), "name": call.name,
-                                "input": tool_input(call.arguments)})
-        msg.stop_reason, msg.stop_sequence = stop_reason(comp.finish_reason, comp.stop_reason,
-                                                         bool(parts.calls))
+            msg.content.append(
+                {
+                    "type": "tool_use",
+                    "id": block_id("toolu"),
+                    "name": call.name,
+                    "input": tool_input(call.arguments),
+                }
+            )
+        msg.stop_reason, msg.stop_sequence = stop_reason(
+            comp.finish_reason, comp.stop_reason, bool(parts.calls)
+        )
         cached = first.num_cached_tokens
         msg.usage = usage(len(first.prompt_token_ids) - cached, len(comp.token_ids), cached)
         return JSONResponse(msg.model_dump())
@@ -130,8 +136,9 @@ class _Run:
                 last = out
                 comp = out.outputs[0]
                 generated += len(comp.token_ids)
-                for event in self._feed(streamer.feed(comp.text,
-                                                      final=comp.finish_reason is not None)):
+                for event in self._feed(
+                    streamer.feed(comp.text, final=comp.finish_reason is not None)
+                ):
                     yield event
                 out = None if out.finished else await anext(self.stream, None)
             if self.index < 0:
@@ -141,9 +148,11 @@ class _Run:
                 yield event
             comp = last.outputs[0]
             reason, sequence = stop_reason(comp.finish_reason, comp.stop_reason, self.has_calls)
-            yield self._event("message_delta", delta={"stop_reason": reason,
-                                                      "stop_sequence": sequence},
-                              usage={"output_tokens": generated})
+            yield self._event(
+                "message_delta",
+                delta={"stop_reason": reason, "stop_sequence": sequence},
+                usage={"output_tokens": generated},
+            )
             yield self._event("message_stop")
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-stream
             error = from_exception(exc)
@@ -155,8 +164,7 @@ class _Run:
     def _feed(self, delta: DeltaParts) -> list[str]:
         events: list[str] = []
         if delta.reasoning:
-            events += self._start({"type": "thinking", "thinking": "", "signature": ""},
-                                  "thinking")
+            events += self._start({"type": "thinking", "thinking": "", "signature": ""}, "thinking")
             events.append(self._delta({"type": "thinking_delta", "thinking": delta.reasoning}))
         if delta.content:
             events += self._start({"type": "text", "text": ""}, "text")
@@ -166,11 +174,15 @@ class _Run:
             if "id" in call:
                 self.has_calls = True
                 events += self._stop()
-                events += self._start({"type": "tool_use", "id": block_id("toolu"),
-                                       "name": fn["name"], "input": {}}, "tool_use", new=True)
+                events += self._start(
+                    {"type": "tool_use", "id": block_id("toolu"), "name": fn["name"], "input": {}},
+                    "tool_use",
+                    new=True,
+                )
             if fn.get("arguments"):
-                events.append(self._delta({"type": "input_json_delta",
-                                           "partial_json": fn["arguments"]}))
+                events.append(
+                    self._delta({"type": "input_json_delta", "partial_json": fn["arguments"]})
+                )
         return events
 
     def _start(self, block: dict[str, Any], kind: str, new: bool = False) -> list[str]:
@@ -179,8 +191,7 @@ class _Run:
         events = self._stop()
         self.index += 1
         self.open = kind
-        return events + [self._event("content_block_start", index=self.index,
-                                     content_block=block)]
+        return events + [self._event("content_block_start", index=self.index, content_block=block)]
 
     def _delta(self, delta: dict[str, Any]) -> str:
         return self._event("content_block_delta", index=self.index, delta=delta)

@@ -76,30 +76,41 @@ class ResponseStore:
 
 
 def _not_found(rid: str) -> APIError:
-    return APIError(404, f"no response with id {rid!r} (unknown, deleted, stored with "
-                    "store=false, or expired from this server's in-memory store)",
-                    param="response_id", code="response_not_found")
+    return APIError(
+        404,
+        f"no response with id {rid!r} (unknown, deleted, stored with "
+        "store=false, or expired from this server's in-memory store)",
+        param="response_id",
+        code="response_not_found",
+    )
 
 
 class ResponsesHandler:
     def __init__(self, state: ServerState, chat: ChatHandler) -> None:
         self.state = state
         self.chat = chat
-        self.store = ResponseStore(state.config.responses_store_size,
-                                   state.config.responses_store_max_age)
+        self.store = ResponseStore(
+            state.config.responses_store_size, state.config.responses_store_max_age
+        )
         self.running: dict[str, tuple[RequestStream, ResponseObject]] = {}
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         self.state.check_model(req.model, required=True)
         if req.background:
-            raise bad_request("background responses are not supported; leave background "
-                              "false (use stream=true to see progress)", "background")
+            raise bad_request(
+                "background responses are not supported; leave background "
+                "false (use stream=true to see progress)",
+                "background",
+            )
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id)
             if prev is None:
-                raise bad_request(f"previous_response_id {req.previous_response_id!r} is not "
-                                  "a stored response of this server", "previous_response_id")
+                raise bad_request(
+                    f"previous_response_id {req.previous_response_id!r} is not "
+                    "a stored response of this server",
+                    "previous_response_id",
+                )
             history = prev.messages
         items = input_items(req)
         chat_req = to_chat_request(req, history, items)
@@ -120,18 +131,29 @@ class ResponsesHandler:
         self._complete(resp, first, parts.reasoning or "", chat_req.messages, items)
         return JSONResponse(resp.model_dump())
 
-    def _complete(self, resp: ResponseObject, out: RequestOutput, reasoning: str,
-                  messages: list[dict[str, Any]], items: list[dict[str, Any]]) -> None:
+    def _complete(
+        self,
+        resp: ResponseObject,
+        out: RequestOutput,
+        reasoning: str,
+        messages: list[dict[str, Any]],
+        items: list[dict[str, Any]],
+    ) -> None:
         comp = out.outputs[0]
         finish(resp, comp.finish_reason)
-        n_reasoning = len(self.state.tokenizer.encode(reasoning, add_special_tokens=False)
-                          ) if reasoning else 0
-        resp.usage = usage(len(out.prompt_token_ids), len(comp.token_ids),
-                           out.num_cached_tokens, n_reasoning)
+        n_reasoning = (
+            len(self.state.tokenizer.encode(reasoning, add_special_tokens=False))
+            if reasoning
+            else 0
+        )
+        resp.usage = usage(
+            len(out.prompt_token_ids), len(comp.token_ids), out.num_cached_tokens, n_reasoning
+        )
         if resp.store:
             body = resp.model_dump()
-            self.store.put(resp.id, Stored(body, items, messages + to_messages(resp.output),
-                                           time.monotonic()))
+            self.store.put(
+                resp.id, Stored(body, items, messages + to_messages(resp.output), time.monotonic())
+            )
 
     # -- GET / DELETE / cancel / input_items ------------------------------------------------
     def get(self, rid: str) -> dict[str, Any]:
@@ -156,11 +178,15 @@ class ResponsesHandler:
         stored = self.store.get(rid)
         if stored is None:
             raise _not_found(rid)
-        raise bad_request(f"response {rid!r} is {stored.response['status']}: only a response "
-                          "that is still being generated can be cancelled", "response_id")
+        raise bad_request(
+            f"response {rid!r} is {stored.response['status']}: only a response "
+            "that is still being generated can be cancelled",
+            "response_id",
+        )
 
-    def input_items(self, rid: str, limit: int = 20, order: str = "desc",
-                    after: str | None = None) -> dict[str, Any]:
+    def input_items(
+        self, rid: str, limit: int = 20, order: str = "desc", after: str | None = None
+    ) -> dict[str, Any]:
         stored = self.store.get(rid)
         if stored is None:
             raise _not_found(rid)
@@ -169,11 +195,15 @@ class ResponsesHandler:
         items = stored.input_items if order == "asc" else stored.input_items[::-1]
         if after is not None:
             ids = [i["id"] for i in items]
-            items = items[ids.index(after) + 1:] if after in ids else []
+            items = items[ids.index(after) + 1 :] if after in ids else []
         page = items[:limit]
-        return {"object": "list", "data": page, "has_more": len(items) > limit,
-                "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None}
+        return {
+            "object": "list",
+            "data": page,
+            "has_more": len(items) > limit,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+        }
 
 
 def _call_id(prep: PreparedChat) -> str:
@@ -184,9 +214,15 @@ def _call_id(prep: PreparedChat) -> str:
 class _Run:
     """One streamed response: engine deltas -> the Responses API's event sequence."""
 
-    def __init__(self, handler: ResponsesHandler, resp: ResponseObject, prep: PreparedChat,
-                 stream: RequestStream, messages: list[dict[str, Any]],
-                 items: list[dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        handler: ResponsesHandler,
+        resp: ResponseObject,
+        prep: PreparedChat,
+        stream: RequestStream,
+        messages: list[dict[str, Any]],
+        items: list[dict[str, Any]],
+    ) -> None:
         self.handler, self.resp, self.prep, self.stream = handler, resp, prep, stream
         self.messages, self.items = messages, items
         self.seq = 0
@@ -210,8 +246,9 @@ class _Run:
                 raise_if_failed(out)
                 last = out
                 comp = out.outputs[0]
-                for event in self._feed(streamer.feed(comp.text,
-                                                      final=comp.finish_reason is not None)):
+                for event in self._feed(
+                    streamer.feed(comp.text, final=comp.finish_reason is not None)
+                ):
                     yield event
                 out = None if out.finished else await anext(self.stream, None)
             if self.open is None and not self.resp.output:
@@ -220,8 +257,11 @@ class _Run:
             for event in self._close():
                 yield event
             self.handler._complete(self.resp, last, self.reasoning, self.messages, self.items)
-            done = "response.incomplete" if self.resp.status == "incomplete" else (
-                "response.completed")
+            done = (
+                "response.incomplete"
+                if self.resp.status == "incomplete"
+                else ("response.completed")
+            )
             yield self._event(done, response=self.resp.model_dump())
         except Exception as exc:  # noqa: BLE001 - the status line is sent: report in-stream
             error = from_exception(exc)
@@ -238,12 +278,18 @@ class _Run:
         if delta.reasoning:
             self.reasoning += delta.reasoning
             events += self._open("reasoning")
-            events.append(self._text_delta("response.reasoning_summary_text.delta",
-                                           delta.reasoning, summary_index=0))
+            events.append(
+                self._text_delta(
+                    "response.reasoning_summary_text.delta", delta.reasoning, summary_index=0
+                )
+            )
         if delta.content:
             events += self._open("message")
-            events.append(self._text_delta("response.output_text.delta", delta.content,
-                                           content_index=0, logprobs=[]))
+            events.append(
+                self._text_delta(
+                    "response.output_text.delta", delta.content, content_index=0, logprobs=[]
+                )
+            )
         for call in delta.calls:
             fn = call["function"]
             if "id" in call:
@@ -252,15 +298,21 @@ class _Run:
                 events += self._added(item, "function_call")
             if fn.get("arguments"):
                 self.open["text"] += fn["arguments"]  # type: ignore[index]
-                events.append(self._text_delta("response.function_call_arguments.delta",
-                                               fn["arguments"]))
+                events.append(
+                    self._text_delta("response.function_call_arguments.delta", fn["arguments"])
+                )
         return events
 
     def _text_delta(self, kind: str, text: str, **fields: Any) -> str:
         if self.open["kind"] != "function_call":  # type: ignore[index]
             self.open["text"] += text  # type: ignore[index]
-        return self._event(kind, item_id=self.open["item"]["id"],  # type: ignore[index]
-                           output_index=self.open["index"], delta=text, **fields)  # type: ignore[index]
+        return self._event(
+            kind,
+            item_id=self.open["item"]["id"],  # type: ignore[index]
+            output_index=self.open["index"],
+            delta=text,
+            **fields,
+        )  # type: ignore[index]
 
     def _open(self, kind: str) -> list[str]:
         if self.open is not None and self.open["kind"] == kind:
@@ -269,20 +321,32 @@ class _Run:
         if kind == "reasoning":
             item = {**reasoning_item(""), "summary": [], "status": "in_progress"}
             events += self._added(item, kind)
-            events.append(self._event("response.reasoning_summary_part.added",
-                                      **self._where(), summary_index=0,
-                                      part={"type": "summary_text", "text": ""}))
+            events.append(
+                self._event(
+                    "response.reasoning_summary_part.added",
+                    **self._where(),
+                    summary_index=0,
+                    part={"type": "summary_text", "text": ""},
+                )
+            )
         else:
             item = {**message_item(""), "content": [], "status": "in_progress"}
             events += self._added(item, kind)
-            events.append(self._event("response.content_part.added", **self._where(),
-                                      content_index=0, part=output_text("")))
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    **self._where(),
+                    content_index=0,
+                    part=output_text(""),
+                )
+            )
         return events
 
     def _added(self, item: dict[str, Any], kind: str) -> list[str]:
         self.open = {"kind": kind, "item": item, "index": len(self.resp.output), "text": ""}
-        return [self._event("response.output_item.added", output_index=self.open["index"],
-                            item=item)]
+        return [
+            self._event("response.output_item.added", output_index=self.open["index"], item=item)
+        ]
 
     def _where(self) -> dict[str, Any]:
         return {"item_id": self.open["item"]["id"], "output_index": self.open["index"]}  # type: ignore[index]
@@ -294,22 +358,37 @@ class _Run:
         where = self._where()
         if kind == "reasoning":
             part = {"type": "summary_text", "text": text}
-            events = [self._event("response.reasoning_summary_text.done", **where,
-                                  summary_index=0, text=text),
-                      self._event("response.reasoning_summary_part.done", **where,
-                                  summary_index=0, part=part)]
+            events = [
+                self._event(
+                    "response.reasoning_summary_text.done", **where, summary_index=0, text=text
+                ),
+                self._event(
+                    "response.reasoning_summary_part.done", **where, summary_index=0, part=part
+                ),
+            ]
             item = reasoning_item(text, item["id"])
         elif kind == "message":
-            events = [self._event("response.output_text.done", **where, content_index=0,
-                                  text=text, logprobs=[]),
-                      self._event("response.content_part.done", **where, content_index=0,
-                                  part=output_text(text))]
+            events = [
+                self._event(
+                    "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
+                ),
+                self._event(
+                    "response.content_part.done", **where, content_index=0, part=output_text(text)
+                ),
+            ]
             item = message_item(text, item["id"])
         else:
-            events = [self._event("response.function_call_arguments.done", **where,
-                                  arguments=text, name=item["name"])]
+            events = [
+                self._event(
+                    "response.function_call_arguments.done",
+                    **where,
+                    arguments=text,
+                    name=item["name"],
+                )
+            ]
             item = {**item, "arguments": text, "status": "completed"}
         self.resp.output.append(item)
         self.open = None
-        return events + [self._event("response.output_item.done",
-                                     output_index=where["output_index"], item=item)]
+        return events + [
+            self._event("response.output_item.done", output_index=where["output_index"], item=item)
+        ]

@@ -66,8 +66,7 @@ class ServerConfig:
         if self.queue_timeout is not None and self.queue_timeout <= 0:
             raise ValueError(f"queue_timeout must be > 0 seconds, got {self.queue_timeout}")
         if self.responses_store_size < 0 or self.responses_store_max_age <= 0:
-            raise ValueError("responses_store_size must be >= 0 and responses_store_max_age "
-                             "> 0")
+            raise ValueError("responses_store_size must be >= 0 and responses_store_max_age > 0")
         if self.engine_process not in ("auto", "on", "off"):
             raise ValueError(f"engine_process must be auto, on or off, got {self.engine_process!r}")
         if self.max_log_len is not None and self.max_log_len < 0:
@@ -117,8 +116,9 @@ class ServerState:
 
     def require_llm(self) -> AsyncLLM:
         if self.llm is None:
-            raise unavailable("the model is still loading; retry when GET /health says ok",
-                              "loading")
+            raise unavailable(
+                "the model is still loading; retry when GET /health says ok", "loading"
+            )
         return self.llm
 
     @property
@@ -142,10 +142,19 @@ class ServerState:
     def check_model(self, name: str | None, required: bool = False) -> None:
         """``required``: OpenAI's completion routes make ``model`` a required field."""
         if not name and required:
-            raise APIError(400, f"model is required: send \"model\": {self.model_name!r} "
-                           f"(the served model ids: [{self.model_name!r}]; see GET /v1/models)",
-                           param="model", code="missing_model")
+            raise APIError(
+                400,
+                f'model is required: send "model": {self.model_name!r} '
+                f"(the served model ids: [{self.model_name!r}]; see GET /v1/models)",
+                param="model",
+                code="missing_model",
+            )
         if name and name != self.model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                           f"{self.model_name!r} (see GET /v1/models)", type="not_found_error",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist; this server serves "
+                f"{self.model_name!r} (see GET /v1/models)",
+                type="not_found_error",
+                param="model",
+                code="model_not_found",
+            )

@@ -23,8 +23,12 @@ from tokenmill.parsers.tools.forced import (
 from tokenmill.structured_output import StructuredOutputsParams
 from tokenmill.tokenizer import chat
 
-_GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                  "guided_grammar": "grammar"}
+_GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 def guide_of(req: SamplingRequest) -> StructuredOutputsParams | None:
@@ -36,18 +40,26 @@ def guide_of(req: SamplingRequest) -> StructuredOutputsParams | None:
             sources["response_format"] = fmt
         if req.structured_outputs is not None:
             sources["structured_outputs"] = StructuredOutputsParams.from_dict(
-                req.structured_outputs)
-        guided = {mode: getattr(req, name) for name, mode in _GUIDED_FIELDS.items()
-                  if getattr(req, name) is not None}
+                req.structured_outputs
+            )
+        guided = {
+            mode: getattr(req, name)
+            for name, mode in _GUIDED_FIELDS.items()
+            if getattr(req, name) is not None
+        }
         if guided:
             sources[", ".join(f"guided_{m}" for m in guided)] = StructuredOutputsParams(
-                **guided, whitespace_pattern=req.guided_whitespace_pattern)
+                **guided, whitespace_pattern=req.guided_whitespace_pattern
+            )
     except InvalidRequestError as e:
         raise bad_request(str(e), "response_format") from e
     sources = {k: v for k, v in sources.items() if not v.is_empty}
     if len(sources) > 1:
-        raise bad_request(f"the request asks for structured output twice ({' and '.join(sources)});"
-                          " use one of them", "response_format")
+        raise bad_request(
+            f"the request asks for structured output twice ({' and '.join(sources)});"
+            " use one of them",
+            "response_format",
+        )
     return next(iter(sources.values()), None)
 
 
@@ -64,15 +76,18 @@ def _response_format(fmt: dict[str, Any] | None) -> StructuredOutputsParams | No
         schema = spec.get("schema") if isinstance(spec, dict) else None
         if not isinstance(schema, dict):
             raise InvalidRequestError(
-                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+                'response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}'
+            )
         # OpenAI's strict mode: objects have exactly their listed properties
-        return StructuredOutputsParams(json=schema,
-                                       disable_additional_properties=spec.get("strict") is True)
+        return StructuredOutputsParams(
+            json=schema, disable_additional_properties=spec.get("strict") is True
+        )
     if kind == "structural_tag":
-        return StructuredOutputsParams(structural_tag={k: v for k, v in fmt.items()
-                                                       if k != "type"})
-    raise InvalidRequestError(f"response_format type {kind!r} is not supported; use text, "
-                              "json_object, json_schema or structural_tag")
+        return StructuredOutputsParams(structural_tag={k: v for k, v in fmt.items() if k != "type"})
+    raise InvalidRequestError(
+        f"response_format type {kind!r} is not supported; use text, "
+        "json_object, json_schema or structural_tag"
+    )
 
 
 @dataclass(frozen=True)
@@ -85,8 +100,9 @@ class ToolSetup:
     """Reads the calls back from the answer (None: tools are off, the answer is content)."""
 
 
-def tool_setup(req: ChatCompletionRequest, parser_name: str | None, chat_template: str | None
-               ) -> ToolSetup:
+def tool_setup(
+    req: ChatCompletionRequest, parser_name: str | None, chat_template: str | None
+) -> ToolSetup:
     """Checks ``tools`` and ``tool_choice`` and picks the guide and the parser."""
     guide = guide_of(req)
     tools = _check_tools(req.tools)
@@ -98,27 +114,36 @@ def tool_setup(req: ChatCompletionRequest, parser_name: str | None, chat_templat
     if choice == "auto":
         return ToolSetup(guide, resolve_tool_parser(parser_name, chat_template)(tools))
     if guide is not None:
-        raise bad_request(f"tool_choice {_show(choice)} forces a tool call: it can not be "
-                          "combined with response_format or structured_outputs", "tool_choice")
+        raise bad_request(
+            f"tool_choice {_show(choice)} forces a tool call: it can not be "
+            "combined with response_format or structured_outputs",
+            "tool_choice",
+        )
     if choice == "required":
-        return ToolSetup(forced_guide(tools, "required", req.parallel_tool_calls),
-                         RequiredToolParser(tools))
+        return ToolSetup(
+            forced_guide(tools, "required", req.parallel_tool_calls), RequiredToolParser(tools)
+        )
     name = _named(choice, tools)
-    return ToolSetup(forced_guide(tools, choice, req.parallel_tool_calls),
-                     NamedToolParser(tools, name))
+    return ToolSetup(
+        forced_guide(tools, choice, req.parallel_tool_calls), NamedToolParser(tools, name)
+    )
 
 
 def _check_tools(tools: Sequence[Any] | None) -> list[dict]:
     for i, tool in enumerate(tools or []):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or tool.get("type", "function") != "function":
-            raise bad_request(f'tools[{i}] must be {{"type": "function", "function": {{"name": '
-                              '..., "parameters": {...}}}}', "tools")
+            raise bad_request(
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": '
+                '..., "parameters": {...}}}}',
+                "tools",
+            )
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad_request(f"tools[{i}].function has no name", "tools")
         if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
-            raise bad_request(f"tools[{i}].function.parameters must be a JSON schema object",
-                              "tools")
+            raise bad_request(
+                f"tools[{i}].function.parameters must be a JSON schema object", "tools"
+            )
     return list(tools or [])
 
 
@@ -126,12 +151,16 @@ def _named(choice: Any, tools: list[dict]) -> str:
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
-        raise bad_request('tool_choice must be "none", "auto", "required" or {"type": '
-                          '"function", "function": {"name": ...}}', "tool_choice")
+        raise bad_request(
+            'tool_choice must be "none", "auto", "required" or {"type": '
+            '"function", "function": {"name": ...}}',
+            "tool_choice",
+        )
     declared = [t["function"]["name"] for t in tools]
     if name not in declared:
-        raise bad_request(f"tool_choice names {name!r}, which is not among the tools "
-                          f"{declared}", "tool_choice")
+        raise bad_request(
+            f"tool_choice names {name!r}, which is not among the tools {declared}", "tool_choice"
+        )
     return name
 
 

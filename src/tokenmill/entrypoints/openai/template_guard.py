@@ -38,8 +38,9 @@ class _Guarded(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**"})
 
     def __init__(self, max_chars: int) -> None:
-        super().__init__(trim_blocks=True, lstrip_blocks=True,
-                         extensions=["jinja2.ext.loopcontrols"])
+        super().__init__(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         self.max_chars = max_chars
         self.globals["range"] = self._range
         self.globals["raise_exception"] = _raise
@@ -56,16 +57,18 @@ class _Guarded(ImmutableSandboxedEnvironment):
         else:
             size = 0
         if size > self.max_chars:
-            raise TemplateLimitError(f"the chat template builds a value of {size} items "
-                                     f"(more than {self.max_chars})")
+            raise TemplateLimitError(
+                f"the chat template builds a value of {size} items (more than {self.max_chars})"
+            )
         return super().call_binop(context, operator, left, right)
 
     @staticmethod
     def _range(*args: int) -> range:
         r = range(*args)
         if len(r) > MAX_RANGE:
-            raise TemplateLimitError(f"the chat template asks for range() of {len(r)} items "
-                                     f"(at most {MAX_RANGE})")
+            raise TemplateLimitError(
+                f"the chat template asks for range() of {len(r)} items (at most {MAX_RANGE})"
+            )
         return r
 
 
@@ -79,8 +82,7 @@ def _tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
-def render_untrusted(template: str, context: dict[str, Any], timeout: float,
-                     max_chars: int) -> str:
+def render_untrusted(template: str, context: dict[str, Any], timeout: float, max_chars: int) -> str:
     """Render ``template`` with ``context`` within ``timeout`` seconds and ``max_chars``
     characters of output; raises ``InvalidRequestError`` (a 400) otherwise."""
     env = _Guarded(max_chars)
@@ -95,7 +97,8 @@ def render_untrusted(template: str, context: dict[str, Any], timeout: float,
         if time.monotonic() > deadline:
             raise TemplateLimitError(
                 f"the chat template took longer than {timeout:g} s to render "
-                "(server flag --chat-template-timeout)")
+                "(server flag --chat-template-timeout)"
+            )
         return local
 
     def trace(frame, event, arg):
@@ -109,25 +112,47 @@ def render_untrusted(template: str, context: dict[str, Any], timeout: float,
         for chunk in compiled.generate(**context):
             size += len(chunk)
             if size > max_chars:
-                raise TemplateLimitError(f"the chat template renders more than {max_chars} "
-                                         "characters")
+                raise TemplateLimitError(
+                    f"the chat template renders more than {max_chars} characters"
+                )
             parts.append(chunk)
     except TemplateLimitError:
         raise
-    except (TemplateError, ValueError, TypeError, KeyError, AttributeError,
-            IndexError, OverflowError, RecursionError) as e:
-        raise InvalidRequestError(f"the request's chat_template can not render these "
-                                  f"messages: {type(e).__name__}: {e}") from e
+    except (
+        TemplateError,
+        ValueError,
+        TypeError,
+        KeyError,
+        AttributeError,
+        IndexError,
+        OverflowError,
+        RecursionError,
+    ) as e:
+        raise InvalidRequestError(
+            f"the request's chat_template can not render these messages: {type(e).__name__}: {e}"
+        ) from e
     finally:
         sys.settrace(previous)
     return "".join(parts)
 
 
-def template_context(tokenizer, conversation: list[dict], tools: list | None,
-                     add_generation_prompt: bool, **kwargs: Any) -> dict[str, Any]:
+def template_context(
+    tokenizer,
+    conversation: list[dict],
+    tools: list | None,
+    add_generation_prompt: bool,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """The variables chat templates expect (HF's names), from a tokenizer's special tokens."""
     hf = tokenizer.hf
-    special = {name: getattr(hf, name, None) for name in
-               ("bos_token", "eos_token", "pad_token", "unk_token")}
-    return {**special, **kwargs, "messages": conversation, "tools": tools,
-            "add_generation_prompt": add_generation_prompt}
+    special = {
+        name: getattr(hf, name, None)
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token")
+    }
+    return {
+        **special,
+        **kwargs,
+        "messages": conversation,
+        "tools": tools,
+        "add_generation_prompt": add_generation_prompt,
+    }

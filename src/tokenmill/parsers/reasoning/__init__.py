@@ -23,8 +23,13 @@ REASONING_PARSERS: dict[str, tuple[str, str]] = {
 _TEMPLATE_HINTS = (("</think>", "think"), ("[/THINK]", "mistral"))
 """A chat template containing the marker -> the parser ``auto`` picks."""
 
-__all__ = ["REASONING_PARSERS", "ReasoningParser", "ReasoningSplit", "get_reasoning_parser",
-           "resolve_reasoning_parser"]
+__all__ = [
+    "REASONING_PARSERS",
+    "ReasoningParser",
+    "ReasoningSplit",
+    "get_reasoning_parser",
+    "resolve_reasoning_parser",
+]
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
@@ -37,8 +42,9 @@ def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     return getattr(importlib.import_module(module), cls)
 
 
-def resolve_reasoning_parser(name: str | None, chat_template: str | None
-                             ) -> type[ReasoningParser] | None:
+def resolve_reasoning_parser(
+    name: str | None, chat_template: str | None
+) -> type[ReasoningParser] | None:
     """The parser for ``name``: auto detects it from the chat template; none/None: off."""
     if name in (None, "", "none"):
         return None

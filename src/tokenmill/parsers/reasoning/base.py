@@ -44,6 +44,7 @@ class ReasoningParser(ABC):
     @classmethod
     def markers(cls, tokenizer) -> ReasoningMarkers:
         """The markers as token ids of ``tokenizer`` (what the engine's grammar gate watches)."""
+
         def ids(marker: str) -> tuple[int, ...]:
             return tuple(tokenizer.encode(marker, add_special_tokens=False))
 
@@ -53,4 +54,3 @@ class ReasoningParser(ABC):
     def for_prompt(cls, tokenizer, prompt_token_ids: list[int]) -> ReasoningParser:
         """The parser of one request, knowing whether its prompt left a block open."""
         return cls(cls.markers(tokenizer).open_in(prompt_token_ids))
-

@@ -31,7 +31,7 @@ class ThinkReasoningParser(ReasoningParser):
         if close < 0:
             stop = len(text) if final else len(text) - held_back(text[body:], self.end)
             return ReasoningSplit(text[body:stop], "")
-        return ReasoningSplit(text[body:close], text[close + len(self.end):].lstrip())
+        return ReasoningSplit(text[body:close], text[close + len(self.end) :].lstrip())
 
 
 class MistralReasoningParser(ThinkReasoningParser):

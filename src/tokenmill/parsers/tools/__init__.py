@@ -27,8 +27,14 @@ _DETECTION_ORDER = ("hermes", "mistral", "pythonic", "llama3_json")
 """The first parser whose template hints occur in the chat template wins."""
 FALLBACK = "json"
 
-__all__ = ["TOOL_PARSERS", "ParsedTools", "ToolCall", "ToolParser", "get_tool_parser",
-           "resolve_tool_parser"]
+__all__ = [
+    "TOOL_PARSERS",
+    "ParsedTools",
+    "ToolCall",
+    "ToolParser",
+    "get_tool_parser",
+    "resolve_tool_parser",
+]
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:

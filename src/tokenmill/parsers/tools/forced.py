@@ -28,21 +28,30 @@ def parameters_schema(tool: dict) -> dict:
 def required_schema(tools: Sequence[dict], parallel: bool) -> dict[str, Any]:
     """A JSON list of calls to the declared tools."""
     variants = [
-        {"type": "object",
-         "properties": {"name": {"type": "string", "enum": [t["function"]["name"]]},
-                        "parameters": parameters_schema(t)},
-         "required": ["name", "parameters"], "additionalProperties": False}
+        {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "enum": [t["function"]["name"]]},
+                "parameters": parameters_schema(t),
+            },
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
         for t in tools
     ]
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": variants[0] if len(variants) == 1 else {"anyOf": variants}}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": 1,
+        "items": variants[0] if len(variants) == 1 else {"anyOf": variants},
+    }
     if not parallel:
         schema["maxItems"] = 1
     return schema
 
 
-def forced_guide(tools: Sequence[dict], choice: str | dict, parallel: bool
-                 ) -> StructuredOutputsParams:
+def forced_guide(
+    tools: Sequence[dict], choice: str | dict, parallel: bool
+) -> StructuredOutputsParams:
     """The grammar for ``tool_choice`` required or ``{"type": "function", "function":
     {"name": ...}}`` (already checked against the declared tools)."""
     if choice == "required":

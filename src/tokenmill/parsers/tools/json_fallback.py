@@ -41,7 +41,7 @@ class JsonToolParser(ToolParser):
         calls = self._calls(match.group(1)) if match and match.start() == fence else None
         if not calls:
             return ParsedTools(text)
-        return ParsedTools(text[:fence] + text[match.end():], calls)  # type: ignore[union-attr]
+        return ParsedTools(text[:fence] + text[match.end() :], calls)  # type: ignore[union-attr]
 
     def _calls(self, source: str) -> tuple[ToolCall, ...] | None:
         values = json_values(source)

@@ -42,7 +42,9 @@ class MistralToolParser(ToolParser):
             if self.args_marker in part:  # name[ARGS]{...}
                 name, _, args = part.partition(self.args_marker)
                 try:
-                    calls.append(call_from_json({"name": name.strip(), "arguments": json.loads(args)}))
+                    calls.append(
+                        call_from_json({"name": name.strip(), "arguments": json.loads(args)})
+                    )
                 except json.JSONDecodeError:
                     return None
             else:  # [{"name": ..., "arguments": ...}, ...]

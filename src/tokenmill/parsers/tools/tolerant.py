@@ -41,6 +41,13 @@ class TolerantToolParser(ToolParser):
 
 def tolerant(primary: type[ToolParser]) -> type[ToolParser]:
     """``primary`` with the JSON fallback behind it (same name, hints and markers)."""
-    return type(f"Tolerant{primary.__name__}", (TolerantToolParser,), {
-        "primary": primary, "name": primary.name, "template_hints": primary.template_hints,
-        "special_markers": primary.special_markers})
+    return type(
+        f"Tolerant{primary.__name__}",
+        (TolerantToolParser,),
+        {
+            "primary": primary,
+            "name": primary.name,
+            "template_hints": primary.template_hints,
+            "special_markers": primary.special_markers,
+        },
+    )
