@@ -82,9 +82,9 @@ class Run:
     def apply(self, results) -> None:
         for result in results:
             assert result.error is None, result.error
-            for p in self.sched.update(result.sched, result.output.tokens):
-                if p.request.is_finished:
-                    self.ended.append(self.live.pop(p.request.request_id))
+            for req, _ in self.sched.update(result.sched, result.output.tokens):
+                if req.is_finished:
+                    self.ended.append(self.live.pop(req.request_id))
 
     # -- invariants ---------------------------------------------------------------------
     def check(self) -> None:

@@ -107,6 +107,7 @@ class LLMEngine:
         self.processor.add(parent, children)
         for child in children:  # a child a hook holds (its grammar compiles) waits there
             held = [not hook.on_add(child, ctx) for hook, ctx in zip(self.hooks, contexts)]
+            child.token_hooks = tuple(hook for hook in self.hooks if hook.watches(child))
             if not any(held):
                 self.scheduler.add(child)
         self.stats.on_added()
@@ -246,27 +247,27 @@ class LLMEngine:
         )
         outputs: list[RequestOutput] = []
         progressed = self.scheduler.update(result.sched, out.tokens)
-        now = time.monotonic()
-        for progress in progressed:
-            req, num_new = progress.request, progress.num_new
+        processor = self.processor
+        for k, (req, num_new) in enumerate(progressed):
             logprobs = None
             if out.logprobs is not None and row_of is not None:
                 logprobs = out.logprobs[row_of[req.request_id]]
-            stop, consumed = self.processor.process_tokens(req, num_new, logprobs)
+            stop, consumed = processor.process_tokens(req, num_new, logprobs)
             if stop is not None:
                 req.truncate_output(req.num_output_tokens - num_new + consumed)
-                num_new = progress.num_new = consumed
+                num_new = consumed
+                progressed[k] = (req, num_new)
                 if not req.is_finished:
                     self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
-            self.stats.on_tokens(progress, now)
-            error = self._run_after_tokens(req, num_new)
+            error = self._run_after_tokens(req, num_new) if req.token_hooks else None
             if req.is_finished:
                 self._log_reuse(req)
                 emitted = self._finish(req, error)
             else:
-                emitted = self.processor.progress(req)
+                emitted = processor.progress(req)
             if emitted is not None:
                 outputs.append(emitted)
+        self.stats.on_tokens(progressed, time.monotonic())
         return outputs
 
     def _admit_ready(self) -> list[RequestOutput]:
@@ -286,7 +287,7 @@ class LLMEngine:
     def _run_after_tokens(self, req: Request, num_new: int) -> str | None:
         """Hooks see the new tokens; one may end the request (the first error wins)."""
         error = None
-        for hook in self.hooks:
+        for hook in req.token_hooks:
             outcome = hook.after_tokens(req, num_new)
             if outcome is None:
                 continue

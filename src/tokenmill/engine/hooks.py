@@ -71,6 +71,11 @@ class RequestHook:
     def on_scheduled(self, sched: SchedulerOutput) -> None:
         pass
 
+    def watches(self, request: Request) -> bool:
+        """Whether ``after_tokens`` must see this sequence's tokens (asked once, after
+        ``on_add``; the loop then calls it only for the sequences that need it)."""
+        return type(self).after_tokens is not RequestHook.after_tokens
+
     def after_tokens(self, request: Request, num_new: int) -> Outcome | None:
         return None
 

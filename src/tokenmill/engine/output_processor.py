@@ -136,29 +136,29 @@ class OutputProcessor:
         if child.index == 0:
             child.parent.num_cached_tokens = req.num_cached_tokens
         outputs = req.output_token_ids
-        first = len(outputs) - num_new
-        hidden_stop = (
-            req.is_finished
-            and req.status is RequestStatus.FINISHED_STOPPED
-            and not (req.params.include_stop_str_in_output)
+        completion = child.completion
+        completion.token_ids = outputs
+        status = req.status
+        hidden_stop = status is RequestStatus.FINISHED_STOPPED and not (
+            req.params.include_stop_str_in_output
         )  # the last token stopped the request (EOS, a stop id) and is not shown
-        stop, consumed = None, num_new
+        if child.deferred or child.detok is None:  # text decoded once, at the end
+            for entry in logprobs or ():
+                self._add_logprobs(completion, entry)
+            child.hidden_last = hidden_stop
+            return None, num_new
+        first = len(outputs) - num_new
         for j in range(num_new):
             if logprobs:
-                self._add_logprobs(child.completion, logprobs[j])
+                self._add_logprobs(completion, logprobs[j])
             hidden = hidden_stop and j == num_new - 1
-            if child.deferred or child.detok is None:
-                child.hidden_last = hidden
-                continue
             delta = "" if hidden else child.detok.append([outputs[first + j]])
             text, stop = child.stops.feed(delta)
-            child.completion.text += text
+            completion.text += text
             if stop is not None:
-                child.completion.stop_reason = stop
-                consumed = j + 1
-                break
-        child.completion.token_ids = outputs
-        return stop, consumed
+                completion.stop_reason = stop
+                return stop, j + 1
+        return None, num_new
 
     def finish(self, req: Request, error: str | None = None) -> RequestOutput | None:
         """Mark a child finished (after the scheduler freed it); emit its output."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -190,15 +191,18 @@ class EngineStats:
         """A user request's first sequence was scheduled for the first time."""
         self.queue_time.observe(now - arrival)
 
-    def on_tokens(self, progress: Progress, now: float) -> None:
-        """A sequence got ``num_new`` output tokens this step (one inter-token gap)."""
-        req = progress.request
-        self.generation_tokens += progress.num_new
-        if req.last_token_time is None:
-            self.time_to_first_token.observe(now - req.arrival_time)
-        else:
-            self.inter_token_latency.observe(now - req.last_token_time)
-        req.last_token_time = now
+    def on_tokens(self, progressed: Iterable[Progress], now: float) -> None:
+        """Each (request, n) got n output tokens this step (one inter-token gap)."""
+        ttft, itl = self.time_to_first_token, self.inter_token_latency
+        total = 0
+        for req, num_new in progressed:
+            total += num_new
+            if req.last_token_time is None:
+                ttft.observe(now - req.arrival_time)
+            else:
+                itl.observe(now - req.last_token_time)
+            req.last_token_time = now
+        self.generation_tokens += total
 
     def on_request_finished(self, event: RequestFinished) -> None:
         if event.timed_out:

@@ -57,6 +57,8 @@ class Request:
     """The request's own RNG when params.seed is set (on the logits' device)."""
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
+    token_hooks: tuple = ()
+    """The request hooks that see this sequence's new tokens (``RequestHook.watches``)."""
     last_token_time: float | None = None
     """When the latest output tokens arrived (inter-token latency)."""
     priority: int = 0

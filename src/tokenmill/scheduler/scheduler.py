@@ -19,20 +19,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.kv_cache import KVCacheManager
-
-if TYPE_CHECKING:
-    from tokenmill.kv_cache.coordinator import KVCacheCoordinator
 from tokenmill.scheduler.output import ScheduledSeq, SchedulerOutput
 from tokenmill.scheduler.request import Request, RequestStatus
 
+if TYPE_CHECKING:
+    from tokenmill.kv_cache.coordinator import KVCacheCoordinator
 
-@dataclass(slots=True)
-class Progress:
-    """A request that got ``num_new`` tokens from a step (the last ``num_new`` of its
-    outputs). Not frozen: one is built per sequence per step."""
 
-    request: Request
-    num_new: int
+Progress = tuple[Request, int]
+"""Event record of ``Scheduler.update``: a request and how many new tokens it got (the
+last that many of its outputs). A plain tuple: one is built per sequence per step."""
 
 
 @dataclass(frozen=True)
@@ -243,7 +239,7 @@ class Scheduler:
                 status = req.check_stop(self.config.max_model_len)
                 if status is not None:
                     self.finish(req.request_id, status)
-                progressed.append(Progress(req, 1))
+                progressed.append((req, 1))
                 continue
             end = seq.end
             if seq.samples:
@@ -266,7 +262,7 @@ class Scheduler:
                 if status is not None:
                     self.finish(req.request_id, status)
                     break
-            progressed.append(Progress(req, count))
+            progressed.append((req, count))
         return progressed
 
     def reset_prefix_cache(self) -> int:

@@ -28,6 +28,9 @@ class StructuredOutputHook(RequestHook):
     def on_add(self, request: Request, ctx: GrammarSpec | None) -> bool:
         return ctx is None or self.manager.submit(request, ctx)
 
+    def watches(self, request: Request) -> bool:
+        return request.structured is not None
+
     @property
     def has_held(self) -> bool:
         return self.manager.has_waiting

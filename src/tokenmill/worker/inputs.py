@@ -224,6 +224,12 @@ def known_tokens(s: ScheduledSeq) -> list[int]:
     placeholder (the previous step's sampled token, still on the device: ``PendingTokens``),
     then the drafts to verify."""
     drafts = s.draft_token_ids
+    if not drafts:  # the common case, kept short: built per sequence per step
+        tokens = s.request.all_token_ids[s.start : s.start + s.num_new_tokens]
+        if len(tokens) == s.num_new_tokens:
+            return tokens
+        assert len(tokens) == s.num_new_tokens - 1, "only the last input token can be pending"
+        return [*tokens, 0]
     base_end = s.end - len(drafts)
     tokens = s.request.all_token_ids[s.start : base_end]
     missing = base_end - s.start - len(tokens)
