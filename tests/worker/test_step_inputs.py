@@ -5,17 +5,19 @@ from __future__ import annotations
 import torch
 
 from tokenmill.attention import AttentionMetadata
-from tokenmill.scheduler.request import Request
 from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import ScheduledSeq
+from tokenmill.scheduler.request import Request
 from tokenmill.worker.inputs import HostIds, PinnedStaging, build_step_inputs
 
 BS = 4
 CPU = torch.device("cpu")
 
 
-def seq(tokens: list[int], start: int, new: int, table: tuple[int, ...], row: int = -1) -> ScheduledSeq:
+def seq(
+    tokens: list[int], start: int, new: int, table: tuple[int, ...], row: int = -1
+) -> ScheduledSeq:
     req = Request("r", tokens, SamplingParams(max_tokens=4), 4, frozenset())
     return ScheduledSeq(req, start, new, table, samples=True, table_row=row)
 
@@ -78,7 +80,7 @@ def test_inputs_from_the_table_array_equal_inputs_from_lists():
     for name in ("slot_mapping", "block_tables", "seq_lens_tensor", "query_start_loc_tensor",
                  "query_start_loc", "seq_lens", "first_block_if_contiguous"):  # fmt: skip
         a, b = getattr(by_row.meta, name), getattr(by_list.meta, name)
-        assert (torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b), name
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b, name
 
 
 def upload(staging: PinnedStaging, values: list[int], out: torch.Tensor | None = None):

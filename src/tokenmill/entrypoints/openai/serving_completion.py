@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenmill.engine.async_llm import RequestStream
 from tokenmill.entrypoints.openai.errors import bad_request, from_exception
+from tokenmill.entrypoints.openai.preprocess import prepare_prompts
 from tokenmill.entrypoints.openai.protocol import (
     CompletionChoiceFull,
     CompletionRequest,
@@ -31,7 +32,6 @@ from tokenmill.entrypoints.openai.serving_common import (
     to_sampling_params,
     unless_disconnected,
 )
-from tokenmill.entrypoints.openai.preprocess import prepare_prompts
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.entrypoints.openai.structured import guide_of
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -52,13 +52,16 @@ class CompletionHandler:
         if req.suffix is not None:
             raise bad_request("suffix (insertion) is not supported", "suffix")
         if req.best_of is not None and req.best_of != req.n:
-            raise bad_request(f"best_of={req.best_of} is not supported; leave it unset or "
-                              f"equal to n={req.n}", "best_of")
+            raise bad_request(
+                f"best_of={req.best_of} is not supported; leave it unset or equal to n={req.n}",
+                "best_of",
+            )
         prompt_lp = req.prompt_logprobs
         if req.echo and req.logprobs is not None:  # echoed tokens need their logprobs too
             prompt_lp = max(prompt_lp or 0, req.logprobs)
-        prompts = await prepare_prompts(self.state, req.prompt, prompt_lp,
-                                        lambda: self._prompts(req))
+        prompts = await prepare_prompts(
+            self.state, req.prompt, prompt_lp, lambda: self._prompts(req)
+        )
         params = to_sampling_params(
             req,
             self.state.default_sampling_params(),
@@ -83,8 +86,9 @@ class CompletionHandler:
                 merged = merge_streams(streams)
                 first = await unless_disconnected(raw, anext(merged))
                 raise_if_failed(first[1])
-                return StreamingResponse(reply.stream(first, merged),
-                                         media_type="text/event-stream")
+                return StreamingResponse(
+                    reply.stream(first, merged), media_type="text/event-stream"
+                )
             finals = [await unless_disconnected(raw, anext(s)) for s in streams]
         except BaseException:
             if merged is not None:
@@ -102,8 +106,9 @@ class CompletionHandler:
         if isinstance(p, str):
             p = [p]
         if not p:
-            raise bad_request("prompt is empty; send a string, a list of strings or token ids",
-                              "prompt")
+            raise bad_request(
+                "prompt is empty; send a string, a list of strings or token ids", "prompt"
+            )
         if isinstance(p[0], int):
             p = [p]  # one token-id prompt
         out: list[Prompt] = []
@@ -119,8 +124,9 @@ class CompletionHandler:
 class _Reply:
     """Builds the response or the SSE chunks of one completion request."""
 
-    def __init__(self, rid: str, model: str, req: CompletionRequest, prompts: list[Prompt],
-                 tokenizer) -> None:
+    def __init__(
+        self, rid: str, model: str, req: CompletionRequest, prompts: list[Prompt], tokenizer
+    ) -> None:
         self.rid = rid
         self.model = model
         self.req = req
@@ -149,15 +155,24 @@ class _Reply:
         for i, out in enumerate(finals):
             echo = self.prompts[i][0] if self.req.echo else ""
             for c in out.outputs:
-                choices.append(CompletionChoiceFull(
-                    index=self._index(i, c), text=echo + c.text,
-                    logprobs=self._logprobs(c, out if self.req.echo else None, 0),
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                    prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
-                ))
-        return CompletionResponse(id=self.rid, created=self.created, model=self.model,
-                                  choices=choices, usage=self._usage(finals),
-                                  service_tier=answered_tier(self.req.service_tier))
+                choices.append(
+                    CompletionChoiceFull(
+                        index=self._index(i, c),
+                        text=echo + c.text,
+                        logprobs=self._logprobs(c, out if self.req.echo else None, 0),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs),
+                    )
+                )
+        return CompletionResponse(
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self._usage(finals),
+            service_tier=answered_tier(self.req.service_tier),
+        )
 
     def _usage(self, finals: list[RequestOutput]) -> UsageInfo:
         completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
@@ -166,15 +181,26 @@ class _Reply:
 
     def _chunk(self, choices: list[CompletionChoiceFull], usage: UsageInfo | None) -> str:
         opts = self.req.stream_options
-        chunk = CompletionResponse(id=self.rid, created=self.created, model=self.model,
-                                   choices=choices, usage=usage,
-                                   service_tier=answered_tier(self.req.service_tier))
+        chunk = CompletionResponse(
+            id=self.rid,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            service_tier=answered_tier(self.req.service_tier),
+        )
         wants_usage = opts is not None and (opts.include_usage or opts.continuous_usage_stats)
-        return sse(chunk, exclude={"choices": {"__all__": {"prompt_logprobs"}},
-                                   **({} if wants_usage else {"usage": True})})
+        return sse(
+            chunk,
+            exclude={
+                "choices": {"__all__": {"prompt_logprobs"}},
+                **({} if wants_usage else {"usage": True}),
+            },
+        )
 
-    async def stream(self, first: tuple[int, RequestOutput],
-                     merged: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def stream(
+        self, first: tuple[int, RequestOutput], merged: AsyncIterator[tuple[int, RequestOutput]]
+    ) -> AsyncIterator[str]:
         opts = self.req.stream_options
         continuous = opts is not None and opts.continuous_usage_stats
         prompt_tokens = sum(len(ids) for _, ids in self.prompts)
@@ -198,9 +224,13 @@ class _Reply:
                     if lp is not None and lp.tokens:
                         offsets[index] = lp.text_offset[-1] + len(lp.tokens[-1])
                     usage = UsageInfo.of(prompt_tokens, generated) if continuous else None
-                    choice = CompletionChoiceFull(index=index, text=text, logprobs=lp,
-                                                  finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason)
+                    choice = CompletionChoiceFull(
+                        index=index,
+                        text=text,
+                        logprobs=lp,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
                     yield self._chunk([choice], usage)
                 item = await anext(merged, None)
             if opts is not None and opts.include_usage:
