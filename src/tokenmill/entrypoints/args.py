@@ -9,8 +9,22 @@ from dataclasses import dataclass
 from typing import Any
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20,
-          "g": 1e9, "gb": 1e9, "gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "kib": 2**10,
+    "m": 1e6,
+    "mb": 1e6,
+    "mib": 2**20,
+    "g": 1e9,
+    "gb": 1e9,
+    "gib": 2**30,
+    "t": 1e12,
+    "tb": 1e12,
+    "tib": 2**40,
+}
 
 
 def memory_size(text: str) -> int:
@@ -34,65 +48,287 @@ class Flag:
 
 
 ENGINE_FLAGS = (
-    Flag("--model", "model", str, "HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
-    Flag("--tokenizer", "tokenizer", str, "HF tokenizer folder to use instead of the checkpoint's own"),
-    Flag("--dtype", "dtype", str, "weights/compute dtype: auto (float32 on CPU, bfloat16 on CUDA; see --quantization), float32, bfloat16, float16", "auto"),
+    Flag(
+        "--model",
+        "model",
+        str,
+        "HF checkpoint folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    ),
+    Flag(
+        "--tokenizer",
+        "tokenizer",
+        str,
+        "HF tokenizer folder to use instead of the checkpoint's own",
+    ),
+    Flag(
+        "--dtype",
+        "dtype",
+        str,
+        "weights/compute dtype: auto (float32 on CPU, bfloat16 on CUDA; see --quantization), float32, bfloat16, float16",
+        "auto",
+    ),
     Flag("--device", "device", str, "auto, cpu, cuda or cuda:N", "auto"),
-    Flag("--attention-backend", "attention_backend", str, "paged attention kernels: auto (triton on CUDA when installed, native for quantized float32 models on CPU, else reference), reference (pure PyTorch), triton, native (CPU C kernels, float32)", "auto", choices=("auto", "reference", "triton", "native")),
-    Flag("--quantization", "quantization", str, "weight format: auto (on CPU a GGUF keeps its quantized weights unless --dtype float32/float16), none (dense), gguf, int8, int4", "auto", choices=("auto", "none", "gguf", "int8", "int4")),
-    Flag("--max-model-len", "max_model_len", int, "longest prompt + output in tokens; may only lower the model's own limit"),
+    Flag(
+        "--attention-backend",
+        "attention_backend",
+        str,
+        "paged attention kernels: auto (triton on CUDA when installed, native for quantized float32 models on CPU, else reference), reference (pure PyTorch), triton, native (CPU C kernels, float32)",
+        "auto",
+        choices=("auto", "reference", "triton", "native"),
+    ),
+    Flag(
+        "--quantization",
+        "quantization",
+        str,
+        "weight format: auto (on CPU a GGUF keeps its quantized weights unless --dtype float32/float16), none (dense), gguf, int8, int4",
+        "auto",
+        choices=("auto", "none", "gguf", "int8", "int4"),
+    ),
+    Flag(
+        "--max-model-len",
+        "max_model_len",
+        int,
+        "longest prompt + output in tokens; may only lower the model's own limit",
+    ),
     Flag("--max-num-seqs", "max_num_seqs", int, "most requests batched in one engine step", 256),
-    Flag("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget of one step; long prompts are prefilled in chunks of this size (default max(2048, max-num-seqs))"),
+    Flag(
+        "--max-num-batched-tokens",
+        "max_num_batched_tokens",
+        int,
+        "token budget of one step; long prompts are prefilled in chunks of this size (default max(2048, max-num-seqs))",
+    ),
     Flag("--block-size", "block_size", int, "tokens per KV cache block", 16),
-    Flag("--kv-cache-memory", "kv_cache_memory_bytes", memory_size, "memory for the KV cache, e.g. 2GiB (default 1GiB, or enough for one max-model-len sequence)"),
-    Flag("--num-kv-blocks", "num_kv_blocks", int, "exact number of KV cache blocks (overrides --kv-cache-memory)"),
-    Flag("--enforce-eager", "enforce_eager", None, "never capture or replay CUDA graphs (decode steps on CUDA otherwise replay one graph per batch-size bucket)", False, action="store_true"),
-    Flag("--async-scheduling", "async_scheduling", str, "schedule each step while the previous one runs on the device, hiding the host's per-step work: auto (on for CUDA), on, off; requests with structured output, penalties or min_tokens still step synchronously", "auto", choices=("auto", "on", "off")),
+    Flag(
+        "--kv-cache-memory",
+        "kv_cache_memory_bytes",
+        memory_size,
+        "memory for the KV cache, e.g. 2GiB (default 1GiB, or enough for one max-model-len sequence)",
+    ),
+    Flag(
+        "--num-kv-blocks",
+        "num_kv_blocks",
+        int,
+        "exact number of KV cache blocks (overrides --kv-cache-memory)",
+    ),
+    Flag(
+        "--enforce-eager",
+        "enforce_eager",
+        None,
+        "never capture or replay CUDA graphs (decode steps on CUDA otherwise replay one graph per batch-size bucket)",
+        False,
+        action="store_true",
+    ),
+    Flag(
+        "--async-scheduling",
+        "async_scheduling",
+        str,
+        "schedule each step while the previous one runs on the device, hiding the host's per-step work: auto (on for CUDA), on, off; requests with structured output, penalties or min_tokens still step synchronously",
+        "auto",
+        choices=("auto", "on", "off"),
+    ),
     Flag("--seed", "seed", int, "seed for requests that do not set their own", 0),
     Flag("--served-model-name", "served_model_name", str, "model name reported to clients"),
-    Flag("--structured-outputs-backend", "structured_outputs_backend", str, "grammar backend of structured output: auto or guidance (llguidance)", "auto"),
-    Flag("--reasoning-parser", "reasoning_parser", str, "how reasoning is delimited in the output (think, deepseek_r1, qwen3, mistral); auto: from the chat template; none: off", "auto"),
-    Flag("--enable-prefix-caching", "enable_prefix_caching", None, "reuse the KV cache of earlier requests that share a prefix (--no-enable-prefix-caching: off)", True, action=argparse.BooleanOptionalAction),
-    Flag("--long-prefill-token-threshold", "long_prefill_token_threshold", int, "largest prefill chunk of one request per step, so long prompts never stall running decodes"),
-    Flag("--max-logprobs", "max_logprobs", int, "most logprobs / prompt_logprobs alternatives a request may ask for", 20),
+    Flag(
+        "--structured-outputs-backend",
+        "structured_outputs_backend",
+        str,
+        "grammar backend of structured output: auto or guidance (llguidance)",
+        "auto",
+    ),
+    Flag(
+        "--reasoning-parser",
+        "reasoning_parser",
+        str,
+        "how reasoning is delimited in the output (think, deepseek_r1, qwen3, mistral); auto: from the chat template; none: off",
+        "auto",
+    ),
+    Flag(
+        "--enable-prefix-caching",
+        "enable_prefix_caching",
+        None,
+        "reuse the KV cache of earlier requests that share a prefix (--no-enable-prefix-caching: off)",
+        True,
+        action=argparse.BooleanOptionalAction,
+    ),
+    Flag(
+        "--long-prefill-token-threshold",
+        "long_prefill_token_threshold",
+        int,
+        "largest prefill chunk of one request per step, so long prompts never stall running decodes",
+    ),
+    Flag(
+        "--max-logprobs",
+        "max_logprobs",
+        int,
+        "most logprobs / prompt_logprobs alternatives a request may ask for",
+        20,
+    ),
 )
-GENERATION_CONFIG_HELP = ("default sampling parameters: auto (the checkpoint's "
-                          "generation_config.json), vllm (library defaults) or a folder holding "
-                          "a generation_config.json")
+GENERATION_CONFIG_HELP = (
+    "default sampling parameters: auto (the checkpoint's "
+    "generation_config.json), vllm (library defaults) or a folder holding "
+    "a generation_config.json"
+)
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 SERVER_FLAGS = (
-    Flag("--host", "host", str, "address to listen on; 0.0.0.0 exposes the server to the network", "127.0.0.1"),
+    Flag(
+        "--host",
+        "host",
+        str,
+        "address to listen on; 0.0.0.0 exposes the server to the network",
+        "127.0.0.1",
+    ),
     Flag("--port", "port", int, "TCP port to listen on (0 = any free port)", 8000),
-    Flag("--api-key", "api_key", str, "require 'Authorization: Bearer KEY' on every route except /health"),
-    Flag("--max-queued-requests", "max_queued_requests", int, "requests waiting to start beyond this are refused at once with HTTP 429 and Retry-After", 1024),
-    Flag("--queue-timeout", "queue_timeout", float, "seconds a request may wait to start before it is refused with HTTP 503 (default: no limit)"),
-    Flag("--log-level", "log_level", str, "log level of the server and the engine", "info", choices=LOG_LEVELS),
-    Flag("--tool-call-parser", "tool_call_parser", str, "how tool calls are read from the output (hermes, llama3_json, mistral, pythonic, json); auto: from the chat template", "auto"),
-    Flag("--chat-template", "chat_template", str, "a Jinja chat template (a file, or the template itself) used instead of the model's own"),
+    Flag(
+        "--api-key",
+        "api_key",
+        str,
+        "require 'Authorization: Bearer KEY' on every route except /health",
+    ),
+    Flag(
+        "--max-queued-requests",
+        "max_queued_requests",
+        int,
+        "requests waiting to start beyond this are refused at once with HTTP 429 and Retry-After",
+        1024,
+    ),
+    Flag(
+        "--queue-timeout",
+        "queue_timeout",
+        float,
+        "seconds a request may wait to start before it is refused with HTTP 503 (default: no limit)",
+    ),
+    Flag(
+        "--log-level",
+        "log_level",
+        str,
+        "log level of the server and the engine",
+        "info",
+        choices=LOG_LEVELS,
+    ),
+    Flag(
+        "--tool-call-parser",
+        "tool_call_parser",
+        str,
+        "how tool calls are read from the output (hermes, llama3_json, mistral, pythonic, json); auto: from the chat template",
+        "auto",
+    ),
+    Flag(
+        "--chat-template",
+        "chat_template",
+        str,
+        "a Jinja chat template (a file, or the template itself) used instead of the model's own",
+    ),
     Flag("--generation-config", "generation_config", str, GENERATION_CONFIG_HELP, "auto"),
-    Flag("--enable-auto-tool-choice", "enable_auto_tool_choice", None, "accepted for vLLM compatibility: tool_choice=auto is always on when a request sends tools", False, action="store_true"),
-    Flag("--enable-log-requests", "log_requests", None, "log each request (prompt cut to --max-log-len, sampling parameters)", False, action="store_true"),
-    Flag("--disable-log-requests", "disable_log_requests", None, "do not log requests (the default; vLLM's older flag)", False, action="store_true"),
-    Flag("--max-log-len", "max_log_len", int, "characters of a prompt shown in request logs (default: all)"),
-    Flag("--uvicorn-log-level", "uvicorn_log_level", str, "uvicorn's own log level (default: --log-level)", choices=LOG_LEVELS + ("trace",)),
-    Flag("--response-role", "response_role", str, "role of the generated message: assistant only", "assistant", choices=("assistant",)),
-    Flag("--disable-fastapi-docs", "disable_fastapi_docs", None, "no /docs, /redoc and /openapi.json", False, action="store_true"),
-    Flag("--engine-process", "engine_process", str, "run the engine in its own process behind the server (on; vLLM's and SGLang's engine core) or in a thread of the server process (off); auto: off on CPU, see docs/architecture.md for the measurement", "auto", choices=("auto", "on", "off")),
-    Flag("--responses-store-size", "responses_store_size", int, "most /v1/responses kept in memory for GET, input_items and previous_response_id (the oldest are forgotten first; lost on restart)", 1024),
-    Flag("--responses-store-max-age", "responses_store_max_age", float, "seconds a stored /v1/responses response is kept", 3600.0),
+    Flag(
+        "--enable-auto-tool-choice",
+        "enable_auto_tool_choice",
+        None,
+        "accepted for vLLM compatibility: tool_choice=auto is always on when a request sends tools",
+        False,
+        action="store_true",
+    ),
+    Flag(
+        "--enable-log-requests",
+        "log_requests",
+        None,
+        "log each request (prompt cut to --max-log-len, sampling parameters)",
+        False,
+        action="store_true",
+    ),
+    Flag(
+        "--disable-log-requests",
+        "disable_log_requests",
+        None,
+        "do not log requests (the default; vLLM's older flag)",
+        False,
+        action="store_true",
+    ),
+    Flag(
+        "--max-log-len",
+        "max_log_len",
+        int,
+        "characters of a prompt shown in request logs (default: all)",
+    ),
+    Flag(
+        "--uvicorn-log-level",
+        "uvicorn_log_level",
+        str,
+        "uvicorn's own log level (default: --log-level)",
+        choices=LOG_LEVELS + ("trace",),
+    ),
+    Flag(
+        "--response-role",
+        "response_role",
+        str,
+        "role of the generated message: assistant only",
+        "assistant",
+        choices=("assistant",),
+    ),
+    Flag(
+        "--disable-fastapi-docs",
+        "disable_fastapi_docs",
+        None,
+        "no /docs, /redoc and /openapi.json",
+        False,
+        action="store_true",
+    ),
+    Flag(
+        "--engine-process",
+        "engine_process",
+        str,
+        "run the engine in its own process behind the server (on; vLLM's and SGLang's engine core) or in a thread of the server process (off); auto: off on CPU, see docs/architecture.md for the measurement",
+        "auto",
+        choices=("auto", "on", "off"),
+    ),
+    Flag(
+        "--responses-store-size",
+        "responses_store_size",
+        int,
+        "most /v1/responses kept in memory for GET, input_items and previous_response_id (the oldest are forgotten first; lost on restart)",
+        1024,
+    ),
+    Flag(
+        "--responses-store-max-age",
+        "responses_store_max_age",
+        float,
+        "seconds a stored /v1/responses response is kept",
+        3600.0,
+    ),
 )
 
 SAMPLING_FLAGS = (
     Flag("--max-tokens", "max_tokens", int, "most tokens to generate", 256),
-    Flag("--temperature", "temperature", float, "0 = greedy (default: the model's generation_config, else 1.0)"),
-    Flag("--top-p", "top_p", float, "nucleus sampling: keep the smallest set of tokens with this total probability"),
+    Flag(
+        "--temperature",
+        "temperature",
+        float,
+        "0 = greedy (default: the model's generation_config, else 1.0)",
+    ),
+    Flag(
+        "--top-p",
+        "top_p",
+        float,
+        "nucleus sampling: keep the smallest set of tokens with this total probability",
+    ),
     Flag("--top-k", "top_k", int, "keep only the k most likely tokens (0 = off)"),
     Flag("--min-p", "min_p", float, "drop tokens less likely than min-p times the most likely one"),
-    Flag("--repetition-penalty", "repetition_penalty", float, "> 1 discourages repeating prompt and output tokens"),
+    Flag(
+        "--repetition-penalty",
+        "repetition_penalty",
+        float,
+        "> 1 discourages repeating prompt and output tokens",
+    ),
     Flag("--stop", "stop", str, "stop when this string is generated (repeatable)", action="append"),
-    Flag("--ignore-eos", "ignore_eos", None, "keep generating past the end-of-sequence token", action="store_true"),
+    Flag(
+        "--ignore-eos",
+        "ignore_eos",
+        None,
+        "keep generating past the end-of-sequence token",
+        action="store_true",
+    ),
     Flag("--sampling-seed", "seed", int, "per-request seed for reproducible sampling"),
 )
 
@@ -117,11 +353,21 @@ def compat_flags() -> tuple[Flag, ...]:
     """vLLM's engine flags that tokenmill accepts (``tokenmill.vllm_compat``)."""
     from tokenmill.vllm_compat import COMPAT_OPTIONS
 
-    aliases = {"tensor_parallel_size": ("-tp",), "pipeline_parallel_size": ("-pp",),
-               "data_parallel_size": ("-dp",)}
+    aliases = {
+        "tensor_parallel_size": ("-tp",),
+        "pipeline_parallel_size": ("-pp",),
+        "data_parallel_size": ("-dp",),
+    }
     return tuple(
-        Flag("--" + o.name.replace("_", "-"), o.name, o.type, o.meaning, o.default,
-             action="store_true" if o.type is None else None, aliases=aliases.get(o.name, ()))
+        Flag(
+            "--" + o.name.replace("_", "-"),
+            o.name,
+            o.type,
+            o.meaning,
+            o.default,
+            action="store_true" if o.type is None else None,
+            aliases=aliases.get(o.name, ()),
+        )
         for o in COMPAT_OPTIONS
     )
 
@@ -149,8 +395,7 @@ def sampling_options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-SERVER_ONLY_FLAGS = frozenset({"enable_auto_tool_choice", "disable_log_requests",
-                               "response_role"})
+SERVER_ONLY_FLAGS = frozenset({"enable_auto_tool_choice", "disable_log_requests", "response_role"})
 """Accepted for vLLM compatibility, with nothing to configure (see their help)."""
 
 

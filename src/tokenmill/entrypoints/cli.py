@@ -25,13 +25,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    gen = sub.add_parser("generate", help="complete one prompt and print the text",
-                         description="Complete a prompt (streamed as it is generated).")
+    gen = sub.add_parser(
+        "generate",
+        help="complete one prompt and print the text",
+        description="Complete a prompt (streamed as it is generated).",
+    )
     gen.add_argument("prompt", help="the text to continue")
-    gen.add_argument("--chat-template", action="store_true",
-                     help="wrap the prompt as a user message with the model's chat template")
-    chat = sub.add_parser("chat", help="interactive chat that streams the answer",
-                          description="Interactive chat. Type /reset to start over, /exit or Ctrl-D to quit.")
+    gen.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="wrap the prompt as a user message with the model's chat template",
+    )
+    chat = sub.add_parser(
+        "chat",
+        help="interactive chat that streams the answer",
+        description="Interactive chat. Type /reset to start over, /exit or Ctrl-D to quit.",
+    )
     chat.add_argument("--system", help="system prompt for the conversation")
     for p in (gen, chat):
         add_engine_flags(p.add_argument_group("engine"))
@@ -45,7 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_serve(sub) -> argparse.ArgumentParser:
     return sub.add_parser(
-        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve MODEL (default: the embedded SmolLM2-135M-Instruct) over an "
         "OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/models, "
         "/tokenize, /detokenize, /health, /metrics, /version. The first SIGTERM or Ctrl-C "
@@ -57,14 +67,21 @@ def _add_serve(sub) -> argparse.ArgumentParser:
 def add_serve_flags(serve: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``tokenmill serve``'s arguments (also those of ``python -m
     tokenmill.entrypoints.openai.api_server``)."""
-    serve.add_argument("model_arg", nargs="?", metavar="MODEL",
-                       help="HF checkpoint folder or .gguf file (same as --model)")
+    serve.add_argument(
+        "model_arg",
+        nargs="?",
+        metavar="MODEL",
+        help="HF checkpoint folder or .gguf file (same as --model)",
+    )
     add_flags(serve.add_argument_group("server"), SERVER_FLAGS)
     from tokenmill.entrypoints.openai.limits import LIMIT_FLAGS
 
     add_flags(serve.add_argument_group("limits"), LIMIT_FLAGS)
-    add_engine_flags(serve.add_argument_group(
-        "engine", "vLLM's engine flags are accepted too: each says what it means here"))
+    add_engine_flags(
+        serve.add_argument_group(
+            "engine", "vLLM's engine flags are accepted too: each says what it means here"
+        )
+    )
     return serve
 
 
@@ -110,8 +127,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = _params(llm, args)
     prompt = args.prompt
     if args.chat_template:
-        prompt = {"prompt_token_ids": llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}])}
+        prompt = {
+            "prompt_token_ids": llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}]
+            )
+        }
     _stream(llm, prompt, params)
     llm.close()
     return 0
@@ -175,8 +195,12 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     return run_batch.cmd_run_batch(args, lambda: _make_llm(args))
 
 
-COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve,
-            "run-batch": cmd_run_batch}
+COMMANDS = {
+    "generate": cmd_generate,
+    "chat": cmd_chat,
+    "serve": cmd_serve,
+    "run-batch": cmd_run_batch,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
