@@ -279,7 +279,7 @@ SERVER_FLAGS = (
         "--engine-process",
         "engine_process",
         str,
-        "run the engine in its own process behind the server (on; vLLM's and SGLang's engine core) or in a thread of the server process (off); auto: off on CPU, see docs/architecture.md for the measurement",
+        "run the engine in its own process behind the server (on; vLLM's and SGLang's engine core) or in a thread of the server process (off); auto: off (the thread measured faster on a 2-core CPU machine; docs/architecture.md)",
         "auto",
         choices=("auto", "on", "off"),
     ),
