@@ -170,18 +170,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenmill.engine.core_process import use_engine_process
     from tokenmill.entrypoints.openai.launcher import OpenAIServer
     from tokenmill.entrypoints.openai.limits import limit_options
     from tokenmill.entrypoints.openai.state import ServerConfig, model_name_of
-    from tokenmill.vllm_compat import check_compat_options
 
     if args.model_arg and args.model and args.model_arg != args.model:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}")
     model = args.model_arg or args.model
     options = engine_options(args)
-    check_compat_options(dict(options))  # refuse before loading (the load runs in a thread)
+    engine_config = _engine_config(model, options)  # refuse before loading (in a thread)
     config = ServerConfig(**server_options(args), limits=limit_options(args))
     name = model_name_of(model, options.get("served_model_name"))
+    if use_engine_process(config.engine_process, engine_config):
+        return OpenAIServer(engine_config, config, model_name=name).run()
 
     def load():
         from tokenmill import LLM
@@ -189,6 +191,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return LLM(model, **options).engine
 
     return OpenAIServer(load, config, model_name=name).run()
+
+
+def _engine_config(model: str | None, options: dict):
+    """The EngineConfig ``LLM(model, **options)`` would build (vLLM-only options dropped)."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.vllm_compat import check_compat_options
+
+    options = dict(options)
+    check_compat_options(options)
+    return EngineConfig(model=model, **options)
 
 
 def cmd_run_batch(args: argparse.Namespace) -> int:
