@@ -1,12 +1,11 @@
-"""What enters the engine at the boundary: immutable request descriptions."""
+"""What enters the engine at the boundary with a request, besides its SamplingParams."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenmill.scheduler.request import Request
@@ -39,16 +38,3 @@ class RequestOptions:
         req.cache_key = self.cache_salt.encode() if self.cache_salt else b""
         req.reuse_context = self.reuse_context
         req.cache_generated_tokens = self.cache_generated_tokens
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """One user request as it enters ``LLMEngine.add_request``: tokenized and validated
-    at the boundary, never changed afterwards. The scheduler builds its own mutable
-    ``Request`` record (one per sequence: ``n > 1`` fans out) from it."""
-
-    request_id: str
-    prompt_token_ids: tuple[int, ...]
-    params: SamplingParams
-    prompt: str | None = None
-    options: RequestOptions = field(default_factory=RequestOptions)
