@@ -13,7 +13,7 @@ import enum
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
@@ -109,8 +109,13 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     """Only these token ids may be generated (every other logit is set to -inf)."""
     bad_words: list[str] | None = None
-    """vLLM: words that may not be generated. Not supported yet: a non-empty list raises
-    (ban single tokens with ``logit_bias={id: -100}``)."""
+    """vLLM: words that may not be generated. Each word is tokenized as written and with
+    a leading space (``resolve_bad_words``, when the request is added); a word's last
+    token is banned whenever the tokens generated just before it are the rest of the
+    word. A word of several tokens reads the tokens so far, so it makes the request's
+    steps synchronous (``reads_output_tokens``)."""
+    bad_words_token_ids: list[list[int]] | None = field(default=None, init=False, repr=False)
+    """The token ids of each ``bad_words`` variant; set by ``resolve_bad_words``."""
     logits_processors: list[Callable[..., Any]] | None = None
     """Per-request callables ``f(output_token_ids, logits) -> logits`` or
     ``f(prompt_token_ids, output_token_ids, logits) -> logits``, vLLM's (v0) contract:
@@ -190,11 +195,13 @@ class SamplingParams:
                 _int("allowed_token_ids entry", t) for t in self.allowed_token_ids
             ]
             _check(bool(self.allowed_token_ids), "allowed_token_ids must not be empty")
-        _check(
-            not self.bad_words,
-            f"bad_words={self.bad_words!r} is not supported yet; ban single tokens with "
-            "logit_bias={token_id: -100}",
-        )
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
+            for word in self.bad_words:
+                _check(
+                    isinstance(word, str) and word.strip() != "",
+                    f"bad_words must contain only non-empty strings, got {word!r}",
+                )
         if self.logits_processors is not None:
             self.logits_processors = list(self.logits_processors)
             for f in self.logits_processors:
@@ -295,7 +302,41 @@ class SamplingParams:
         cannot be scheduled before the previous token is on the host. ``min_tokens``
         reads only a count, which includes the tokens in flight, and penalties count the
         token in flight on the device (``sampler.InFlightRow``): neither needs this."""
-        return self.structured_outputs is not None or bool(self.logits_processors)
+        return (
+            self.structured_outputs is not None
+            or bool(self.logits_processors)
+            or self._bad_words_read_history
+        )
+
+    @property
+    def _bad_words_read_history(self) -> bool:
+        """A bad word of several tokens compares the tokens before its last one."""
+        if not self.bad_words:
+            return False
+        if self.bad_words_token_ids is None:  # not resolved yet: assume the worst
+            return True
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids)
+
+    def resolve_bad_words(self, tokenizer: Any, vocab_size: int) -> None:
+        """Tokenize ``bad_words`` as vLLM does: each word stripped of leading spaces, as
+        written and with a leading space; the spaced variant is kept only when it is a
+        different token sequence of the same length. Idempotent."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return
+        variants: list[list[int]] = []
+        for word in self.bad_words:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            variants.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                variants.append(spaced)
+        for ids in variants:
+            for t in ids:
+                _check(
+                    0 <= t < vocab_size,
+                    f"bad_words token id {t} is out of range: must be in [0, {vocab_size})",
+                )
+        self.bad_words_token_ids = variants
 
     def truncate_prompt(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The prompt as ``truncate_prompt_tokens`` asks: its last k tokens (or all)."""

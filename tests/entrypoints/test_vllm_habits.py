@@ -181,7 +181,8 @@ def test_sampling_params_refusals_and_aliases():
         SamplingParams(n=1, best_of=3)
     assert SamplingParams(n=2, best_of=2).best_of == 2
     with pytest.raises(InvalidRequestError, match="bad_words"):
-        SamplingParams(bad_words=["darn"])
+        SamplingParams(bad_words=[""])
+    assert SamplingParams(bad_words=["darn"]).bad_words == ["darn"]  # see tests/sampling
     with pytest.raises(InvalidRequestError, match="truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
     with pytest.raises(InvalidRequestError, match="callables"):

@@ -90,6 +90,7 @@ class LLMEngine:
         prompt_token_ids = params.truncate_prompt(prompt_token_ids)  # idempotent: LLM did too
         check_prompt(prompt_token_ids, self.vocab_size, self.max_model_len)
         check_params(params, self.vocab_size, self.config.max_logprobs)
+        params.resolve_bad_words(self.tokenizer, self.vocab_size)
         max_tokens = resolve_max_tokens(params, len(prompt_token_ids), self.max_model_len)
         contexts = [hook.check(params) for hook in self.hooks]
         options = options or RequestOptions()

@@ -3,7 +3,8 @@
 Two kinds live here:
 
 * row processors (``LogitsProcessor``) read each row's ``SamplingRow`` and edit the
-  whole batch in place: logit bias, min-tokens suppression, penalties. The
+  whole batch in place: logit bias, allowed tokens, min-tokens suppression,
+  penalties, bad words, per-request callables. The
   sampler runs them in order for every row, greedy or random;
 * filters for the random rows only, driven by per-row parameter tensors:
   temperature, min-p, top-k / top-p.
@@ -111,6 +112,34 @@ def apply_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> N
             logits[i, _long(allowed, logits)] = keep
 
 
+def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """vLLM's bad words: for each variant ``w`` of ``params.bad_words_token_ids``, ban
+    ``w[-1]`` when the row's last ``len(w) - 1`` output tokens are ``w[:-1]``.
+
+    A one-token word needs no history, so it runs with tokens in flight; longer words
+    make the request's steps synchronous (``SamplingParams.reads_output_tokens``), so
+    ``output_token_ids`` is then complete."""
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    for i, row in enumerate(rows):
+        words = row.params.bad_words_token_ids
+        if not words:
+            continue
+        past = row.output_token_ids
+        for word in words:
+            k = len(word) - 1
+            if k == 0:
+                row_idx.append(i)
+                tok_idx.append(word[0])
+                continue
+            assert row.num_placeholders <= 1, "a bad word of several tokens steps synchronously"
+            if len(past) >= k and list(past[len(past) - k :]) == word[:k]:
+                row_idx.append(i)
+                tok_idx.append(word[k])
+    if row_idx:
+        logits[_long(row_idx, logits), _long(tok_idx, logits)] = _NEG_INF
+
+
 def apply_request_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     """Each row's own ``params.logits_processors`` (vLLM's per-request callables):
     ``f(output_ids, row_logits)`` or ``f(prompt_ids, output_ids, row_logits)`` -> logits."""
@@ -140,6 +169,7 @@ DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (
     apply_allowed_tokens,
     apply_min_tokens,
     apply_penalties,
+    apply_bad_words,
     apply_request_processors,
 )
 """The built-in row processors, in vLLM's order of application (per-request callables
