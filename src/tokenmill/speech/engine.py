@@ -1,0 +1,208 @@
+"""The speech scheduler: batches Whisper decoder steps across many windows (requests).
+
+It runs beside the text engine, in its own thread that alone touches the model. Each
+admitted window gets a cache row: its encoder output's cross-attention K/V (computed once
+at admission) and its own self-attention K/V. A window is prefilled alone (prompts differ
+in length); then every live row advances one token per batched step. Finished rows hand
+their result to the window's callback and the last live row moves into the freed slot.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.speech.loader import LoadedWhisper
+from tokenmill.speech.rules import force_timestamps, timestamp_mask
+from tokenmill.speech.whisper import DecoderCache
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    tokens: list[int]
+    """Generated tokens, eot excluded."""
+    sum_logprob: float
+    finished: bool
+    """True when the row emitted eot (False: it hit its token limit)."""
+    error: BaseException | None = None
+
+
+@dataclass
+class WindowRequest:
+    """One 30 s window to decode."""
+
+    mel: torch.Tensor
+    """[n_mels, 3000] features."""
+    prompt: list[int]
+    """Decoder input: optional <|startofprev|> + previous text, then the sot sequence."""
+    on_done: Callable[[WindowResult], None]
+    timestamps: bool = True
+    temperature: float = 0.0
+    max_new_tokens: int = 224
+    only: tuple[int, ...] | None = None
+    """When set, the only tokens allowed (language detection: the language tokens)."""
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _Row:
+    req: WindowRequest
+    length: int
+    """Tokens in the row's self-attention cache."""
+    generated: list[int] = field(default_factory=list)
+    sum_logprob: float = 0.0
+
+
+class SpeechEngine:
+    """Owns the model and a ``DecoderCache`` of ``max_rows`` rows; ``submit`` is thread-safe."""
+
+    def __init__(self, loaded: LoadedWhisper, max_rows: int = 16) -> None:
+        self.loaded = loaded
+        self.cfg = loaded.model.cfg
+        dtype = next(loaded.model.parameters()).dtype
+        self.cache = DecoderCache(self.cfg, max_rows, dtype)
+        self.max_rows = max_rows
+        self.rows: list[_Row] = []
+        self.inbox: queue.SimpleQueue[WindowRequest | None] = queue.SimpleQueue()
+        self.pending: list[WindowRequest] = []
+        vocab = self.cfg.vocab_size
+        self.suppress = torch.zeros(vocab, dtype=torch.bool)
+        self.suppress[list(loaded.suppress)] = True
+        self.suppress[loaded.tokens.no_timestamps] = True
+        self.suppress_begin = torch.zeros(vocab, dtype=torch.bool)
+        self.suppress_begin[list(loaded.suppress_begin)] = True
+        self.steps = 0
+        self._thread = threading.Thread(target=self._loop, name="tokenmill-speech", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: WindowRequest) -> None:
+        if len(req.prompt) + req.max_new_tokens > self.cfg.max_target_positions:
+            raise ValueError(
+                f"prompt ({len(req.prompt)}) + max_new_tokens ({req.max_new_tokens}) exceeds "
+                f"the decoder's {self.cfg.max_target_positions} positions"
+            )
+        self.inbox.put(req)
+
+    def close(self) -> None:
+        self.inbox.put(None)
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while True:
+            block = not self.rows and not self.pending
+            try:
+                while True:
+                    item = self.inbox.get(block=block)
+                    block = False
+                    if item is None:
+                        return self._fail_all(RuntimeError("the speech engine was closed"))
+                    self.pending.append(item)
+            except queue.Empty:
+                pass
+            try:
+                with torch.inference_mode():
+                    self._admit()
+                    if self.rows:
+                        self._step()
+            except Exception as e:  # a bug must fail its requests, not hang them
+                logger.exception("speech step failed")
+                self._fail_all(e)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for r in self.rows:
+            r.req.on_done(WindowResult([], 0.0, False, error))
+        for req in self.pending:
+            req.on_done(WindowResult([], 0.0, False, error))
+        self.rows, self.pending = [], []
+
+    def _admit(self) -> None:
+        """Encode the waiting windows that fit in one batch, store their cross K/V, prefill."""
+        free = self.max_rows - len(self.rows)
+        batch, self.pending = self.pending[:free], self.pending[free:]
+        if not batch:
+            return
+        model = self.loaded.model
+        dtype = self.cache.self_k.dtype
+        enc = model.encoder(torch.stack([r.mel for r in batch]).to(dtype))
+        first = len(self.rows)
+        model.decoder.set_cross(enc, self.cache, slice(first, first + len(batch)))
+        for req in batch:
+            i = len(self.rows)
+            row = _Row(req, len(req.prompt))
+            self.rows.append(row)
+            tokens = torch.tensor([req.prompt])
+            logits = model.decoder(
+                tokens, torch.zeros(1, dtype=torch.long), self.cache, slice(i, i + 1)
+            )
+            self._emit(list(range(i, i + 1)), logits)
+
+    def _step(self) -> None:
+        n = len(self.rows)
+        last = torch.tensor([[r.generated[-1]] for r in self.rows])
+        start = torch.tensor([r.length for r in self.rows])
+        logits = self.loaded.model.decoder(last, start, self.cache, slice(0, n))
+        for r in self.rows:
+            r.length += 1
+        self._emit(list(range(n)), logits)
+        self.steps += 1
+
+    def _mask(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+        tokens = self.loaded.tokens
+        ts_begin, vocab = tokens.timestamp_begin, logits.shape[-1]
+        banned = self.suppress.expand(len(rows), vocab).clone()
+        for b, r in enumerate(rows):
+            if r.req.only is not None:
+                banned[b] = True
+                banned[b, list(r.req.only)] = False
+                continue
+            if not r.generated:
+                banned[b] |= self.suppress_begin
+            if r.req.timestamps:
+                banned[b] |= timestamp_mask(r.generated, ts_begin, tokens.eot, vocab)
+            else:
+                banned[b, ts_begin:] = True
+        logits = logits.float().masked_fill(banned, float("-inf"))
+        ts_rows = torch.tensor([r.req.timestamps and r.req.only is None for r in rows])
+        return force_timestamps(logits, ts_rows, ts_begin)
+
+    def _emit(self, idx: list[int], logits: torch.Tensor) -> None:
+        """Pick a token for each of rows ``idx`` from its logits [len(idx), V]; retire finished."""
+        rows = [self.rows[i] for i in idx]
+        logits = self._mask(rows, logits)
+        logp = logits.log_softmax(-1)
+        picks = logits.argmax(-1)
+        for b, r in enumerate(rows):
+            if r.req.temperature > 0:
+                probs = (logits[b] / r.req.temperature).softmax(-1)
+                picks[b] = torch.multinomial(probs, 1, generator=r.req.generator)[0]
+        chosen = logp.gather(1, picks[:, None])[:, 0]
+        # the one device-to-host point of the step
+        picked, scores = picks.tolist(), chosen.tolist()
+        eot = self.loaded.tokens.eot
+        done: list[tuple[int, WindowResult]] = []
+        for i, r, tok, score in zip(idx, rows, picked, scores):
+            if tok != eot:
+                r.generated.append(tok)
+                r.sum_logprob += score
+            full = len(r.generated) >= r.req.max_new_tokens
+            if tok == eot or full:
+                r.sum_logprob += score if tok == eot else 0.0
+                done.append((i, WindowResult(list(r.generated), r.sum_logprob, tok == eot)))
+        for i, result in sorted(done, key=lambda d: -d[0]):
+            self._retire(i).req.on_done(result)
+
+    def _retire(self, i: int) -> _Row:
+        row = self.rows[i]
+        last = len(self.rows) - 1
+        if i != last:
+            self.cache.move(last, i)
+            self.rows[i] = self.rows[last]
+        self.rows.pop()
+        return row

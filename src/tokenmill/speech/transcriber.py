@@ -1,0 +1,65 @@
+"""The offline API: ``Transcriber(folder).transcribe(audio)``, batched across calls and threads."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenmill.speech.audio import load_audio
+from tokenmill.speech.engine import SpeechEngine
+from tokenmill.speech.loader import load_whisper
+from tokenmill.speech.transcribe import TranscribeOptions, Transcription, TranscriptionJob
+
+AudioInput = bytes | np.ndarray | tuple[np.ndarray, int]
+"""File bytes, (samples, rate), or 16 kHz samples."""
+
+
+class Transcriber:
+    """Whisper from a CTranslate2 or HF folder; every transcription shares one speech engine."""
+
+    def __init__(
+        self, folder: str | Path, max_batch: int = 16, dtype: torch.dtype = torch.float32
+    ) -> None:
+        self.folder = Path(folder)
+        self.loaded = load_whisper(folder, dtype)
+        self.engine = SpeechEngine(self.loaded, max_rows=max_batch)
+
+    @property
+    def multilingual(self) -> bool:
+        return self.loaded.tokens.multilingual
+
+    def submit(
+        self, audio: AudioInput, options: TranscribeOptions | None = None
+    ) -> Future[Transcription]:
+        """Start one transcription; the future resolves when its last window is decoded."""
+        samples = load_audio(audio)
+        return TranscriptionJob(samples, options or TranscribeOptions(), self.engine).start()
+
+    def transcribe(
+        self, audio: AudioInput, language: str | None = None, **options: Any
+    ) -> Transcription:
+        """``options``: the fields of ``TranscribeOptions`` (task, prompt, temperature, ...)."""
+        return self.submit(audio, TranscribeOptions(language=language, **options)).result()
+
+    def transcribe_batch(
+        self, audios: Sequence[AudioInput], language: str | None = None, **options: Any
+    ) -> list[Transcription]:
+        """Many at once: their windows batch into the same decoder steps."""
+        base = TranscribeOptions(language=language, **options)
+        futures = [self.submit(a, replace(base)) for a in audios]
+        return [f.result() for f in futures]
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> Transcriber:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,169 @@
+"""Whisper's encoder and decoder (module names follow HF's, so its checkpoints load as-is).
+
+The decoder reads and writes a ``DecoderCache``: per-row self-attention K/V of the text
+so far and the cross-attention K/V of that row's encoder output, computed once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.speech.config import WhisperConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: WhisperConfig) -> None:
+        super().__init__()
+        d = cfg.d_model
+        self.heads = cfg.heads
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, d, bias=False)
+        self.v_proj = nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, D] -> [B, H, T, Dh]"""
+        b, t, _ = x.shape
+        return x.view(b, t, self.heads, -1).transpose(1, 2)
+
+    def merge(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, Dh] -> [B, T, D] through out_proj"""
+        b, _, t, _ = x.shape
+        return self.out_proj(x.transpose(1, 2).reshape(b, t, -1))
+
+    def kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.split(self.k_proj(x)), self.split(self.v_proj(x))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: WhisperConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model)
+        self.fc1 = nn.Linear(cfg.d_model, cfg.ffn)
+        self.fc2 = nn.Linear(cfg.ffn, cfg.d_model)
+        self.final_layer_norm = nn.LayerNorm(cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.self_attn_layer_norm(x)
+        k, v = self.self_attn.kv(h)
+        x = x + self.self_attn.merge(
+            F.scaled_dot_product_attention(self.self_attn.split(self.self_attn.q_proj(h)), k, v)
+        )
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: WhisperConfig) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv1d(cfg.n_mels, cfg.d_model, 3, padding=1)
+        self.conv2 = nn.Conv1d(cfg.d_model, cfg.d_model, 3, stride=2, padding=1)
+        self.embed_positions = nn.Embedding(cfg.max_source_positions, cfg.d_model)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.layer_norm = nn.LayerNorm(cfg.d_model)
+
+    def forward(self, mel: torch.Tensor) -> torch.Tensor:
+        """[B, n_mels, 3000] -> [B, 1500, D]"""
+        x = F.gelu(self.conv2(F.gelu(self.conv1(mel)))).transpose(1, 2)
+        x = x + self.embed_positions.weight[: x.shape[1]]
+        for layer in self.layers:
+            x = layer(x)
+        return self.layer_norm(x)
+
+
+class DecoderCache:
+    """K/V for ``rows`` decoding rows: self [L, rows, H, max_len, Dh], cross [L, rows, H, 1500, Dh].
+
+    Live rows are kept contiguous (``move`` packs a finished row's slot with the last
+    live one), so a batched step reads plain slices, never a gather.
+    """
+
+    def __init__(self, cfg: WhisperConfig, rows: int, dtype: torch.dtype) -> None:
+        shape = (cfg.decoder_layers, rows, cfg.heads)
+        self.self_k = torch.zeros(*shape, cfg.max_target_positions, cfg.head_dim, dtype=dtype)
+        self.self_v = torch.zeros_like(self.self_k)
+        self.cross_k = torch.zeros(*shape, cfg.max_source_positions, cfg.head_dim, dtype=dtype)
+        self.cross_v = torch.zeros_like(self.cross_k)
+
+    def move(self, src: int, dst: int) -> None:
+        for t in (self.self_k, self.self_v, self.cross_k, self.cross_v):
+            t[:, dst] = t[:, src]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: WhisperConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model)
+        self.encoder_attn = Attention(cfg)
+        self.encoder_attn_layer_norm = nn.LayerNorm(cfg.d_model)
+        self.fc1 = nn.Linear(cfg.d_model, cfg.ffn)
+        self.fc2 = nn.Linear(cfg.ffn, cfg.d_model)
+        self.final_layer_norm = nn.LayerNorm(cfg.d_model)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        i: int,
+        cache: DecoderCache,
+        rows: slice,
+        pos: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """x [B, T, D]; pos [B, T] cache positions written; mask [B, 1, T, Lk] keys visible."""
+        b = x.shape[0]
+        h = self.self_attn_layer_norm(x)
+        k, v = self.self_attn.kv(h)
+        sk, sv = cache.self_k[i, rows], cache.self_v[i, rows]  # views [B, H, max_len, Dh]
+        row = torch.arange(b)[:, None]
+        sk[row, :, pos] = k.transpose(1, 2)  # [B, T, H, Dh] into its positions
+        sv[row, :, pos] = v.transpose(1, 2)
+        lk = mask.shape[-1]
+        q = self.self_attn.split(self.self_attn.q_proj(h))
+        a = F.scaled_dot_product_attention(q, sk[:, :, :lk], sv[:, :, :lk], attn_mask=mask)
+        x = x + self.self_attn.merge(a)
+        h = self.encoder_attn_layer_norm(x)
+        q = self.encoder_attn.split(self.encoder_attn.q_proj(h))
+        a = F.scaled_dot_product_attention(q, cache.cross_k[i, rows], cache.cross_v[i, rows])
+        x = x + self.encoder_attn.merge(a)
+        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: WhisperConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_positions = nn.Embedding(cfg.max_target_positions, cfg.d_model)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        self.layer_norm = nn.LayerNorm(cfg.d_model)
+
+    def set_cross(self, enc: torch.Tensor, cache: DecoderCache, rows: slice) -> None:
+        """Store the cross-attention K/V of ``enc`` [B, 1500, D] in ``rows``."""
+        for i, layer in enumerate(self.layers):
+            k, v = layer.encoder_attn.kv(enc)
+            cache.cross_k[i, rows] = k
+            cache.cross_v[i, rows] = v
+
+    def forward(
+        self, tokens: torch.Tensor, start: torch.Tensor, cache: DecoderCache, rows: slice
+    ) -> torch.Tensor:
+        """tokens [B, T] at positions start[b] + t -> logits of the last position [B, V]."""
+        t = tokens.shape[1]
+        pos = start[:, None] + torch.arange(t)  # [B, T]
+        lk = int(pos.max()) + 1
+        mask = (torch.arange(lk)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Lk]
+        x = self.embed_tokens(tokens) + self.embed_positions(pos)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, i, cache, rows, pos, mask)
+        x = self.layer_norm(x[:, -1])
+        return x @ self.embed_tokens.weight.T
+
+
+class Whisper(nn.Module):
+    def __init__(self, cfg: WhisperConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg)
+        self.decoder = Decoder(cfg)
