@@ -1,13 +1,25 @@
 """Pydantic models of the OpenAI-compatible API: requests (OpenAI + vLLM extra fields)
-and responses. Unknown request fields are ignored (and logged), as vLLM does."""
+and responses.
+
+A request field is honoured, or refused: the fields of OpenAI's (and vLLM's) API that
+this server does not honour are listed in each request's ``refused`` table, and a
+request that sets one to anything but a harmless value is a 400 naming it
+(``RequestModel.check_fields``). Fields no API defines are ignored and logged, as vLLM
+does."""
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
+from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+from tokenmill.entrypoints.openai.errors import bad_request
+
+logger = logging.getLogger(__name__)
 
 SYSTEM_FINGERPRINT = "tokenmill"
 """OpenAI's ``system_fingerprint``: which backend configuration answered."""
@@ -41,6 +53,44 @@ class OmitNone(OpenAIModel):
 
 
 # -- requests -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Refused:
+    """A field this server does not honour: a 400 (with ``reason``) unless its value is one
+    of ``harmless`` (what asks for nothing: absent, null, the API's default)."""
+
+    reason: str
+    harmless: tuple[Any, ...] = (None,)
+
+
+class RequestModel(OpenAIModel):
+    """A request body; ``check_fields`` refuses what is set but not honoured."""
+
+    model_config = ConfigDict(extra="allow")
+    refused: ClassVar[dict[str, Refused]] = {}
+
+    def check_fields(self) -> None:
+        extra = self.model_extra or {}
+        for name, rule in self.refused.items():
+            value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
+            if not any(value == ok and type(value) is type(ok) for ok in rule.harmless):
+                raise bad_request(f"{name}={value!r} is not supported: {rule.reason}", name)
+        unknown = sorted(set(extra) - set(self.refused))
+        if unknown:
+            logger.warning("ignoring request fields this API does not define: %s", unknown)
+
+
+_NO_STORE = "this server keeps no stored chat completions (omit it or set it to false)"
+_SAMPLING_REFUSED = {
+    "use_beam_search": Refused("beam search is not implemented", (None, False)),
+    "length_penalty": Refused("it only applies to beam search", (None, 1.0, 1)),
+    "return_tokens_as_token_ids": Refused("tokens are returned as text", (None, False)),
+    "prompt_embeds": Refused("prompts are text or token ids"),
+    "kv_transfer_params": Refused("there is no KV transfer (disaggregated serving)"),
+    "vllm_xargs": Refused("there are no custom sampling extensions"),
+}
+"""vLLM's extra fields that change results and are not honoured here."""
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
     """Send a last chunk with empty choices and the request's usage."""
@@ -48,8 +98,10 @@ class StreamOptions(OpenAIModel):
     """vLLM: every chunk carries the usage so far."""
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestModel):
     """Fields shared by chat and text completions."""
+
+    refused: ClassVar[dict[str, Refused]] = _SAMPLING_REFUSED
 
     model: str | None = None
     stream: bool = False
@@ -85,7 +137,7 @@ class SamplingRequest(OpenAIModel):
     allowed_token_ids: list[int] | None = None
     """vLLM: only these token ids may be generated."""
     bad_words: list[str] | None = None
-    """vLLM: refused for now (a 400 that says so); see SamplingParams.bad_words."""
+    """vLLM: words that may not be generated (``SamplingParams.bad_words``)."""
     cache_salt: str | None = None
     """vLLM: only requests with the same salt share prefix-cache blocks."""
     # structured output: at most one of these (see entrypoints/openai/structured.py)
@@ -98,11 +150,27 @@ class SamplingRequest(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
-    guided_decoding_backend: str | None = None
-    """Accepted for compatibility; the engine's backend is used."""
+    guided_decoding_backend: Literal["auto", "guidance", "llguidance"] | None = None
+    """vLLM's per-request backend: only the engine's (llguidance) can be named, as vLLM v1
+    refuses a backend other than its engine's."""
 
 
 class ChatCompletionRequest(SamplingRequest):
+    refused: ClassVar[dict[str, Refused]] = {
+        **_SAMPLING_REFUSED,
+        "functions": Refused("use tools (the deprecated functions field is not read)"),
+        "function_call": Refused("use tool_choice (the deprecated field is not read)"),
+        "audio": Refused("this server answers in text only"),
+        "modalities": Refused("this server answers in text only", (None, ["text"])),
+        "prediction": Refused("predicted outputs are not implemented"),
+        "store": Refused(_NO_STORE, (None, False)),
+        "verbosity": Refused("the model's verbosity cannot be set", (None, "medium")),
+        "web_search_options": Refused("there is no built-in web search"),
+        "moderation": Refused("there is no moderation"),
+        "documents": Refused("documents are not passed to the chat template"),
+        "return_token_ids": Refused("token ids are not returned"),
+    }
+
     messages: list[dict[str, Any]]
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -116,12 +184,27 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # OpenAI's fields that ask for nothing this server could do otherwise
+    metadata: dict[str, str] | None = None
+    """Tags of a stored completion: without ``store`` they have no effect (as at OpenAI)."""
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    """Cache hints: prefix caching here is automatic (``cache_salt`` isolates); the answer
+    does not depend on them."""
+    safety_identifier: str | None = None
+    """An end-user id, like ``user``: accepted, not used."""
 
 
 PromptField = str | list[str] | list[int] | list[list[int]]
 
 
 class CompletionRequest(SamplingRequest):
+    refused: ClassVar[dict[str, Refused]] = {
+        **_SAMPLING_REFUSED,
+        "return_token_ids": Refused("token ids are not returned"),
+    }
+
     prompt: PromptField
     max_tokens: int | None = 16
     logprobs: int | None = None

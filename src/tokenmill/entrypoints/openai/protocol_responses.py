@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
 from tokenmill.entrypoints.openai.errors import bad_request
-from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, OpenAIModel
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    OpenAIModel,
+    Refused,
+    RequestModel,
+    answered_tier,
+)
 from tokenmill.parsers.tools import ToolCall
+from tokenmill.sampling_params import MAX_LOGPROBS
 
 BUILT_IN_TOOLS = (
     "web_search",
@@ -30,7 +37,47 @@ def item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class ResponsesRequest(OpenAIModel):
+INCLUDE_LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE: dict[str, str | None] = {
+    INCLUDE_LOGPROBS: None,
+    "reasoning.encrypted_content": "reasoning items carry their text in the clear and are "
+    "not shown to the model again; omit it (send the reasoning item itself back)",
+    # what these fill comes from built-in tools or image inputs, which are 400s here:
+    # a request that can run has nothing for them to add
+    "file_search_call.results": None,
+    "web_search_call.results": None,
+    "web_search_call.action.sources": None,
+    "message.input_image.image_url": None,
+    "computer_call_output.output.image_url": None,
+    "code_interpreter_call.outputs": None,
+}
+"""``include`` values: None = honoured; a string = refused, and why."""
+REASONING_SUMMARIES = (None, "auto", "detailed")
+"""The summary of a reasoning item is the model's reasoning text itself, unabridged: the
+"auto" and "detailed" summaries; a "concise" one would need a summarizer (a 400)."""
+
+
+class ResponsesRequest(RequestModel):
+    refused: ClassVar[dict[str, Refused]] = {
+        "background": Refused(
+            "there are no background responses; leave it false (stream=true shows progress)",
+            (None, False),
+        ),
+        "background_options": Refused("background responses are not supported"),
+        "truncation": Refused(
+            "truncation='auto' (dropping input items to fit the context) is not "
+            "implemented; a conversation that does not fit is a 400",
+            (None, "disabled"),
+        ),
+        "conversation": Refused("there is no Conversations API here; use previous_response_id"),
+        "prompt": Refused("there are no stored prompt templates; send instructions and input"),
+        "max_tool_calls": Refused("the number of tool calls cannot be capped"),
+        "context_management": Refused("context compaction is not implemented"),
+        "moderation": Refused("there is no moderation"),
+        "access_programs": Refused("there are no access programs"),
+        "image": Refused("this server has no image output"),
+    }
+
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -38,22 +85,97 @@ class ResponsesRequest(OpenAIModel):
     tool_choice: str | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
-    """{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}."""
+    """{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"},
+    "verbosity": "medium"} (no other verbosity can be set)."""
     reasoning: dict[str, Any] | None = None
-    """{"effort": ..., "summary": ...}: effort goes to the chat template."""
+    """{"effort": ..., "summary": ...}: effort goes to the chat template; the summary is the
+    reasoning text itself (``REASONING_SUMMARIES``)."""
+    include: list[str] | None = None
+    """``INCLUDABLE``: "message.output_text.logprobs" puts logprobs on output_text parts."""
+    top_logprobs: int | None = None
+    """Alternatives per token (0..20) in those logprobs; needs the include above."""
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    """{"include_obfuscation": false}: deltas carry no obfuscation padding."""
     store: bool = True
     previous_response_id: str | None = None
     background: bool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
+    safety_identifier: str | None = None
+    """An end-user id, like ``user``: accepted, not used."""
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    """Cache hints: prefix caching here is automatic; the answer does not depend on them."""
     truncation: Literal["auto", "disabled"] = "disabled"
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
+    """Accepted and echoed back ("auto" answers "default"): there is one tier here."""
     seed: int | None = None
     """tokenmill: a per-request sampling seed."""
+
+    @property
+    def logprobs(self) -> int | None:
+        """The engine's ``logprobs``: None (not included) or alternatives per token."""
+        if INCLUDE_LOGPROBS not in (self.include or ()):
+            return None
+        return self.top_logprobs or 0
+
+
+def check_request(req: ResponsesRequest) -> None:
+    """Refuse every field set to something this server does not honour (a 400 naming it)."""
+    req.check_fields()
+    for value in req.include or ():
+        if value not in INCLUDABLE:
+            raise bad_request(
+                f"include value {value!r} is unknown; known: {', '.join(INCLUDABLE)}", "include"
+            )
+        if INCLUDABLE[value] is not None:
+            raise bad_request(f"include {value!r} is not supported: {INCLUDABLE[value]}", "include")
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise bad_request(
+                f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}",
+                "top_logprobs",
+            )
+        if req.top_logprobs and req.logprobs is None:
+            raise bad_request(
+                f"top_logprobs needs include: [{INCLUDE_LOGPROBS!r}] (logprobs are returned "
+                "only when included)",
+                "top_logprobs",
+            )
+    _check_keys("reasoning", req.reasoning, {"effort": None, "summary": REASONING_SUMMARIES,
+                "generate_summary": REASONING_SUMMARIES, "mode": (None, "standard"),
+                "context": (None,)})  # fmt: skip
+    _check_keys("text", req.text, {"format": None, "verbosity": (None, "medium")})
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    _check_keys("stream_options", req.stream_options, {"include_obfuscation": (None, False)})
+
+
+def _check_keys(
+    name: str, value: dict[str, Any] | None, allowed: dict[str, tuple[Any, ...] | None]
+) -> None:
+    """Each key of ``value`` must be in ``allowed``, with one of the values listed there
+    (None: any value)."""
+    if value is None:
+        return
+    if not isinstance(value, dict):
+        raise bad_request(f"{name} must be an object", name)
+    for key, v in value.items():
+        if key not in allowed:
+            raise bad_request(
+                f"{name}.{key} is not supported (supported: {', '.join(allowed)})", name
+            )
+        ok = allowed[key]
+        if ok is not None and v not in ok:
+            raise bad_request(
+                f"{name}.{key}={v!r} is not supported; supported: {', '.join(repr(x) for x in ok)}",
+                f"{name}.{key}",
+            )
 
 
 # -- request -> chat messages ---------------------------------------------------------------
@@ -180,6 +302,8 @@ def to_chat_request(
         "temperature": req.temperature,
         "top_p": req.top_p,
         "seed": req.seed,
+        "logprobs": req.logprobs is not None,
+        "top_logprobs": req.logprobs,
         "parallel_tool_calls": req.parallel_tool_calls,
         "tools": _chat_tools(req.tools),
         "response_format": _response_format(req.text),
@@ -252,18 +376,25 @@ def reasoning_item(text: str, rid: str | None = None) -> dict[str, Any]:
     }
 
 
-def message_item(text: str, mid: str | None = None, status: str = "completed") -> dict[str, Any]:
+def message_item(
+    text: str,
+    mid: str | None = None,
+    status: str = "completed",
+    logprobs: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     return {
         "type": "message",
         "id": mid or item_id("msg"),
         "role": "assistant",
         "status": status,
-        "content": [output_text(text)],
+        "content": [output_text(text, logprobs)],
     }
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """An output_text part; ``logprobs``: one {token, logprob, bytes, top_logprobs} per token
+    (empty unless the request included them)."""
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def call_item(
@@ -305,6 +436,8 @@ class ResponseObject(OpenAIModel):
     truncation: str = "disabled"
     metadata: dict[str, str] = Field(default_factory=dict)
     user: str | None = None
+    service_tier: str | None = None
+    top_logprobs: int | None = None
     usage: dict[str, Any] | None = None
 
     @classmethod
@@ -326,6 +459,8 @@ class ResponseObject(OpenAIModel):
             metadata=req.metadata or {},
             user=req.user,
             truncation=req.truncation,
+            service_tier=answered_tier(req.service_tier),
+            top_logprobs=req.top_logprobs,
         )
 
 

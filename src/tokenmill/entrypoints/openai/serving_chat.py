@@ -85,6 +85,7 @@ class ChatHandler:
     def prepare(self, req: ChatCompletionRequest, id_prefix: str) -> PreparedChat:
         """Render the conversation and build the sampling parameters (raises APIError)."""
         llm = self.state.require_llm()
+        req.check_fields()
         check_common(req)
         _check_supported(req)
         tokenizer = self.state.tokenizer

@@ -48,6 +48,7 @@ class CompletionHandler:
     async def create(self, req: CompletionRequest, raw: Request) -> Response:
         llm = self.state.require_llm()
         self.state.check_model(req.model, required=True)
+        req.check_fields()
         check_common(req)
         if req.suffix is not None:
             raise bad_request("suffix (insertion) is not supported", "suffix")
@@ -65,7 +66,7 @@ class CompletionHandler:
         params = to_sampling_params(
             req,
             self.state.default_sampling_params(),
-            max_tokens=req.max_tokens,
+            max_tokens=1 if _scores_only(req) else req.max_tokens,
             logprobs=req.logprobs,
             prompt_logprobs=prompt_lp,
             kind=RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY,
@@ -121,6 +122,12 @@ class CompletionHandler:
         return out
 
 
+def _scores_only(req: CompletionRequest) -> bool:
+    """echo with max_tokens=0 (vLLM's, for scoring a prompt): the prompt and its logprobs,
+    no new text. The engine samples one token, which is left out."""
+    return req.echo and req.max_tokens == 0
+
+
 class _Reply:
     """Builds the response or the SSE chunks of one completion request."""
 
@@ -133,6 +140,7 @@ class _Reply:
         self.prompts = prompts
         self.tok = tokenizer
         self.created = int(time.time())
+        self.scores_only = _scores_only(req)
 
     def _index(self, prompt_index: int, comp: CompletionOutput) -> int:
         return prompt_index * self.req.n + comp.index
@@ -143,6 +151,8 @@ class _Reply:
         if n is None:
             return None
         ids, positions = list(comp.token_ids), list(comp.logprobs or [])
+        if self.scores_only:
+            ids, positions = [], []
         if prompt_out is not None:
             prompt_ids = list(prompt_out.prompt_token_ids)
             prompt_pos = list(prompt_out.prompt_logprobs or [])  # None for a 1-token prompt
@@ -158,7 +168,7 @@ class _Reply:
                 choices.append(
                     CompletionChoiceFull(
                         index=self._index(i, c),
-                        text=echo + c.text,
+                        text=echo + self._text(c),
                         logprobs=self._logprobs(c, out if self.req.echo else None, 0),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
@@ -174,8 +184,12 @@ class _Reply:
             service_tier=answered_tier(self.req.service_tier),
         )
 
+    def _text(self, comp: CompletionOutput) -> str:
+        return "" if self.scores_only else comp.text
+
     def _usage(self, finals: list[RequestOutput]) -> UsageInfo:
         completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+        completion = 0 if self.scores_only else completion
         cached = sum(out.num_cached_tokens for out in finals)
         return UsageInfo.of(sum(len(ids) for _, ids in self.prompts), completion, cached)
 
@@ -213,10 +227,10 @@ class _Reply:
                 i, out = item
                 raise_if_failed(out)
                 for c in out.outputs:
-                    generated += len(c.token_ids)
+                    generated += 0 if self.scores_only else len(c.token_ids)
                     index = self._index(i, c)
                     echo = self.req.echo and index not in echoed
-                    text = (self.prompts[i][0] if echo else "") + c.text
+                    text = (self.prompts[i][0] if echo else "") + self._text(c)
                     if not (text or c.finish_reason or c.logprobs):
                         continue
                     echoed.add(index)

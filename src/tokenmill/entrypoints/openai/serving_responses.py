@@ -22,6 +22,7 @@ from tokenmill.entrypoints.openai.protocol_responses import (
     ResponseObject,
     ResponsesRequest,
     call_item,
+    check_request,
     finish,
     input_items,
     item_id,
@@ -33,9 +34,9 @@ from tokenmill.entrypoints.openai.protocol_responses import (
     usage,
 )
 from tokenmill.entrypoints.openai.serving_chat import ChatHandler, PreparedChat
-from tokenmill.entrypoints.openai.serving_common import raise_if_failed
+from tokenmill.entrypoints.openai.serving_common import chat_logprobs, raise_if_failed
 from tokenmill.entrypoints.openai.state import ServerState
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.parsers.tools import ToolCall
 
 
@@ -96,12 +97,7 @@ class ResponsesHandler:
 
     async def create(self, req: ResponsesRequest, raw: Request) -> Response:
         self.state.check_model(req.model, required=True)
-        if req.background:
-            raise bad_request(
-                "background responses are not supported; leave background "
-                "false (use stream=true to see progress)",
-                "background",
-            )
+        check_request(req)
         history: list[dict[str, Any]] = []
         if req.previous_response_id is not None:
             prev = self.store.get(req.previous_response_id)
@@ -125,7 +121,8 @@ class ResponsesHandler:
         if parts.reasoning:
             resp.output.append(reasoning_item(parts.reasoning))
         if parts.content or not parts.calls:
-            resp.output.append(message_item(parts.content))
+            logprobs = _text_logprobs(comp, prep.top_n, parts.content)
+            resp.output.append(message_item(parts.content, logprobs=logprobs))
         for call in parts.calls:
             resp.output.append(call_item(call, _call_id(prep)))
         self._complete(resp, first, parts.reasoning or "", chat_req.messages, items)
@@ -206,6 +203,34 @@ class ResponsesHandler:
         }
 
 
+def _logprobs(comp: CompletionOutput, top_n: int | None) -> list[dict[str, Any]] | None:
+    """The Responses API's logprobs of the output's tokens (None: not asked for)."""
+    if top_n is None or not comp.logprobs:
+        return None
+    got = chat_logprobs(comp.token_ids, comp.logprobs, top_n).content or []
+    return [lp.model_dump() for lp in got]
+
+
+def _text_logprobs(
+    comp: CompletionOutput, top_n: int | None, content: str
+) -> list[dict[str, Any]] | None:
+    """Logprobs of the tokens that wrote ``content``: the output's tokens whose text overlaps
+    where ``content`` lies in it (reasoning and tool-call tokens are left out)."""
+    every = _logprobs(comp, top_n)
+    if every is None:
+        return None
+    full = "".join(lp["token"] for lp in every)
+    start = full.find(content) if content else -1
+    if start < 0:
+        return every if full == content else []
+    end, offset, picked = start + len(content), 0, []
+    for lp in every:
+        if offset < end and offset + len(lp["token"]) > start:
+            picked.append(lp)
+        offset += len(lp["token"])
+    return picked
+
+
 def _call_id(prep: PreparedChat) -> str:
     tools = prep.parser.tools
     return tools.new_call_id() if tools is not None else item_id("call")
@@ -246,9 +271,8 @@ class _Run:
                 raise_if_failed(out)
                 last = out
                 comp = out.outputs[0]
-                for event in self._feed(
-                    streamer.feed(comp.text, final=comp.finish_reason is not None)
-                ):
+                delta = streamer.feed(comp.text, final=comp.finish_reason is not None)
+                for event in self._feed(delta, _logprobs(comp, self.prep.top_n) or []):
                     yield event
                 out = None if out.finished else await anext(self.stream, None)
             if self.open is None and not self.resp.output:
@@ -273,7 +297,9 @@ class _Run:
             self.stream.close()
 
     # -- items ------------------------------------------------------------------------------
-    def _feed(self, delta: DeltaParts) -> list[str]:
+    def _feed(self, delta: DeltaParts, logprobs: list[dict[str, Any]]) -> list[str]:
+        """Events of one engine delta; its tokens' ``logprobs`` go with its text, if it has
+        some (a step that writes reasoning or a call and text gives them to the text)."""
         events: list[str] = []
         if delta.reasoning:
             self.reasoning += delta.reasoning
@@ -285,9 +311,10 @@ class _Run:
             )
         if delta.content:
             events += self._open("message")
+            self.open["logprobs"] += logprobs  # type: ignore[index]
             events.append(
                 self._text_delta(
-                    "response.output_text.delta", delta.content, content_index=0, logprobs=[]
+                    "response.output_text.delta", delta.content, content_index=0, logprobs=logprobs
                 )
             )
         for call in delta.calls:
@@ -304,15 +331,13 @@ class _Run:
         return events
 
     def _text_delta(self, kind: str, text: str, **fields: Any) -> str:
-        if self.open["kind"] != "function_call":  # type: ignore[index]
-            self.open["text"] += text  # type: ignore[index]
+        item = self.open
+        assert item is not None, "a delta goes to the open item"
+        if item["kind"] != "function_call":
+            item["text"] += text
         return self._event(
-            kind,
-            item_id=self.open["item"]["id"],  # type: ignore[index]
-            output_index=self.open["index"],
-            delta=text,
-            **fields,
-        )  # type: ignore[index]
+            kind, item_id=item["item"]["id"], output_index=item["index"], delta=text, **fields
+        )
 
     def _open(self, kind: str) -> list[str]:
         if self.open is not None and self.open["kind"] == kind:
@@ -343,7 +368,13 @@ class _Run:
         return events
 
     def _added(self, item: dict[str, Any], kind: str) -> list[str]:
-        self.open = {"kind": kind, "item": item, "index": len(self.resp.output), "text": ""}
+        self.open = {
+            "kind": kind,
+            "item": item,
+            "index": len(self.resp.output),
+            "text": "",
+            "logprobs": [],
+        }
         return [
             self._event("response.output_item.added", output_index=self.open["index"], item=item)
         ]
@@ -368,15 +399,23 @@ class _Run:
             ]
             item = reasoning_item(text, item["id"])
         elif kind == "message":
+            logprobs = self.open["logprobs"]
             events = [
                 self._event(
-                    "response.output_text.done", **where, content_index=0, text=text, logprobs=[]
+                    "response.output_text.done",
+                    **where,
+                    content_index=0,
+                    text=text,
+                    logprobs=logprobs,
                 ),
                 self._event(
-                    "response.content_part.done", **where, content_index=0, part=output_text(text)
+                    "response.content_part.done",
+                    **where,
+                    content_index=0,
+                    part=output_text(text, logprobs),
                 ),
             ]
-            item = message_item(text, item["id"])
+            item = message_item(text, item["id"], logprobs=logprobs)
         else:
             events = [
                 self._event(
