@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -85,10 +86,23 @@ class EngineConfig:
     reasoning_parser: str = "auto"
     """How reasoning is delimited (e.g. think: <think>...</think>); structured output then
     constrains only the answer after it. auto: chosen from the chat template; none: off."""
+    # -- pooling models (``pooling/``) -----------------------------------------------------
+    runner: str = "auto"
+    """generate, pooling (embed / score / classify, ``tokenmill.pooling``), or auto:
+    pooling for an encoder architecture or a sentence-transformers folder, else generate."""
+    convert: str = "auto"
+    """Pooling head: embed (a vector per input), classify (the checkpoint's classifier),
+    or auto (classify for ``*ForSequenceClassification``, else embed). vLLM's name."""
+    pooler_config: dict[str, Any] | None = None
+    """Overrides of the checkpoint's pooling metadata: pooling_type (CLS, MEAN, LAST,
+    MAX), normalize, activation / use_activation, dimensions (a Matryoshka default)."""
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
+        from tokenmill.pooling.task import check_runner_options
+
+        check_runner_options(self.runner, self.convert)
         for name in (
             "max_model_len",
             "max_num_batched_tokens",

@@ -17,6 +17,7 @@ from tokenmill.engine.prompts import (
 )
 from tokenmill.errors import EngineDeadError
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling.offline import PoolingMixin
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, generation_defaults
 from tokenmill.tokenizer.chat import with_tool_arguments
 from tokenmill.vllm_compat import check_compat_options
@@ -24,7 +25,7 @@ from tokenmill.vllm_compat import check_compat_options
 logger = logging.getLogger(__name__)
 
 
-class LLM:
+class LLM(PoolingMixin):
     """A model loaded for offline generation (vLLM-compatible names).
 
     >>> llm = LLM()   # the embedded SmolLM2-135M-Instruct
@@ -43,6 +44,9 @@ class LLM:
         if unknown:
             raise TypeError(f"LLM() got unknown options {unknown}; known: {sorted(known)}")
         self.config = EngineConfig(model=model, **options)
+        if self._load_pooling(self.config):  # an embedding / scoring model (pooling/)
+            self.tokenizer, self._counter, self._server = self.engine.tokenizer, 0, None
+            return
         self.engine: LLMEngine | None = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.get_default_sampling_params()  # a bad generation_config fails here, not later

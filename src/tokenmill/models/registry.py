@@ -28,3 +28,35 @@ def resolve_model_class(architectures: list[str] | None) -> type:
         f"model architecture {architectures!r} is not supported; "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
+
+
+# Pooling models (embed / classify / score): encoders with no KV cache, run by
+# ``tokenmill.pooling``. name -> (module, class), imported lazily like the above.
+_POOLING_REGISTRY: dict[str, tuple[str, str]] = {
+    name: ("tokenmill.models.bert", cls)
+    for names, cls in (
+        (("BertModel", "RobertaModel", "XLMRobertaModel"), "BertModel"),
+        (
+            (
+                "BertForSequenceClassification",
+                "RobertaForSequenceClassification",
+                "XLMRobertaForSequenceClassification",
+            ),
+            "BertForSequenceClassification",
+        ),
+    )
+    for name in names
+}
+
+POOLING_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_POOLING_REGISTRY))
+
+
+def resolve_pooling_class(name: str) -> type:
+    """The pooling model class of one HF architecture name."""
+    if name not in _POOLING_REGISTRY:
+        raise UnsupportedModelError(
+            f"{name!r} is not a supported pooling architecture; supported: "
+            f"{', '.join(POOLING_ARCHITECTURES)}"
+        )
+    module, cls = _POOLING_REGISTRY[name]
+    return getattr(importlib.import_module(module), cls)

@@ -1,0 +1,283 @@
+"""BERT-family encoders (BERT, RoBERTa, XLM-RoBERTa) over a packed, padding-free batch.
+
+Every linear layer sees only real tokens: ``[T, H]`` for the T tokens of all sequences
+laid end to end. Only attention needs sequences apart; it runs per length group
+(``PackedBatch``): a group of equal-length sequences is one batched SDPA call with no
+mask, a mixed group is scattered into ``[B, L_max]`` and masked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.errors import ModelLoadError
+
+ACTIVATIONS = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
+ACTIVATIONS["gelu_pytorch_tanh"] = ACTIVATIONS["gelu_new"]
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """Where each sequence sits in the packed ``[T]`` token axis.
+
+    Invariant: sequences are contiguous and in order; ``seq_lens`` sums to T.
+    """
+
+    seq_lens: tuple[int, ...]
+    starts: torch.Tensor
+    """[B] int64: offset of each sequence's first token."""
+    lens: torch.Tensor
+    """[B] int64."""
+    pad_index: torch.Tensor | None
+    """[T] int64: row of each token in the padded ``[B * L_max]`` layout; None when all
+    sequences have the same length (the packed tensor *is* ``[B, L]``)."""
+    key_mask: torch.Tensor | None
+    """[B, 1, 1, L_max] bool, True on real keys; None with ``pad_index``."""
+
+    @staticmethod
+    def of(seq_lens: Iterable[int]) -> PackedBatch:
+        lens_list = tuple(int(n) for n in seq_lens)
+        lens = torch.tensor(lens_list, dtype=torch.int64)
+        starts = torch.cumsum(lens, 0) - lens
+        if len(set(lens_list)) <= 1:
+            return PackedBatch(lens_list, starts, lens, None, None)
+        max_len = max(lens_list)
+        seq_of = torch.repeat_interleave(torch.arange(len(lens_list)), lens)
+        offset = torch.arange(int(lens.sum())) - starts[seq_of]
+        pad_index = seq_of * max_len + offset
+        key_mask = (torch.arange(max_len)[None, :] < lens[:, None])[:, None, None, :]
+        return PackedBatch(lens_list, starts, lens, pad_index, key_mask)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    def positions(self, offset: int = 0) -> torch.Tensor:
+        """[T] int64: 0..len-1 within each sequence, plus ``offset``."""
+        dev = self.lens.device
+        seq_of = torch.repeat_interleave(torch.arange(self.num_seqs, device=dev), self.lens)
+        total = sum(self.seq_lens)
+        return torch.arange(total, device=dev) - self.starts[seq_of] + offset
+
+
+def bidirectional_attention(
+    qkv: torch.Tensor, batch: PackedBatch, num_heads: int, scale: float | None = None
+) -> torch.Tensor:
+    """qkv [T, 3 * H] (q, k, v side by side) -> [T, H], each sequence attending to itself."""
+    total, width = qkv.shape
+    hidden = width // 3
+    head_dim = hidden // num_heads
+    if batch.pad_index is None:
+        b = batch.num_seqs
+        x = qkv.view(b, total // b, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(x[0], x[1], x[2], scale=scale)  # [B, h, L, d]
+        return out.transpose(1, 2).reshape(total, hidden)
+    b, max_len = batch.num_seqs, batch.key_mask.shape[-1]  # type: ignore[union-attr]
+    padded = qkv.new_zeros(b * max_len, width)
+    padded.index_copy_(0, batch.pad_index, qkv)
+    x = padded.view(b, max_len, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
+    out = F.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=batch.key_mask, scale=scale)
+    return out.transpose(1, 2).reshape(b * max_len, hidden).index_select(0, batch.pad_index)
+
+
+class BertLayer(nn.Module):
+    """Post-norm block: x = LN(x + attn(x)); x = LN(x + FFN(x)). q, k, v are one linear."""
+
+    def __init__(self, hidden: int, heads: int, ffn: int, eps: float, act: str) -> None:
+        super().__init__()
+        self.num_heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.attn_out = nn.Linear(hidden, hidden)
+        self.attn_norm = nn.LayerNorm(hidden, eps=eps)
+        self.ffn_in = nn.Linear(hidden, ffn)
+        self.ffn_out = nn.Linear(ffn, hidden)
+        self.ffn_norm = nn.LayerNorm(hidden, eps=eps)
+        self.act = ACTIVATIONS[act]
+
+    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        attn = bidirectional_attention(self.qkv(x), batch, self.num_heads)
+        x = self.attn_norm(x + self.attn_out(attn))
+        return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
+
+
+class BertEncoder(nn.Module):
+    """Embeddings + layers: token ids [T] -> hidden states [T, H] (no pooling)."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        hidden, eps = cfg["hidden_size"], cfg.get("layer_norm_eps", 1e-12)
+        if cfg.get("position_embedding_type", "absolute") not in (None, "absolute"):
+            raise ModelLoadError(
+                f"position_embedding_type={cfg['position_embedding_type']!r} is not supported; "
+                "only absolute position embeddings are"
+            )
+        self.is_roberta = cfg.get("model_type") in ("roberta", "xlm-roberta", "camembert")
+        # RoBERTa counts positions from padding_idx + 1 (fairseq's convention).
+        self.position_offset = cfg.get("pad_token_id", 1) + 1 if self.is_roberta else 0
+        self.word_embeddings = nn.Embedding(cfg["vocab_size"], hidden)
+        self.position_embeddings = nn.Embedding(cfg["max_position_embeddings"], hidden)
+        self.token_type_embeddings = nn.Embedding(max(1, cfg.get("type_vocab_size", 2)), hidden)
+        self.embed_norm = nn.LayerNorm(hidden, eps=eps)
+        self.layers = nn.ModuleList(
+            BertLayer(
+                hidden,
+                cfg["num_attention_heads"],
+                cfg["intermediate_size"],
+                eps,
+                cfg.get("hidden_act", "gelu"),
+            )
+            for _ in range(cfg["num_hidden_layers"])
+        )
+        self.max_positions = cfg["max_position_embeddings"] - self.position_offset
+
+    def forward(
+        self, input_ids: torch.Tensor, batch: PackedBatch, token_type_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        positions = batch.positions(self.position_offset)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
+        if token_type_ids is None:
+            x = x + self.token_type_embeddings.weight[0]
+        else:
+            x = x + self.token_type_embeddings(token_type_ids)
+        x = self.embed_norm(x)
+        for layer in self.layers:
+            x = layer(x, batch)
+        return x
+
+
+class ClassifierHead(nn.Module):
+    """The first token of each sequence -> logits [B, num_labels].
+
+    BERT: ``pooler.dense`` + tanh, then ``classifier``. RoBERTa: ``classifier.dense`` + tanh,
+    then ``classifier.out_proj``. Both are dense -> tanh -> linear, named differently.
+    """
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.dense = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, num_labels)
+
+    def forward(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.dense(first_tokens)))
+
+
+class BertModel(nn.Module):
+    """BertModel / RobertaModel / XLMRobertaModel: hidden states for a pooler."""
+
+    has_classifier = False
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__()
+        self.config = cfg
+        self.encoder = BertEncoder(cfg)
+        self.hidden_size = cfg["hidden_size"]
+        self.max_positions = self.encoder.max_positions
+
+    def forward(
+        self, input_ids: torch.Tensor, batch: PackedBatch, token_type_ids: torch.Tensor | None
+    ) -> torch.Tensor:
+        """-> hidden states [T, H]."""
+        return self.encoder(input_ids, batch, token_type_ids)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in (q, k, v fused on the fly); raise on missing ones."""
+        params = dict(self.named_parameters())
+        pending: dict[str, dict[str, torch.Tensor]] = {}
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            for name, part in _our_names(hf_name, self.has_classifier):
+                if part is None:
+                    _assign(params, name, tensor)
+                    loaded.add(name)
+                    continue
+                parts = pending.setdefault(name, {})
+                parts[part] = tensor
+                if len(parts) == 3:
+                    _assign(params, name, torch.cat([parts[p] for p in "qkv"], 0))
+                    loaded.add(name)
+                    del pending[name]
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise ModelLoadError(
+                f"the checkpoint lacks {len(missing)} weights this model needs "
+                f"(e.g. {missing[0]}); is it a {self.config.get('architectures')} checkpoint?"
+            )
+
+
+class BertForSequenceClassification(BertModel):
+    """BertForSequenceClassification / RobertaForSequenceClassification: logits per sequence."""
+
+    has_classifier = True
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__(cfg)
+        self.num_labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
+        self.classifier = ClassifierHead(cfg["hidden_size"], self.num_labels)
+
+    def classify(self, hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """hidden [T, H] -> logits [B, num_labels] (from each sequence's first token)."""
+        return self.classifier(hidden.index_select(0, batch.starts))
+
+
+_PREFIXES = ("bert.", "roberta.", "model.")
+_LAYER_PARTS = {
+    "attention.self.query": ("qkv", "q"),
+    "attention.self.key": ("qkv", "k"),
+    "attention.self.value": ("qkv", "v"),
+    "attention.output.dense": ("attn_out", None),
+    "attention.output.LayerNorm": ("attn_norm", None),
+    "intermediate.dense": ("ffn_in", None),
+    "output.dense": ("ffn_out", None),
+    "output.LayerNorm": ("ffn_norm", None),
+}
+_TOP = {
+    "embeddings.word_embeddings": "encoder.word_embeddings",
+    "embeddings.position_embeddings": "encoder.position_embeddings",
+    "embeddings.token_type_embeddings": "encoder.token_type_embeddings",
+    "embeddings.LayerNorm": "encoder.embed_norm",
+}
+_HEAD = {
+    "pooler.dense": "classifier.dense",  # BERT
+    "classifier": "classifier.out",  # BERT
+    "classifier.dense": "classifier.dense",  # RoBERTa
+    "classifier.out_proj": "classifier.out",  # RoBERTa
+}
+
+
+def _our_names(hf_name: str, with_head: bool) -> Iterator[tuple[str, str | None]]:
+    """HF name -> (our parameter name, q/k/v part or None); nothing for unused tensors
+    (``position_ids`` buffers, a BertModel's pooler)."""
+    for prefix in _PREFIXES:
+        if hf_name.startswith(prefix):
+            hf_name = hf_name[len(prefix) :]
+            break
+    module, _, leaf = hf_name.rpartition(".")
+    leaf = {"gamma": "weight", "beta": "bias"}.get(leaf, leaf)
+    if module in _TOP:
+        yield f"{_TOP[module]}.{leaf}", None
+    elif module.startswith("encoder.layer."):
+        index, _, rest = module[len("encoder.layer.") :].partition(".")
+        if rest in _LAYER_PARTS:
+            ours, part = _LAYER_PARTS[rest]
+            yield f"encoder.layers.{index}.{ours}.{leaf}", part
+    elif with_head and module in _HEAD:
+        yield f"{_HEAD[module]}.{leaf}", None
+
+
+def _assign(params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> None:
+    param = params.get(name)
+    if param is None:
+        return
+    if param.shape != tensor.shape:
+        raise ModelLoadError(
+            f"weight {name}: the checkpoint has shape {tuple(tensor.shape)}, the config "
+            f"implies {tuple(param.shape)}; config.json and the weights disagree"
+        )
+    with torch.no_grad():
+        param.copy_(tensor)
