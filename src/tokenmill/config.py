@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.structured_output.backend import BACKEND_CHOICES
+
+if TYPE_CHECKING:
+    from tokenmill.spec_decode.config import SpeculativeConfig
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -86,6 +89,27 @@ class EngineConfig:
     reasoning_parser: str = "auto"
     """How reasoning is delimited (e.g. think: <think>...</think>); structured output then
     constrains only the answer after it. auto: chosen from the chat template; none: off."""
+    # -- speculative decoding (``spec_decode/``) -------------------------------------------
+    speculative_config: Any = None
+    """vLLM's dict (or a ``spec_decode.SpeculativeConfig``): ``method`` (ngram, suffix,
+    draft_model), ``num_speculative_tokens``, ``model`` (the draft), ``prompt_lookup_min``
+    / ``prompt_lookup_max``, ``suffix_decoding_*``. None: no speculation."""
+    speculative_method: str | None = None
+    """Flat form of ``speculative_config["method"]`` (not together with the dict)."""
+    draft_model_id_or_path: str | None = None
+    """Flat form of ``speculative_config["model"]``."""
+    num_speculative_tokens: int | None = None
+    """Flat form of ``speculative_config["num_speculative_tokens"]``."""
+    draft_top_k: int | None = None
+    """Tree drafts (top-k branching): not built yet, refused when set."""
+    draft_step: int | None = None
+    """Tree drafts: not built yet, refused when set."""
+    verify_tree_size: int | None = None
+    """Tree verification node budget: not built yet, refused when set."""
+    max_verify_tree_size: int | None = None
+    """Tree verification: not built yet, refused when set."""
+    speculative: SpeculativeConfig | None = field(init=False, default=None, compare=False)
+    """The resolved speculative config (from the fields above), None when off."""
     # -- pooling models (``pooling/``) -----------------------------------------------------
     runner: str = "auto"
     """generate, pooling (embed / score / classify, ``tokenmill.pooling``), or auto:
@@ -141,6 +165,17 @@ class EngineConfig:
         from tokenmill.attention.backends import resolve_backend_name
 
         resolve_backend_name(self.attention_backend, self.torch_device())
+        from tokenmill.spec_decode.config import resolve_speculative
+
+        tree = {
+            name: getattr(self, name)
+            for name in ("draft_top_k", "draft_step", "verify_tree_size", "max_verify_tree_size")
+        }
+        speculative = resolve_speculative(
+            self.speculative_config, self.speculative_method, self.draft_model_id_or_path,
+            self.num_speculative_tokens, tree,
+        )  # fmt: skip
+        object.__setattr__(self, "speculative", speculative)  # derived once, here
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -121,6 +121,8 @@ class SamplingParams:
     ``f(prompt_token_ids, output_token_ids, logits) -> logits``, vLLM's (v0) contract:
     ``logits`` is this row's float32 [V] tensor; they run after the built-in processors,
     in order, and make the request's steps synchronous (they read the tokens so far)."""
+    disable_spec_decode: bool = False
+    """Never verify draft tokens for this request (when the engine speculates)."""
 
     def __post_init__(self) -> None:
         self._normalize()

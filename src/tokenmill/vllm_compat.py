@@ -136,13 +136,6 @@ COMPAT_OPTIONS: tuple[CompatOption, ...] = (
     CompatOption(
         "enable_lora", False, None, "LoRA adapters are not supported: only off", only=(False,)
     ),
-    CompatOption(
-        "speculative_config",
-        None,
-        str,
-        "speculative decoding is not available from here: only unset",
-        only=(None,),
-    ),
     CompatOption("task", "auto", str, "only text generation", only=("auto", "generate")),
     CompatOption(
         "scheduling_policy",

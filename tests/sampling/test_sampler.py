@@ -44,12 +44,16 @@ def test_empty_batch() -> None:
 
 def test_greedy_rows_mixed_with_random_rows() -> None:
     logits = rand_logits(6, seed=1)
-    rows = [
-        row(temperature=0.0 if i % 2 == 0 else 5.0, seed=None if i % 2 == 0 else i)
-        for i in range(6)
-    ]
+
+    def rows(step: int) -> list[RowState]:  # a seeded row's noise is keyed by its position
+        return [
+            row(output=[0] * step, temperature=0.0 if i % 2 == 0 else 5.0,
+                seed=None if i % 2 == 0 else i)
+            for i in range(6)
+        ]  # fmt: skip
+
     s = sampler()
-    picks = torch.stack([s(logits, rows).token_ids for _ in range(30)])  # [30, 6]
+    picks = torch.stack([s(logits, rows(step)).token_ids for step in range(30)])  # [30, 6]
     assert torch.equal(picks[:, ::2], logits.argmax(-1)[::2].expand(30, 3))
     assert all(picks[:, i].unique().numel() > 1 for i in (1, 3, 5))  # T=5: really random
 
@@ -143,12 +147,20 @@ def test_seeded_request_independent_of_batch(target: dict) -> None:
     assert len(set(alone)) > 3  # it really sampled
 
 
-def test_seeded_row_draws_once_per_step_from_its_generator() -> None:
-    r = row(seed=3)
-    reference = make_generator(3)
+def test_seeded_row_draws_from_its_generator_seeded_for_the_position() -> None:
+    from tokenmill.sampling.sampler import position_seed
+
+    r = row(seed=3, output=[1, 2], temperature=0.7)
+    reference = make_generator(position_seed(3, 2))
     sampler()(rand_logits(1), [r])
     torch.empty(V).exponential_(generator=reference)
     assert torch.equal(r.generator.get_state(), reference.get_state())
+    # the same position draws the same noise whatever the generator did before
+    logits = rand_logits(1, seed=4)
+    again = row(seed=3, output=[1, 2], temperature=0.7)
+    torch.empty(50).exponential_(generator=again.generator)
+    assert sampler()(logits, [r]).token_ids.equal(sampler()(logits, [again]).token_ids)
+    assert len({position_seed(3, p) for p in range(1000)} | {position_seed(4, 0)}) == 1001
 
 
 def test_logit_bias_forces_and_bans_tokens() -> None:

@@ -32,7 +32,15 @@ class OracleProposer:
         self.vocab = vocab
         self.proposed = 0
 
-    def propose(self, request, max_tokens: int) -> list[int]:
+    name = "oracle"
+
+    def propose(self, requests, max_tokens: int) -> list[list[int]]:
+        return [self._one(r, max_tokens) for r in requests]
+
+    def finish(self, request) -> None:
+        pass
+
+    def _one(self, request, max_tokens: int) -> list[int]:
         ref = self.references[tuple(request.prompt_token_ids)]
         done = request.num_output_tokens
         drafts = list(ref[done : done + max_tokens])

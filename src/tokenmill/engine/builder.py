@@ -20,6 +20,8 @@ from tokenmill.executor import Executor, UniProcExecutor
 from tokenmill.kv_cache import KVCacheCoordinator, KVCacheManager, make_kv_cache
 from tokenmill.sampling import Sampler
 from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.spec_decode import DraftHook, build_draft_hook
+from tokenmill.spec_decode.registry import TargetParts
 from tokenmill.structured_output.hook import StructuredOutputHook
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.threads import configure_threads
@@ -37,7 +39,8 @@ class EngineParts:
     scheduler: Scheduler
     structured: StructuredOutputManager
     hooks: tuple[RequestHook, ...]
-    """Structured output's hook first, then the caller's (a proposer...)."""
+    """Structured output's hook first, then the caller's (a proposer...), then the draft
+    hook of ``config.speculative`` unless the caller passed one."""
     runner: ModelRunner
     executor: Executor
 
@@ -76,6 +79,9 @@ def build_engine(
         config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len, state_slot
     )
     logger.info("KV cache: %d blocks x %d tokens", num_blocks, config.block_size)
+    if config.speculative is not None and not any(isinstance(h, DraftHook) for h in hooks):
+        target = TargetParts(config, loaded, runner, kv)
+        all_hooks = (*all_hooks, build_draft_hook(config.speculative, target, budget))
     return EngineParts(
         loaded, kv, scheduler, structured, all_hooks, runner, UniProcExecutor(runner)
     )

@@ -35,6 +35,19 @@ def memory_size(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag value ('{"method": "ngram"}') -> dict."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class Flag:
     name: str
@@ -141,6 +154,30 @@ ENGINE_FLAGS = (
         str,
         "how reasoning is delimited in the output (think, deepseek_r1, qwen3, mistral); auto: from the chat template; none: off",
         "auto",
+    ),
+    Flag(
+        "--speculative-config",
+        "speculative_config",
+        json_object,
+        'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "suffix" | "draft_model", "num_speculative_tokens": k, "model": DRAFT, "prompt_lookup_min": .., "prompt_lookup_max": ..}; the engine drafts fewer tokens per step (or none) where more would not pay; greedy output is unchanged',
+    ),
+    Flag(
+        "--speculative-method",
+        "speculative_method",
+        str,
+        "flat form of --speculative-config's method (not together with it)",
+    ),
+    Flag(
+        "--draft-model-id-or-path",
+        "draft_model_id_or_path",
+        str,
+        "flat form of --speculative-config's model: the draft checkpoint (same vocabulary as the target)",
+    ),
+    Flag(
+        "--num-speculative-tokens",
+        "num_speculative_tokens",
+        int,
+        "flat form of --speculative-config's num_speculative_tokens: most drafts per request per step",
     ),
     Flag(
         "--enable-prefix-caching",

@@ -9,8 +9,9 @@ Order of operations (vLLM v1's):
 3. greedy rows (temperature < 1e-5) take ``argmax`` (ties -> first index);
 4. random rows: temperature, min-p, top-k, top-p, softmax, then the
    exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``, which samples exactly
-   from ``probs``. A seeded row draws its ``q`` ([V], once per step) from its
-   own generator, so its tokens do not depend on the rest of the batch.
+   from ``probs``. A seeded row draws its ``q`` ([V]) from its own generator, seeded
+   for the token's output position (``position_seed``), so its tokens depend neither
+   on the rest of the batch nor on speculation.
 
 The sampler never reads a device value back: the engine does that once per step
 on ``SamplerOutput`` (the only device-to-host point of the sampling path).
@@ -73,8 +74,8 @@ class RowState:
     generator: torch.Generator | None = None
     """The request's own generator (on the logits' device) when ``params.seed`` is set.
 
-    Owned by the request and advanced only by its own draws: one [V] draw per
-    random step. Create it with ``make_generator``.
+    Owned by the request and re-seeded before each of its draws for the token's
+    position (``position_seed``). Create it with ``make_generator``.
     """
     eos_token_ids: frozenset[int] = frozenset()
     """Suppressed, with ``params.stop_token_ids``, while len(output) < min_tokens."""
@@ -213,9 +214,25 @@ class Sampler:
         for i, row in enumerate(rows):
             assert row.generator is not None or row.params.seed is None, "seeded row, no generator"
             if row.generator is not None:
+                position = len(row.output_token_ids) + row.num_placeholders - 1
+                row.generator.manual_seed(position_seed(row.params.seed or 0, position))
                 q[i].exponential_(generator=row.generator)
         # q == 0 would turn a masked token (prob 0) into 0/0 = nan, which argmax picks.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw for its output token ``position`` (splitmix64
+    of both): a token's noise depends only on the request's seed and where the token is,
+    not on how many draws came before, so the output is the same whether the step
+    verified drafts (one draw per row, some rows rejected) or decoded one token."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1  # 63 bits: manual_seed takes a signed 64-bit value
+
+
+_MASK64 = (1 << 64) - 1
 
 
 def _max_logprobs(rows: Sequence[SamplingRow]) -> int | None:

@@ -1,40 +1,105 @@
-"""Draft proposals: a ``Proposer`` guesses a request's next tokens; the step verifies them.
+"""Draft proposals: a ``Proposer`` guesses requests' next tokens; the step verifies them.
 
-``DraftHook`` asks the proposer before every step for each running request that can take
-drafts, and leaves them in ``Request.spec_token_ids``; the scheduler schedules them after
-the request's last token, the runner samples at each of their positions, and the
-scheduler keeps the accepted prefix and rolls back the rest (``Scheduler.update``).
+``DraftHook`` asks the proposer before every step for the running requests that can take
+drafts, cuts the proposals to the step's draft cap (``adaptive.DraftLength``) and leaves
+them in ``Request.spec_token_ids``; the scheduler schedules them after the request's
+last token, the runner samples at each of their positions, and the scheduler keeps the
+accepted prefix and rolls back the rest (``Scheduler.update``). Once the step has been
+applied, the hook counts what was accepted (``SpecDecodeStats``, each request's rate).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.engine.hooks import RequestHook
 from tokenmill.scheduler.request import Request
+from tokenmill.spec_decode.adaptive import Acceptance, DraftLength
+from tokenmill.spec_decode.metrics import SpecDecodeStats
+
+if TYPE_CHECKING:
+    from tokenmill.scheduler import SchedulerOutput
 
 
 class Proposer(Protocol):
-    def propose(self, request: Request, max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` guesses of the tokens after ``request.all_token_ids``."""
+    name: str
+    """The method's name in metrics (ngram, suffix, draft_model...)."""
+
+    def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
+        """Per request, up to ``k`` guesses of the tokens after its ``all_token_ids``."""
+        ...
+
+    def finish(self, request: Request) -> None:
+        """The request ended: forget what was kept for it."""
         ...
 
 
 class DraftHook(RequestHook):
     """Fills ``spec_token_ids`` of running requests from a proposer, at most
-    ``num_tokens`` per step. Requests in their prefill, with a token still in flight, or
-    with a grammar get none (see ``Scheduler._num_drafts``)."""
+    ``num_tokens`` per step (fewer where ``length`` says more would not pay). Requests in
+    their prefill, with a token still in flight, with ``disable_spec_decode`` or with a
+    grammar get none (see ``Scheduler._num_drafts``)."""
 
-    def __init__(self, proposer: Proposer, num_tokens: int) -> None:
+    def __init__(
+        self, proposer: Proposer, num_tokens: int, length: DraftLength | None = None
+    ) -> None:
+        from tokenmill.spec_decode.adaptive import CostCurve
+
         self.proposer = proposer
         self.num_tokens = num_tokens
+        self.length = length or DraftLength(num_tokens, CostCurve.linear(), adaptive=False)
+        self.stats = SpecDecodeStats(proposer.name, num_tokens)
+        self._rates: dict[str, Acceptance] = {}
+        self._verifying: list[tuple[Request, int, int]] = []
+        """(request, drafts, outputs before the step) of the steps not yet counted."""
 
     def before_step(self, running: Sequence[Request]) -> None:
-        for req in running:
-            if (
-                req.num_placeholders or req.num_drafts_in_flight or req.structured is not None
-                or req.num_computed_tokens < req.num_tokens - 1  # still prefilling
-            ):  # fmt: skip
+        self._count_verified()
+        eligible = [
+            req for req in running
+            if not (req.num_placeholders or req.num_drafts_in_flight
+                    or req.structured is not None or req.params.disable_spec_decode
+                    or req.num_computed_tokens < req.num_tokens - 1)  # still prefilling
+        ]  # fmt: skip
+        if not eligible:
+            return
+        proposals = self.proposer.propose(eligible, self.num_tokens)
+        drafting = [(req, p) for req, p in zip(eligible, proposals) if p]
+        if not drafting:
+            return
+        prior = self.length.prior()
+        rates = [self._rates.get(r.request_id, Acceptance()).rate(prior) for r, _ in drafting]
+        cap = self.length.choose(len(running) - len(drafting), rates, [len(p) for _, p in drafting])
+        if cap == 0:
+            return
+        for req, p in drafting:
+            req.spec_token_ids = p[:cap]
+
+    def on_scheduled(self, sched: SchedulerOutput) -> None:
+        for seq in sched.seqs:
+            if seq.draft_token_ids:
+                req = seq.request
+                self._verifying.append((req, len(seq.draft_token_ids), req.num_output_tokens))
+
+    def on_finish(self, request: Request) -> None:
+        self._count_verified()
+        self._rates.pop(request.request_id, None)
+        self.proposer.finish(request)
+
+    def _count_verified(self) -> None:
+        """Count the acceptance of steps whose result has been applied."""
+        if not self._verifying:
+            return
+        waiting = []
+        for entry in self._verifying:
+            req, drafted, before = entry
+            if req.num_drafts_in_flight and not req.is_finished:
+                waiting.append(entry)
                 continue
-            req.spec_token_ids = self.proposer.propose(req, self.num_tokens)[: self.num_tokens]
+            accepted = max(0, min(drafted, req.num_output_tokens - before - 1))
+            self.stats.add(drafted, accepted)
+            self.length.overall.add(drafted, accepted)
+            if not req.is_finished:
+                self._rates.setdefault(req.request_id, Acceptance()).add(drafted, accepted)
+        self._verifying = waiting

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from tokenmill.attention import StepContext
+from tokenmill.attention import AttentionMetadata, StepContext
 from tokenmill.attention.backends import AttentionBackend
 from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.models.base import CausalLM
@@ -35,7 +35,8 @@ class FastPath(Protocol):
         tables: BlockTableArray | None = None,
         pending: PendingTokens | None = None,
     ) -> torch.Tensor:
-        """Hidden states [B, hidden] of the step's B one-token sequences, row i = sequence i;
+        """Hidden states [T, hidden] of the step's tokens, flattened in sequence order (T = B
+        for one-token sequences: row i = sequence i);
         ``tables``: the scheduler's block-table array (None: the sequences' lists);
         ``pending``: input tokens still on the device (asynchronous scheduling)."""
         ...
@@ -59,7 +60,9 @@ class NativeDecodePath:
         self.staging = PinnedStaging(device)
 
     def takes(self, seqs: tuple[ScheduledSeq, ...]) -> bool:
-        return all(s.num_new_tokens == 1 for s in seqs)
+        """Decode steps, also verifying drafts: each sequence's new tokens are its last
+        known token and its drafts."""
+        return all(s.num_new_tokens == 1 + len(s.draft_token_ids) for s in seqs)
 
     def run(
         self,
@@ -68,8 +71,30 @@ class NativeDecodePath:
         pending: PendingTokens | None = None,
     ) -> torch.Tensor:
         inputs = build_step_inputs(seqs, self.block_size, self.staging, tables, pending)
-        ctx = StepContext(inputs.meta, self.kv_caches, self.backend)
+        meta = inputs.meta
+        if not meta.is_all_decode:
+            meta = per_token_rows(meta, inputs.positions)
+        ctx = StepContext(meta, self.kv_caches, self.backend)
         return self.decode(inputs.input_ids, inputs.positions, ctx)
+
+
+def per_token_rows(meta: AttentionMetadata, positions: torch.Tensor) -> AttentionMetadata:
+    """A verify step (sequences of several new tokens) seen as one decode row per token:
+    token t of a sequence attends to its sequence's blocks up to its own position, so
+    each row takes its sequence's block table and ``position + 1`` as its length. The
+    layer stores every token's K/V before any attention reads, so the rows see the drafts
+    before them, as causal attention over the chunk would."""
+    qsl = meta.query_start_loc
+    counts = torch.tensor([b - a for a, b in zip(qsl, qsl[1:])])
+    lens = positions + 1
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping,
+        query_start_loc=tuple(range(len(positions) + 1)),
+        seq_lens=tuple(lens.tolist()),
+        block_tables=meta.block_tables.repeat_interleave(counts, dim=0),
+        block_size=meta.block_size,
+        seq_lens_tensor=lens,
+    )
 
 
 def cpu_fast_path(

@@ -157,8 +157,10 @@ class ModelRunner:
         sequences: through the padded decode path (CUDA graphs) when it takes the step."""
         seqs = sched.seqs
         if self.decode is not None and self.decode.takes(seqs):
-            hidden = self.decode.run(seqs, sched.tables, pending)  # [B, hidden]: row i = seq i
-            return hidden, tuple(range(len(seqs) + 1))
+            hidden = self.decode.run(seqs, sched.tables, pending)  # [T, hidden], flattened
+            if len(seqs) == hidden.shape[0]:  # one token each: row i = sequence i
+                return hidden, tuple(range(len(seqs) + 1))
+            return hidden, tuple(accumulate((s.num_new_tokens for s in seqs), initial=0))
         inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending)
         hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(inputs.meta, seqs))
         return hidden, inputs.meta.query_start_loc

@@ -1,0 +1,172 @@
+"""``speculative_config``: vLLM's dict (or the flat names) -> one checked, frozen config.
+
+    LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    LLM(model, speculative_method="ngram", num_speculative_tokens=5)   # the flat form
+
+Every bad value or combination raises ``InvalidRequestError`` (a ``ValueError``) naming
+the field, before any weight is read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from tokenmill.errors import InvalidRequestError
+
+METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
+"""vLLM's method names; ``[ngram]`` / ``prompt_lookup`` are accepted as ngram."""
+BUILT = ("ngram", "suffix", "draft_model")
+"""The methods this build runs; the others are refused with a clear error."""
+_ALIASES = {"[ngram]": "ngram", "prompt_lookup": "ngram", "draft": "draft_model"}
+MAX_SPECULATIVE_TOKENS = 16
+TREE_FIELDS = ("draft_top_k", "draft_step", "verify_tree_size", "max_verify_tree_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    """ngram (prompt lookup), suffix (suffix decoding), draft_model; eagle3 and mtp are
+    named by vLLM and refused here (no heads are built yet)."""
+    num_speculative_tokens: int = 5
+    """Most draft tokens verified per request per step; the engine chooses fewer (or
+    none) per step where more would not pay (``spec_decode/adaptive.py``)."""
+    model: str | None = None
+    """draft_model: the draft checkpoint (HF folder or GGUF); its vocabulary must map every
+    token to the same id as the target's."""
+    prompt_lookup_min: int = 2
+    """ngram: shortest suffix of the request's tokens to look up."""
+    prompt_lookup_max: int = 5
+    """ngram: longest suffix looked up (the longest match wins)."""
+    draft_tensor_parallel_size: int = 1
+    """Only 1 (the draft runs on the target's device)."""
+    suffix_decoding_max_tree_depth: int = 24
+    """suffix: longest context (tokens) the shared suffix index keys on."""
+    suffix_decoding_max_cached_requests: int = 1000
+    """suffix: finished requests whose tokens stay in the shared index (oldest dropped)."""
+    suffix_decoding_max_spec_factor: float = 1.0
+    """suffix: a draft is at most this many times the matched context's length."""
+    suffix_decoding_min_token_prob: float = 0.1
+    """suffix: drafting stops when the estimated chance of the whole draft falls below."""
+    adaptive: bool = True
+    """Choose each step's draft length from acceptance and the measured verify cost
+    (False: always up to num_speculative_tokens; for tests and benchmarks)."""
+
+    def __post_init__(self) -> None:
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
+        _check_int("prompt_lookup_min", self.prompt_lookup_min, 1, 64)
+        _check_int("prompt_lookup_max", self.prompt_lookup_max, 1, 64)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidRequestError(
+                f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} exceeds "
+                f"prompt_lookup_max={self.prompt_lookup_max}"
+            )
+        if self.draft_tensor_parallel_size != 1:
+            raise InvalidRequestError(
+                "speculative_config: draft_tensor_parallel_size must be 1 (the draft runs on "
+                f"the target's device), got {self.draft_tensor_parallel_size!r}"
+            )
+        _check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1, 256)
+        _check_int(
+            "suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests,
+            0, 1_000_000,
+        )  # fmt: skip
+        if not 0 < float(self.suffix_decoding_max_spec_factor) <= 64:
+            raise InvalidRequestError(
+                "speculative_config: suffix_decoding_max_spec_factor must be in (0, 64], "
+                f"got {self.suffix_decoding_max_spec_factor!r}"
+            )
+        if not 0 <= float(self.suffix_decoding_min_token_prob) <= 1:
+            raise InvalidRequestError(
+                "speculative_config: suffix_decoding_min_token_prob must be in [0, 1], "
+                f"got {self.suffix_decoding_min_token_prob!r}"
+            )
+        if self.method == "draft_model" and not self.model:
+            raise InvalidRequestError(
+                "speculative_config: method 'draft_model' needs 'model' (the draft checkpoint)"
+            )
+        if self.method in ("ngram", "suffix") and self.model:
+            raise InvalidRequestError(
+                f"speculative_config: method {self.method!r} takes no 'model' "
+                "(drafts come from the request's own tokens); drop it or use draft_model"
+            )
+
+
+def resolve_speculative(
+    speculative_config: Mapping[str, Any] | SpeculativeConfig | None,
+    speculative_method: str | None = None,
+    draft_model_id_or_path: str | None = None,
+    num_speculative_tokens: int | None = None,
+    tree: Mapping[str, Any] | None = None,
+) -> SpeculativeConfig | None:
+    """The engine's speculative config from vLLM's dict or the flat names (not both)."""
+    flat = {
+        k: v
+        for k, v in (
+            ("method", speculative_method),
+            ("model", draft_model_id_or_path),
+            ("num_speculative_tokens", num_speculative_tokens),
+        )
+        if v is not None
+    }
+    tree_set = {k: v for k, v in (tree or {}).items() if v is not None}
+    if speculative_config is not None and flat:
+        names = ", ".join(
+            {"method": "speculative_method", "model": "draft_model_id_or_path"}.get(k, k)
+            for k in flat
+        )
+        raise InvalidRequestError(f"set speculative_config or the flat options ({names}), not both")
+    if isinstance(speculative_config, SpeculativeConfig):
+        return speculative_config
+    if speculative_config is not None and not isinstance(speculative_config, Mapping):
+        raise InvalidRequestError(
+            f"speculative_config must be a dict, got {type(speculative_config).__name__}"
+        )
+    raw: dict[str, Any] = dict(speculative_config or flat)
+    for key in TREE_FIELDS:
+        if key in raw and raw[key] is not None:
+            tree_set[key] = raw.pop(key)
+    if tree_set:
+        raise InvalidRequestError(
+            f"tree verification ({', '.join(sorted(tree_set))}) is not built yet: drop "
+            "these fields to verify one draft chain per request"
+        )
+    if not raw:
+        return None
+    return _from_dict(raw)
+
+
+def _from_dict(raw: dict[str, Any]) -> SpeculativeConfig:
+    raw = dict(raw)
+    method = raw.pop("method", None)
+    if method is None:  # vLLM infers draft_model from a model path
+        if not raw.get("model"):
+            raise InvalidRequestError(
+                f"speculative_config needs 'method' (one of {', '.join(METHODS)})"
+            )
+        method = "draft_model"
+    method = _ALIASES.get(str(method), str(method))
+    if method not in METHODS:
+        raise InvalidRequestError(
+            f"speculative_config: method {method!r} is unknown; use one of {', '.join(METHODS)}"
+        )
+    if method not in BUILT:
+        raise InvalidRequestError(
+            f"speculative_config: method {method!r} is not built yet (no {method} head "
+            f"loader); use one of {', '.join(BUILT)}"
+        )
+    known = {f.name for f in fields(SpeculativeConfig)} - {"method"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise InvalidRequestError(
+            f"speculative_config: unknown field(s) {unknown}; known: {sorted(known)}"
+        )
+    return SpeculativeConfig(method=method, **raw)
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidRequestError(
+            f"speculative_config: {name} must be an integer in [{low}, {high}], got {value!r}"
+        )
