@@ -20,8 +20,8 @@ from tokenmill.executor import Executor, UniProcExecutor
 from tokenmill.kv_cache import KVCacheCoordinator, KVCacheManager, make_kv_cache
 from tokenmill.sampling import Sampler
 from tokenmill.scheduler import Scheduler, SchedulerConfig
-from tokenmill.spec_decode import DraftHook, build_draft_hook
-from tokenmill.spec_decode.registry import TargetParts
+from tokenmill.spec_decode import DraftHook
+from tokenmill.spec_decode.registry import TargetParts, build_draft_hook
 from tokenmill.structured_output.hook import StructuredOutputHook
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.threads import configure_threads

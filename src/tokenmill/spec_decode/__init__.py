@@ -1,19 +1,16 @@
 """Speculative decoding: proposers of draft tokens, attached to the engine as a hook.
 
-``build_draft_hook`` makes the engine's hook from its ``SpeculativeConfig``: the method's
+``registry.build_draft_hook`` makes the engine's hook from its ``SpeculativeConfig``: the method's
 proposer (``PROPOSERS``, imported lazily), and the draft-length chooser with the verify
 cost measured on the engine's own runner.
 """
 
 from tokenmill.spec_decode.config import SpeculativeConfig, resolve_speculative
 from tokenmill.spec_decode.proposer import DraftHook, Proposer
-from tokenmill.spec_decode.registry import PROPOSERS, build_draft_hook
 
 __all__ = [
-    "PROPOSERS",
     "DraftHook",
     "Proposer",
     "SpeculativeConfig",
-    "build_draft_hook",
     "resolve_speculative",
 ]

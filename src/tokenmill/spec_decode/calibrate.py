@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 from tokenmill.kv_cache import KVCacheCoordinator, KVCacheManager
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
 from tokenmill.scheduler.request import Request
 from tokenmill.spec_decode.adaptive import CostCurve
-from tokenmill.worker.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
