@@ -1,4 +1,6 @@
-"""Prometheus export of ``EngineStats`` (vLLM's metric names under a ``tokenmill:`` prefix).
+"""Prometheus export of ``EngineStats``: every metric under a ``tokenmill:`` prefix, and
+the ones vLLM defines also under vLLM's own ``vllm:`` names (``VLLM_NAMES``), so vLLM's
+Grafana dashboards and alerts read a tokenmill server unchanged.
 
 A ``StatsCollector`` reads the stats when scraped; nothing is counted twice.
 Each server gets its own ``CollectorRegistry`` (``make_registry``), so several
@@ -17,10 +19,31 @@ from prometheus_client.core import (
     Metric,
 )
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from tokenmill.metrics.stats import EngineStats, Histogram
 
 PREFIX = "tokenmill:"
+VLLM_PREFIX = "vllm:"
+VLLM_NAMES: dict[str, tuple[str, ...]] = {
+    "num_requests_running": ("num_requests_running",),
+    "num_requests_waiting": ("num_requests_waiting",),
+    "kv_cache_usage_perc": ("kv_cache_usage_perc", "gpu_cache_usage_perc"),
+    "prompt_tokens": ("prompt_tokens",),
+    "generation_tokens": ("generation_tokens",),
+    "num_preemptions": ("num_preemptions",),
+    "request_success": ("request_success",),
+    "time_to_first_token_seconds": ("time_to_first_token_seconds",),
+    "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
+    "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
+    "request_queue_time_seconds": ("request_queue_time_seconds",),
+}
+"""tokenmill name -> its vLLM names, from the same values. Older vLLM names kept as
+aliases: ``gpu_cache_usage_perc`` (now ``kv_cache_usage_perc``) and
+``time_per_output_token_seconds`` (the gap between two tokens, now
+``inter_token_latency_seconds``). Labels as vLLM's: ``model_name``, and
+``finished_reason`` on ``request_success``. The prefix-cache pair counts tokens as
+vLLM's does (``_vllm_prefix_cache``), unlike tokenmill's (admissions)."""
 
 
 class StatsCollector(Collector):
@@ -42,6 +65,31 @@ class StatsCollector(Collector):
         s = self._stats()
         if s is None:
             return
+        families = list(self._families(s))
+        yield from families
+        for family in families:
+            name = family.name.removeprefix(PREFIX)
+            for vllm_name in VLLM_NAMES.get(name, ()):
+                yield _renamed(family, VLLM_PREFIX + vllm_name)
+        yield from self._vllm_prefix_cache(s)
+
+    def _vllm_prefix_cache(self, s: EngineStats) -> Iterator[Metric]:
+        """vLLM's pair, in tokens: queries = the prompt tokens looked up (here: those of
+        every first admission; vLLM also counts a preempted request's second lookup),
+        hits = the tokens not recomputed thanks to the cache. None without the cache."""
+        values = self._prefix_cache() if self._prefix_cache is not None else {}
+        if "prefix_cache_reused_tokens" not in values:
+            return
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prefix cache queries, in queried tokens.", s.prompt_tokens),
+            ("prefix_cache_hits", "Prefix cache hits, in cached tokens.",
+             values["prefix_cache_reused_tokens"]),
+        ):  # fmt: skip
+            c = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=["model_name"])
+            c.add_metric([self._model], value)
+            yield c
+
+    def _families(self, s: EngineStats) -> Iterator[Metric]:
         yield self._gauge(
             "num_requests_running", "Sequences holding KV cache blocks.", s.num_running
         )
@@ -125,6 +173,15 @@ class StatsCollector(Collector):
         buckets = [("+Inf" if b == float("inf") else repr(b), n) for b, n in h.cumulative()]
         m.add_metric([self._model], buckets, h.sum)
         return m
+
+
+def _renamed(family: Metric, name: str) -> Metric:
+    """The same family and samples under another name (suffixes such as _total kept)."""
+    copy = Metric(name, family.documentation, family.type, family.unit)
+    copy.samples = [
+        Sample(name + sample.name[len(family.name) :], *sample[1:]) for sample in family.samples
+    ]
+    return copy
 
 
 _PREFIX_CACHE_COUNTERS = {
