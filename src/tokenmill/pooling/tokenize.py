@@ -14,6 +14,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.errors import ContextLengthError, InvalidRequestError
@@ -31,7 +32,9 @@ class PoolingTokenizer:
     def __init__(self, hf: PreTrainedTokenizerBase, max_len: int) -> None:
         self.hf = hf
         self.max_len = max_len
-        self.backend = hf.backend_tokenizer
+        # A private copy: HF tokenizer calls (``llm.get_tokenizer()(..., padding=True)``)
+        # reconfigure the backend they share, which must never reach this one.
+        self.backend = Tokenizer.from_str(hf.backend_tokenizer.to_str())
         self.backend.no_truncation()
         self.backend.no_padding()
         self._lock = threading.Lock()
