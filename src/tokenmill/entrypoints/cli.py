@@ -179,9 +179,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"two models given: {args.model_arg!r} and --model {args.model!r}")
     model = args.model_arg or args.model
     options = engine_options(args)
-    engine_config = _engine_config(model, options)  # refuse before loading (in a thread)
     config = ServerConfig(**server_options(args), limits=limit_options(args))
     name = model_name_of(model, options.get("served_model_name"))
+    if model and _is_speech_model(model):  # Whisper or a Piper voice: the speech server
+        from tokenmill.entrypoints.openai.serving_speech import serve_speech
+
+        return serve_speech(model, config, name)
+    engine_config = _engine_config(model, options)  # refuse before loading (in a thread)
     if use_engine_process(config.engine_process, engine_config):
         return OpenAIServer(engine_config, config, model_name=name).run()
 
@@ -191,6 +195,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return LLM(model, **options).engine
 
     return OpenAIServer(load, config, model_name=name).run()
+
+
+def _is_speech_model(model: str) -> bool:
+    from tokenmill.speech.detect import is_speech_model
+
+    return is_speech_model(model) is not None
 
 
 def _engine_config(model: str | None, options: dict):

@@ -16,6 +16,8 @@ _LAZY = {
     "is_whisper_folder": "tokenmill.speech.loader",
     "load_whisper": "tokenmill.speech.loader",
     "ct2_to_hf": "tokenmill.speech.convert",
+    "is_speech_model": "tokenmill.speech.detect",
+    "piper_voice_file": "tokenmill.speech.detect",
 }
 
 __all__ = sorted(_LAZY)

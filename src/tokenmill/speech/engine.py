@@ -24,6 +24,10 @@ from tokenmill.speech.whisper import DecoderCache
 logger = logging.getLogger(__name__)
 
 
+class Cancelled(Exception):
+    """The window's request went away (client disconnect, ``cancel()``)."""
+
+
 @dataclass(frozen=True)
 class WindowResult:
     tokens: list[int]
@@ -49,6 +53,8 @@ class WindowRequest:
     only: tuple[int, ...] | None = None
     """When set, the only tokens allowed (language detection: the language tokens)."""
     generator: torch.Generator | None = None
+    cancelled: threading.Event | None = None
+    """Set it to drop the window at the next step (its result then carries an error)."""
 
 
 @dataclass
@@ -188,6 +194,11 @@ class SpeechEngine:
         eot = self.loaded.tokens.eot
         done: list[tuple[int, WindowResult]] = []
         for i, r, tok, score in zip(idx, rows, picked, scores):
+            if r.req.cancelled is not None and r.req.cancelled.is_set():
+                done.append(
+                    (i, WindowResult([], 0.0, False, Cancelled("the request was cancelled")))
+                )
+                continue
             if tok != eot:
                 r.generated.append(tok)
                 r.sum_logprob += score

@@ -9,7 +9,9 @@ speech engine's callbacks, so many jobs' windows batch into the same decoder ste
 
 from __future__ import annotations
 
+import threading
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -85,6 +87,13 @@ class TranscriptionJob:
     all_tokens: list[int] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     temperature: float = 0.0
+    on_segment: Callable[[Segment], None] | None = None
+    """Called (in the speech engine's thread) with each segment as soon as it is final."""
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop decoding; the future then fails with ``Cancelled``."""
+        self.cancelled.set()
 
     def __post_init__(self) -> None:
         self.tokens: WhisperTokens = self.engine.loaded.tokens
@@ -123,8 +132,9 @@ class TranscriptionJob:
     def _detect_request(self) -> WindowRequest:
         only = tuple(self.tokens.languages.values())
         return WindowRequest(
-            self._mel(), [self.tokens.sot], self._on_language, max_new_tokens=1, only=only
-        )
+            self._mel(), [self.tokens.sot], self._on_language, max_new_tokens=1, only=only,
+            cancelled=self.cancelled,
+        )  # fmt: skip
 
     def _on_language(self, result: WindowResult) -> None:
         if result.error is not None:
@@ -150,6 +160,7 @@ class TranscriptionJob:
         req = WindowRequest(
             self._mel(), prompt, self._on_window, timestamps=self.options.timestamps,
             temperature=self.temperature, max_new_tokens=min(224, room), generator=self.generator,
+            cancelled=self.cancelled,
         )  # fmt: skip
         self._submit(req)
 
@@ -185,6 +196,8 @@ class TranscriptionJob:
         seg = Segment(len(self.segments), round(start, 3), round(end, 3), text, tokens, avg,
                       self.temperature, ratio)  # fmt: skip
         self.segments.append(seg)
+        if self.on_segment is not None:
+            self.on_segment(seg)
         self.all_tokens.extend(t for t in tokens if t < self.tokens.eot)
 
     def _cut(self, tokens: list[int], avg: float, ratio: float) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -14,7 +14,7 @@ import torch
 from tokenmill.speech.audio import load_audio
 from tokenmill.speech.engine import SpeechEngine
 from tokenmill.speech.loader import load_whisper
-from tokenmill.speech.transcribe import TranscribeOptions, Transcription, TranscriptionJob
+from tokenmill.speech.transcribe import Segment, TranscribeOptions, Transcription, TranscriptionJob
 
 AudioInput = bytes | np.ndarray | tuple[np.ndarray, int]
 """File bytes, (samples, rate), or 16 kHz samples."""
@@ -34,12 +34,23 @@ class Transcriber:
     def multilingual(self) -> bool:
         return self.loaded.tokens.multilingual
 
+    def start(
+        self,
+        audio: AudioInput,
+        options: TranscribeOptions | None = None,
+        on_segment: Callable[[Segment], None] | None = None,
+    ) -> TranscriptionJob:
+        """Start one transcription; ``job.future`` resolves when its last window is decoded."""
+        samples = load_audio(audio)
+        opts = options or TranscribeOptions()
+        job = TranscriptionJob(samples, opts, self.engine, on_segment=on_segment)
+        job.start()
+        return job
+
     def submit(
         self, audio: AudioInput, options: TranscribeOptions | None = None
     ) -> Future[Transcription]:
-        """Start one transcription; the future resolves when its last window is decoded."""
-        samples = load_audio(audio)
-        return TranscriptionJob(samples, options or TranscribeOptions(), self.engine).start()
+        return self.start(audio, options).future
 
     def transcribe(
         self, audio: AudioInput, language: str | None = None, **options: Any

@@ -1,0 +1,367 @@
+"""OpenAI's audio routes over the speech runtimes (``tokenmill.speech``), beside the text server.
+
+``/v1/audio/transcriptions`` and ``/v1/audio/translations`` (multipart form) run on a
+``Transcriber``; ``/v1/audio/speech`` and ``GET /v1/audio/voices`` on a ``TTS``. A speech
+model is served by its own small app (``build_speech_app``): the text app's body
+middleware takes JSON only, and the two runtimes share no engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.datastructures import FormData, UploadFile
+
+from tokenmill import __version__
+from tokenmill.entrypoints.openai.errors import APIError, bad_request, install_handlers
+from tokenmill.entrypoints.openai.state import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+ASR_ALIASES = frozenset({"whisper-1", "gpt-4o-transcribe", "gpt-4o-mini-transcribe"})
+"""OpenAI's model names, accepted for the served Whisper so that clients work unchanged."""
+TTS_ALIASES = frozenset({"tts-1", "tts-1-hd", "gpt-4o-mini-tts"})
+
+
+@dataclass(frozen=True)
+class SpeechLimits:
+    max_file_bytes: int = 25 * 1024 * 1024
+    """Largest audio upload (OpenAI's limit); larger is a 400 before decoding."""
+    max_audio_seconds: float = 3600.0
+    """Longest audio one transcription may hold."""
+    max_live_requests: int = 64
+    """Speech requests in flight beyond this get 429."""
+    max_input_chars: int = 4096
+    """Longest text for /v1/audio/speech (OpenAI's limit)."""
+
+
+@dataclass
+class SpeechState:
+    model_name: str
+    transcriber: Any = None
+    """A ``tokenmill.speech.Transcriber``, or None when the model speaks instead."""
+    tts: Any = None
+    """A ``tokenmill.speech.TTS``, or None."""
+    limits: SpeechLimits = field(default_factory=SpeechLimits)
+    live: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def check_model(self, name: str | None, aliases: frozenset[str]) -> None:
+        if not name:
+            raise bad_request(f"model is required: send model={self.model_name!r}", param="model")
+        if name != self.model_name and name not in aliases:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.model_name!r}", type="not_found_error", param="model",
+                           code="model_not_found")  # fmt: skip
+
+    @contextlib.contextmanager
+    def admitted(self) -> Any:
+        if self.live >= self.limits.max_live_requests:
+            raise APIError(429, f"{self.live} speech requests are in flight (the limit); retry later",
+                           type="rate_limit_error", code="queue_full", headers={"Retry-After": "1"})  # fmt: skip
+        self.live += 1
+        try:
+            yield
+        finally:
+            self.live -= 1
+
+
+def _field(form: FormData, name: str) -> str | None:
+    value = form.get(name)
+    if value is None or isinstance(value, UploadFile):
+        return None
+    return str(value).strip() or None
+
+
+def _float(form: FormData, name: str, default: float, low: float, high: float) -> float:
+    text = _field(form, name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        raise bad_request(f"{name} must be a number, got {text!r}", param=name) from None
+    if not low <= value <= high:
+        raise bad_request(f"{name} must be in [{low}, {high}], got {value}", param=name)
+    return value
+
+
+async def _read_file(form: FormData, limits: SpeechLimits) -> bytes:
+    upload = form.get("file")
+    if not isinstance(upload, UploadFile):
+        raise bad_request(
+            "file is required: send the audio as the multipart field 'file'", param="file"
+        )
+    data = await upload.read(limits.max_file_bytes + 1)
+    if len(data) > limits.max_file_bytes:
+        raise bad_request(f"the audio file is over {limits.max_file_bytes} bytes", param="file",
+                          code="file_too_large")  # fmt: skip
+    return data
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _until_done(job: Any, raw: Request) -> Any:
+    """The job's result; a client that leaves cancels the job (and gets no answer)."""
+    result = asyncio.wrap_future(job.future)
+    while True:
+        done, _ = await asyncio.wait({result}, timeout=0.5)
+        if done:
+            return result.result()
+        if await raw.is_disconnected():
+            job.cancel()
+            raise _ClientGone
+
+
+async def _form(raw: Request, limits: SpeechLimits) -> FormData:
+    length = raw.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limits.max_file_bytes + 65536:
+        raise bad_request(f"the request body is over {limits.max_file_bytes} bytes",
+                          param="file", code="file_too_large")  # fmt: skip
+    kind = raw.headers.get("content-type", "")
+    if not kind.startswith("multipart/form-data"):
+        raise bad_request(f"send a multipart/form-data body (Content-Type is {kind!r})")
+    try:
+        return await raw.form(max_files=1, max_fields=64)
+    except Exception as e:  # malformed multipart
+        raise bad_request(f"the multipart body could not be read: {e}") from e
+
+
+class TranscriptionHandler:
+    def __init__(self, state: SpeechState) -> None:
+        self.state = state
+
+    async def create(self, raw: Request, task: str) -> Response:
+        from tokenmill.speech.audio import load_audio
+        from tokenmill.speech.formats import RESPONSE_FORMATS
+        from tokenmill.speech.transcribe import TranscribeOptions
+
+        st = self.state
+        if st.transcriber is None:
+            raise APIError(404, f"{st.model_name!r} is a text-to-speech model: it does not transcribe",
+                           type="not_found_error", code="model_not_found")  # fmt: skip
+        form = await _form(raw, st.limits)
+        st.check_model(_field(form, "model"), ASR_ALIASES)
+        fmt = _field(form, "response_format") or "json"
+        if fmt not in RESPONSE_FORMATS:
+            raise bad_request(f"response_format must be one of {list(RESPONSE_FORMATS)}, got {fmt!r}",
+                              param="response_format")  # fmt: skip
+        grains = form.getlist("timestamp_granularities[]") + form.getlist("timestamp_granularities")
+        if any(g not in ("segment", "word") for g in grains):
+            raise bad_request(f"timestamp_granularities must be segment or word, got {grains}",
+                              param="timestamp_granularities[]")  # fmt: skip
+        if "word" in grains:
+            raise bad_request("word timestamps are not supported; use 'segment'",
+                              param="timestamp_granularities[]")  # fmt: skip
+        stream = (_field(form, "stream") or "false").lower() == "true"
+        language = _field(form, "language") if task == "transcribe" else None
+        options = TranscribeOptions(
+            language=language.lower() if language else None, task=task, prompt=_field(form, "prompt"),
+            temperature=_float(form, "temperature", 0.0, 0.0, 1.0),
+        )  # fmt: skip
+        data = await _read_file(form, st.limits)
+        with st.admitted():
+            samples = await asyncio.to_thread(load_audio, data)
+            seconds = len(samples) / 16000
+            if seconds > st.limits.max_audio_seconds:
+                raise bad_request(f"the audio is {seconds:.0f} s long; the limit is "
+                                  f"{st.limits.max_audio_seconds:.0f} s", param="file",
+                                  code="audio_too_long")  # fmt: skip
+            if stream:
+                return await self._stream(raw, samples, options)
+            job = await asyncio.to_thread(st.transcriber.start, samples, options)
+            try:
+                result = await _until_done(job, raw)
+            except _ClientGone:
+                return Response(status_code=499)  # nobody reads it
+        return _render(result, fmt, task)
+
+    async def _stream(self, raw: Request, samples: Any, options: Any) -> Response:
+        """SSE: a transcript.text.delta per segment as it is final, then transcript.text.done."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        def on_segment(seg: Any) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, seg.text)
+
+        job = await asyncio.to_thread(self.state.transcriber.start, samples, options, on_segment)
+        job.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                while (text := await queue.get()) is not None:
+                    yield f"data: {json.dumps({'type': 'transcript.text.delta', 'delta': text})}\n\n"
+                exc = job.future.exception()
+                if exc is not None:
+                    body = {"type": "error", "error": {"message": str(exc)}}
+                    yield f"data: {json.dumps(body)}\n\n"
+                else:
+                    done = {"type": "transcript.text.done", "text": job.future.result().text}
+                    yield f"data: {json.dumps(done)}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                job.cancel()  # no-op once finished; stops decoding when the client left
+
+        self.state.live += 1  # the stream holds its slot until it ends
+        return StreamingResponse(_released(events(), self.state), media_type="text/event-stream")
+
+
+async def _released(events: AsyncIterator[str], state: SpeechState) -> AsyncIterator[str]:
+    try:
+        async for e in events:
+            yield e
+    finally:
+        state.live -= 1
+
+
+def _render(result: Any, fmt: str, task: str) -> Response:
+    from tokenmill.speech.formats import to_srt, to_verbose_json, to_vtt
+
+    if fmt == "text":
+        return PlainTextResponse(result.text + "\n")
+    if fmt == "srt":
+        return PlainTextResponse(to_srt(result))
+    if fmt == "vtt":
+        return PlainTextResponse(to_vtt(result), media_type="text/vtt")
+    if fmt == "verbose_json":
+        return JSONResponse(to_verbose_json(result, task))
+    return JSONResponse(
+        {"text": result.text, "usage": {"type": "duration", "seconds": round(result.duration, 3)}}
+    )
+
+
+def add_speech_routes(app: FastAPI, state: SpeechState) -> None:
+    """The audio routes, models and health over ``state``."""
+    asr = TranscriptionHandler(state)
+
+    @app.post("/v1/audio/transcriptions")
+    async def transcriptions(raw: Request) -> Response:
+        return await asr.create(raw, "transcribe")
+
+    @app.post("/v1/audio/translations")
+    async def translations(raw: Request) -> Response:
+        """Into English; an English-only model just transcribes (its audio must be English)."""
+        return await asr.create(raw, "translate")
+
+    if state.tts is not None:
+        from tokenmill.entrypoints.openai.serving_tts import add_tts_routes
+
+        add_tts_routes(app, state)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "tokenmill",
+        }
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+
+def build_speech_app(state: SpeechState, config: ServerConfig) -> FastAPI:
+    from tokenmill.entrypoints.openai.server import APIKeyMiddleware
+
+    app = FastAPI(title="tokenmill speech", version=__version__)
+    install_handlers(app)
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    add_speech_routes(app, state)
+    return app
+
+
+def load_speech_state(path: str | Path, model_name: str) -> SpeechState:
+    """A Whisper folder -> Transcriber; a Piper voice (folder or .onnx) -> TTS."""
+    from tokenmill.speech import is_speech_model
+
+    kind = is_speech_model(path)
+    if kind == "whisper":
+        from tokenmill.speech import Transcriber
+
+        return SpeechState(model_name, transcriber=Transcriber(path))
+    if kind == "tts":
+        from tokenmill.speech import TTS
+
+        return SpeechState(model_name, tts=TTS(str(path)))
+    raise ValueError(f"{path} is neither a Whisper folder nor a Piper voice")
+
+
+class SpeechServer:
+    """The speech app on uvicorn: ``run()`` in the foreground, ``start()`` in a thread."""
+
+    def __init__(self, state: SpeechState, config: ServerConfig | None = None) -> None:
+        self.state = state
+        self.config = config or ServerConfig()
+        self.app = build_speech_app(state, self.config)
+        uv = uvicorn.Config(self.app, host=self.config.host, port=self.config.port,
+                            log_level=self.config.uvicorn_log_level or self.config.log_level)  # fmt: skip
+        self._uv = uvicorn.Server(uv)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        sock = self._uv.servers[0].sockets[0] if self._uv.servers else None
+        port = sock.getsockname()[1] if sock is not None else self.config.port
+        return f"http://127.0.0.1:{port}"
+
+    def run(self) -> int:
+        try:
+            self._uv.run()
+        finally:
+            self._close_models()
+        return 0
+
+    def start(self, timeout: float = 30.0) -> SpeechServer:
+        self._thread = threading.Thread(
+            target=self._uv.run, name="tokenmill-speech-http", daemon=True
+        )
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._uv.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the speech server did not start")
+            time.sleep(0.01)
+        return self
+
+    def close(self) -> None:
+        self._uv.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10)
+        self._close_models()
+
+    def _close_models(self) -> None:
+        for runtime in (self.state.transcriber, self.state.tts):
+            if runtime is not None:
+                runtime.close()
+
+
+def serve_speech(path: str, config: ServerConfig, model_name: str) -> int:
+    """``tokenmill serve <whisper folder | piper voice>``."""
+    state = load_speech_state(path, model_name)
+    logging.getLogger("uvicorn.error").info(
+        "tokenmill is serving %r (speech): OpenAI audio API at http://%s:%d/v1", model_name,
+        config.host, config.port,
+    )  # fmt: skip
+    return SpeechServer(state, config).run()
