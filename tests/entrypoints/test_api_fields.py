@@ -249,3 +249,21 @@ def test_bad_words_through_the_server(http):
     assert r.json()["choices"][0]["text"] != plain
     empty = http.post("/v1/completions", json={**body, "bad_words": [""]})
     assert empty.status_code == 400 and "bad_words" in empty.text
+
+
+def test_text_logprobs_are_the_message_tokens_only():
+    """Reasoning and the text after it: only the tokens that wrote the text are the text's."""
+    from tokenmill.entrypoints.openai.serving_responses import _text_logprobs
+    from tokenmill.outputs import CompletionOutput, Logprob
+
+    pieces = ["<think>", "why", "</think>", "\n\n", "Hel", "lo"]
+    comp = CompletionOutput(
+        0,
+        "".join(pieces),
+        list(range(len(pieces))),
+        logprobs=[{i: Logprob(-0.1 * i, 1, p, p.encode())} for i, p in enumerate(pieces)],
+    )
+    assert [lp["token"] for lp in _text_logprobs(comp, 0, "Hello")] == ["Hel", "lo"]
+    assert _text_logprobs(comp, 0, "") == []
+    assert len(_text_logprobs(comp, 0, comp.text)) == len(pieces)
+    assert _text_logprobs(comp, None, "Hello") is None
