@@ -162,12 +162,15 @@ class PoolingMixin:
 
 def _prompts(prompts: PromptsIn) -> list[Prompt]:
     """str | token ids | {"prompt" / "prompt_token_ids"} | a list of them -> texts / id lists."""
+    items: Sequence[Any]
     if isinstance(prompts, str | dict):
-        prompts = [prompts]
+        items = [prompts]
     elif isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int):
-        prompts = [prompts]  # one prompt as token ids
+        items = [prompts]  # one prompt as token ids
+    else:
+        items = prompts
     out: list[Prompt] = []
-    for p in prompts:
+    for p in items:
         if isinstance(p, dict):
             if "prompt_token_ids" in p:
                 out.append(list(p["prompt_token_ids"]))

@@ -57,9 +57,10 @@ class Pooler(nn.Module):
     def __init__(self, config: PoolerConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.config = config
-        self.dense = nn.ModuleList(Dense(spec) for spec in config.dense)
-        for layer, spec in zip(self.dense, config.dense, strict=True):
+        layers = [Dense(spec) for spec in config.dense]
+        for layer, spec in zip(layers, config.dense, strict=True):
             _load_dense(layer, Path(spec.folder))
+        self.dense = nn.ModuleList(layers)
         self.to(dtype)
 
     def forward(self, hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ class PoolingRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Any,
         pooler: torch.nn.Module,
         device: torch.device,
         token_budget: int,

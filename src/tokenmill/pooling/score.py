@@ -51,7 +51,7 @@ def score_plan(engine, firsts: list[str], seconds: list[str], truncate: int | No
         return encoded, "score", from_logits
     texts = list(dict.fromkeys([*firsts, *seconds]))  # each distinct text embedded once
     where = {t: i for i, t in enumerate(texts)}
-    encoded: list[Encoded] = engine.prepare(texts, params, "embed")
+    embed_inputs: list[Encoded] = engine.prepare(texts, params, "embed")
 
     def cosine(raw: list[torch.Tensor]) -> list[float]:
         vecs = torch.stack(raw)
@@ -59,4 +59,4 @@ def score_plan(engine, firsts: list[str], seconds: list[str], truncate: int | No
         b = vecs[[where[t] for t in seconds]]
         return F.cosine_similarity(a, b, dim=-1).tolist()
 
-    return encoded, "embed", cosine
+    return embed_inputs, "embed", cosine

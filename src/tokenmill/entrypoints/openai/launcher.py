@@ -33,13 +33,20 @@ from tokenmill.engine.engine import LLMEngine
 from tokenmill.entrypoints.openai.connections import with_header_timeout
 from tokenmill.entrypoints.openai.server import build_app
 from tokenmill.entrypoints.openai.state import ServerConfig, ServerState, model_name_of
+from tokenmill.pooling.engine import PoolingEngine
+from tokenmill.pooling.frontend import AsyncPoolingLLM
 
 logger = logging.getLogger(__name__)
 
 FORCED_EXIT_FLUSH_S = 0.5
 """Seconds a forced exit gives the cut streams to send their error event."""
 
-EngineSource = LLMEngine | EngineConfig | Callable[[], LLMEngine | EngineConfig]
+EngineSource = (
+    LLMEngine
+    | PoolingEngine
+    | EngineConfig
+    | Callable[[], LLMEngine | PoolingEngine | EngineConfig]
+)
 """A loaded engine, or what to load (the server answers 503 meanwhile): an ``EngineConfig``
 is loaded in a thread, or in the engine process (``ServerConfig.engine_process``)."""
 
@@ -58,9 +65,9 @@ class OpenAIServer:
                 "an EngineConfig, not a loaded engine"
             )
         if model_name is None:
-            if not isinstance(engine, LLMEngine | EngineConfig):
+            if not isinstance(engine, LLMEngine | PoolingEngine | EngineConfig):
                 raise ValueError("pass model_name when the engine is loaded by the server")
-            econf = engine.config if isinstance(engine, LLMEngine) else engine
+            econf = engine if isinstance(engine, EngineConfig) else engine.config
             model_name = model_name_of(econf.model, econf.served_model_name)
         self.state = ServerState(self.config, model_name)
         self._source = engine
@@ -148,7 +155,7 @@ class OpenAIServer:
     def _on_startup(self) -> None:
         self._loop = asyncio.get_running_loop()
         source = self._source
-        if isinstance(source, LLMEngine):
+        if isinstance(source, LLMEngine | PoolingEngine):
             self._attach(source)
         else:
             factory = source if callable(source) else lambda: source
@@ -156,7 +163,7 @@ class OpenAIServer:
                 target=self._load, args=(factory,), name="tokenmill-load", daemon=True
             ).start()
 
-    def _load(self, factory: Callable[[], LLMEngine | EngineConfig]) -> None:
+    def _load(self, factory: Callable[[], LLMEngine | PoolingEngine | EngineConfig]) -> None:
         try:
             self._attach(factory())
         except BaseException as exc:  # noqa: BLE001 - reported by run() / wait_ready()
@@ -165,8 +172,17 @@ class OpenAIServer:
             self.state.load_error = exc
             self._uv.should_exit = True
 
-    def _attach(self, engine: LLMEngine | EngineConfig) -> None:
+    def _attach(self, engine: LLMEngine | PoolingEngine | EngineConfig) -> None:
         cfg = self.config
+        if isinstance(engine, EngineConfig):
+            from tokenmill.pooling.task import plan_pooling
+
+            plan = plan_pooling(engine)  # an embedding / scoring model (pooling/)
+            engine = engine if plan is None else PoolingEngine(engine, plan)
+        if isinstance(engine, PoolingEngine):
+            self.state.llm = AsyncPoolingLLM(engine, cfg.max_queued_requests, cfg.queue_timeout)
+            self._log_serving()
+            return
         if isinstance(engine, EngineConfig):
             from tokenmill.engine.core_process import EngineCoreClient, use_engine_process
 

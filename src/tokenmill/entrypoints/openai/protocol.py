@@ -387,6 +387,8 @@ class ModelCard(OpenAIModel):
     owned_by: str = "tokenmill"
     root: str | None = None
     max_model_len: int | None = None
+    task: str | None = None
+    """generate, or a pooling model's task: embed, score, classify."""
 
 
 class ModelList(OpenAIModel):

@@ -38,6 +38,7 @@ from tokenmill.entrypoints.openai.serving_chat import ChatHandler
 from tokenmill.entrypoints.openai.serving_common import ClientGone
 from tokenmill.entrypoints.openai.serving_completion import CompletionHandler
 from tokenmill.entrypoints.openai.serving_messages import MessagesHandler
+from tokenmill.entrypoints.openai.serving_pooling import add_pooling_routes, model_task
 from tokenmill.entrypoints.openai.serving_responses import ResponsesHandler
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.metrics.prometheus import make_registry
@@ -107,6 +108,7 @@ def build_app(
     app = FastAPI(title="tokenmill", version=__version__, lifespan=lifespan, **docs)
     app.state.tokenmill = state
     install_handlers(app)
+    add_pooling_routes(app, state)  # its guard is the innermost middleware
 
     @app.exception_handler(ClientGone)
     async def _gone(_: Request, __: ClientGone) -> Response:
@@ -173,7 +175,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def list_models() -> ModelList:
         max_len = state.llm.engine.max_model_len if state.llm is not None else None
-        card = ModelCard(id=state.model_name, created=state.created, max_model_len=max_len)
+        card = ModelCard(
+            id=state.model_name,
+            created=state.created,
+            max_model_len=max_len,
+            task=model_task(state),
+        )
         return ModelList(data=[card])
 
     @app.post("/tokenize")
