@@ -118,7 +118,8 @@ def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
 
     A one-token word needs no history, so it runs with tokens in flight; longer words
     make the request's steps synchronous (``SamplingParams.reads_output_tokens``), so
-    ``output_token_ids`` is then complete."""
+    ``output_token_ids`` is then complete (no ``InFlightRow``; a draft row has the drafts
+    before it appended)."""
     row_idx: list[int] = []
     tok_idx: list[int] = []
     for i, row in enumerate(rows):
@@ -132,7 +133,7 @@ def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
                 row_idx.append(i)
                 tok_idx.append(word[0])
                 continue
-            assert row.num_placeholders <= 1, "a bad word of several tokens steps synchronously"
+            assert not isinstance(row, InFlightRow), "a long bad word steps synchronously"
             if len(past) >= k and list(past[len(past) - k :]) == word[:k]:
                 row_idx.append(i)
                 tok_idx.append(word[k])
