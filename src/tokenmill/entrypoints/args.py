@@ -200,6 +200,28 @@ ENGINE_FLAGS = (
         "most logprobs / prompt_logprobs alternatives a request may ask for",
         20,
     ),
+    Flag(
+        "--runner",
+        "runner",
+        str,
+        "generate, pooling (embeddings, scores, classes: /v1/embeddings, /rerank, ...), or auto: pooling for an encoder or a sentence-transformers folder",
+        "auto",
+        choices=("auto", "generate", "pooling"),
+    ),
+    Flag(
+        "--convert",
+        "convert",
+        str,
+        "pooling head: embed, classify, or auto (classify for *ForSequenceClassification)",
+        "auto",
+        choices=("auto", "embed", "classify"),
+    ),
+    Flag(
+        "--pooler-config",
+        "pooler_config",
+        json_object,
+        'pooling overrides as JSON: {"pooling_type": "MEAN" | "CLS" | "LAST" | "MAX", "normalize": bool, "dimensions": n}',
+    ),
 )
 GENERATION_CONFIG_HELP = (
     "default sampling parameters: auto (the checkpoint's "
