@@ -19,18 +19,20 @@ from tokenmill.entrypoints.openai.chat_output import ChatStreamer, DeltaParts
 from tokenmill.entrypoints.openai.errors import APIError, bad_request, from_exception
 from tokenmill.entrypoints.openai.preprocess import off_loop
 from tokenmill.entrypoints.openai.protocol_responses import (
-    ResponseObject,
     ResponsesRequest,
-    call_item,
     check_request,
-    finish,
     input_items,
     item_id,
+    to_chat_request,
+    to_messages,
+)
+from tokenmill.entrypoints.openai.responses_output import (
+    ResponseObject,
+    call_item,
+    finish,
     message_item,
     output_text,
     reasoning_item,
-    to_chat_request,
-    to_messages,
     usage,
 )
 from tokenmill.entrypoints.openai.serving_chat import ChatHandler, PreparedChat
