@@ -143,6 +143,8 @@ FUNCTIONS = [{"name": "f", "parameters": {"type": "object"}}]
         ({"use_beam_search": True}, "use_beam_search"),
         ({"length_penalty": 0.5}, "length_penalty"),
         ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+        ({"add_special_tokens": True}, "add_special_tokens"),
+        ({"logits_processors": ["my.module:Processor"]}, "logits_processors"),
     ],
 )
 def test_chat_fields_not_honoured_are_400s(http, extra, param):

@@ -87,6 +87,11 @@ _SAMPLING_REFUSED = {
     "prompt_embeds": Refused("prompts are text or token ids"),
     "kv_transfer_params": Refused("there is no KV transfer (disaggregated serving)"),
     "vllm_xargs": Refused("there are no custom sampling extensions"),
+    "logits_processors": Refused(
+        "logits processors are per-request callables of the Python API (SamplingParams), "
+        "not named in a request body"
+    ),
+    "mm_processor_kwargs": Refused("this server takes text only"),
 }
 """vLLM's extra fields that change results and are not honoured here."""
 
@@ -169,6 +174,9 @@ class ChatCompletionRequest(SamplingRequest):
         "moderation": Refused("there is no moderation"),
         "documents": Refused("documents are not passed to the chat template"),
         "return_token_ids": Refused("token ids are not returned"),
+        "add_special_tokens": Refused(
+            "the chat template writes the special tokens (false is what is done)", (None, False)
+        ),
     }
 
     messages: list[dict[str, Any]]
