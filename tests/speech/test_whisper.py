@@ -120,3 +120,13 @@ def test_sampling_is_seeded(transcriber, clips):
     a = transcriber.transcribe(clips[1], temperature=0.8, fallback=False, seed=3).text
     b = transcriber.transcribe(clips[1], temperature=0.8, fallback=False, seed=3).text
     assert a == b
+
+
+def test_load_model_picks_the_runtime(whisper_ct2, piper_voice):
+    from tokenmill.speech import is_speech_model, piper_voice_file
+
+    assert is_speech_model(whisper_ct2) == "whisper"
+    assert is_speech_model(piper_voice) == "tts"
+    onnx = piper_voice_file(piper_voice)
+    assert onnx is not None and is_speech_model(onnx) == "tts"
+    assert is_speech_model(whisper_ct2.parent) is None  # the package folder itself: neither

@@ -22,6 +22,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, Field
 from starlette.datastructures import FormData, UploadFile
 
 from tokenmill import __version__
@@ -244,6 +245,129 @@ def _render(result: Any, fmt: str, task: str) -> Response:
     )
 
 
+class SpeechRequest(BaseModel):
+    """OpenAI's /v1/audio/speech body."""
+
+    model: str
+    input: str
+    voice: str = "default"
+    response_format: str = "mp3"
+    speed: float = Field(1.0, ge=0.25, le=4.0)
+    stream_format: str = "audio"
+    instructions: str | None = None
+    """Accepted and ignored (Piper voices take no style prompt)."""
+
+
+SPEECH_FORMATS = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac",
+                  "mp3": "audio/mpeg", "opus": "audio/ogg"}  # fmt: skip
+"""Formats /v1/audio/speech writes (mp3, flac and opus through libsndfile); aac is a 400."""
+
+
+def _wav_header(rate: int) -> bytes:
+    """A streaming WAV header: mono int16, sizes unknown (0xFFFFFFFF, as streaming servers send)."""
+    import struct
+
+    return b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVEfmt " + struct.pack(
+        "<IHHIIHH", 16, 1, 1, rate, rate * 2, 2, 16
+    ) + b"data" + struct.pack("<I", 0xFFFFFFFF)  # fmt: skip
+
+
+def _encode(pcm: bytes, rate: int, fmt: str) -> bytes:
+    """Whole int16 PCM -> a flac, mp3 or opus (ogg) file."""
+    import io
+
+    import numpy as np
+    import soundfile as sf
+
+    samples = np.frombuffer(pcm, dtype="<i2")
+    if fmt == "opus":  # Opus takes 8/12/16/24/48 kHz only
+        from tokenmill.speech.audio import resample
+
+        samples, rate = resample(samples.astype(np.float32) / 32768, rate, 24000), 24000
+    buf = io.BytesIO()
+    kind = {"flac": ("FLAC", None), "mp3": ("MP3", None), "opus": ("OGG", "OPUS")}[fmt]
+    sf.write(buf, samples, rate, format=kind[0], subtype=kind[1])
+    return buf.getvalue()
+
+
+class SpeechHandler:
+    def __init__(self, state: SpeechState) -> None:
+        self.state = state
+
+    def require(self) -> Any:
+        if self.state.tts is None:
+            raise APIError(404, f"{self.state.model_name!r} is a transcription model: it does not speak",
+                           type="not_found_error", code="model_not_found")  # fmt: skip
+        return self.state.tts
+
+    async def create(self, body: SpeechRequest, raw: Request) -> Response:
+        from tokenmill.speech.tts import AudioParams
+
+        st, tts = self.state, self.require()
+        st.check_model(body.model, TTS_ALIASES)
+        if body.response_format not in SPEECH_FORMATS:
+            raise bad_request(f"response_format must be one of {sorted(SPEECH_FORMATS)}, got "
+                              f"{body.response_format!r}", param="response_format")  # fmt: skip
+        if body.stream_format not in ("audio", "sse"):
+            raise bad_request(f"stream_format must be audio or sse, got {body.stream_format!r}",
+                              param="stream_format")  # fmt: skip
+        if not body.input.strip():
+            raise bad_request("input is empty: send the text to speak", param="input")
+        if len(body.input) > st.limits.max_input_chars:
+            raise bad_request(f"input is {len(body.input)} characters; the limit is "
+                              f"{st.limits.max_input_chars}", param="input")  # fmt: skip
+        if body.voice not in (*tts.list_voices(), "default"):
+            raise bad_request(f"unknown voice {body.voice!r}; known voices: {tts.list_voices()} "
+                              "(or 'default')", param="voice", code="unknown_voice")  # fmt: skip
+        params = AudioParams(voice=body.voice, speed=body.speed)
+        with st.admitted():
+            chunks = tts.generate_speech_stream(body.input, params)
+            first = await asyncio.to_thread(next, chunks)  # errors here are still a 400
+        fmt, rate = body.response_format, tts.sample_rate
+        if body.stream_format == "sse":
+            return StreamingResponse(self._sse(first, chunks, raw), media_type="text/event-stream")
+        if fmt in ("pcm", "wav"):
+            head = _wav_header(rate) if fmt == "wav" else b""
+            return StreamingResponse(
+                self._audio(head, first, chunks, raw), media_type=SPEECH_FORMATS[fmt]
+            )
+        rest = await asyncio.to_thread(lambda: b"".join(chunks))
+        data = await asyncio.to_thread(_encode, first + rest, rate, fmt)
+        return Response(data, media_type=SPEECH_FORMATS[fmt])
+
+    async def _audio(
+        self, head: bytes, first: bytes, chunks: Any, raw: Request
+    ) -> AsyncIterator[bytes]:
+        yield head + first
+        async for chunk in self._rest(chunks, raw):
+            yield chunk
+
+    async def _rest(self, chunks: Any, raw: Request) -> AsyncIterator[bytes]:
+        """The chunks after the first, synthesized off the loop; stops when the client leaves."""
+        self.state.live += 1
+        try:
+            while not await raw.is_disconnected():
+                chunk = await asyncio.to_thread(next, chunks, None)
+                if chunk is None:
+                    return
+                yield chunk
+        finally:
+            self.state.live -= 1
+
+    async def _sse(self, first: bytes, chunks: Any, raw: Request) -> AsyncIterator[str]:
+        import base64
+
+        def event(kind: str, **fields: Any) -> str:
+            return f"data: {json.dumps({'type': kind, **fields})}\n\n"
+
+        yield event("speech.audio.delta", audio=base64.b64encode(first).decode())
+        async for chunk in self._rest(chunks, raw):
+            yield event("speech.audio.delta", audio=base64.b64encode(chunk).decode())
+        yield event(
+            "speech.audio.done", usage={"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+        )
+
+
 def add_speech_routes(app: FastAPI, state: SpeechState) -> None:
     """The audio routes, models and health over ``state``."""
     asr = TranscriptionHandler(state)
@@ -257,10 +381,20 @@ def add_speech_routes(app: FastAPI, state: SpeechState) -> None:
         """Into English; an English-only model just transcribes (its audio must be English)."""
         return await asr.create(raw, "translate")
 
-    if state.tts is not None:
-        from tokenmill.entrypoints.openai.serving_tts import add_tts_routes
+    tts = SpeechHandler(state)
 
-        add_tts_routes(app, state)
+    @app.post("/v1/audio/speech")
+    async def speech(body: SpeechRequest, raw: Request) -> Response:
+        return await tts.create(body, raw)
+
+    @app.get("/v1/audio/voices")
+    async def voices() -> dict[str, Any]:
+        names = tts.require().list_voices()
+        return {
+            "object": "list",
+            "voices": [{"id": n, "name": n} for n in names],
+            "default": names[0],
+        }
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

@@ -1,0 +1,82 @@
+"""Piper VITS in our PyTorch code vs onnxruntime on the ONNX file, and TTS -> Whisper round trips."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.speech.espeak import phonemize
+from tokenmill.speech.tts import AudioParams, split_sentences
+from tokenmill.speech.vits import Scales
+
+HIDDEN = [
+    "The little boat sailed across the quiet lake at sunrise.",
+    "Please bring your umbrella because it may rain this afternoon.",
+    "Fresh bread and warm soup make a wonderful dinner in winter.",
+    "The students listened carefully while the teacher explained the lesson.",
+]
+
+
+def wer(ref: str, hyp: str) -> tuple[int, int]:
+    """(word edits, reference words) after lower-casing and dropping punctuation."""
+    r, h = (re.sub(r"[^a-z' ]", " ", s.lower()).split() for s in (ref, hyp))
+    d = list(range(len(h) + 1))
+    for i, rw in enumerate(r, 1):
+        prev, d[0] = d[0], i
+        for j, hw in enumerate(h, 1):
+            prev, d[j] = d[j], min(d[j] + 1, d[j - 1] + 1, prev + (rw != hw))
+    return d[len(h)], len(r)
+
+
+def test_matches_onnxruntime_without_noise(tts, piper_voice):
+    ort = pytest.importorskip("onnxruntime")
+    sess = ort.InferenceSession(
+        str(next(piper_voice.glob("*.onnx"))), providers=["CPUExecutionProvider"]
+    )
+    for text in HIDDEN[:2]:
+        ids = tts.voice.ids(phonemize(text))
+        feed = {
+            "input": np.array([ids], dtype=np.int64),
+            "input_lengths": np.array([len(ids)], dtype=np.int64),
+            "scales": np.array([0.0, 1.0, 0.0], dtype=np.float32),  # noise off: deterministic
+        }
+        ref = sess.run(None, feed)[0].ravel()
+        with torch.inference_mode():
+            ours = tts.voice.model(torch.tensor([ids]), Scales(0.0, 1.0, 0.0)).numpy()
+        assert ours.shape == ref.shape
+        np.testing.assert_allclose(ours, ref, atol=2e-3)
+        assert np.abs(ours - ref).mean() < 1e-4
+
+
+def test_round_trip_through_whisper(tts, transcriber):
+    edits = words = 0
+    for text in HIDDEN:
+        pcm = tts.generate_speech(text)
+        heard = transcriber.transcribe((pcm.astype(np.float32) / 32768, tts.sample_rate)).text
+        e, n = wer(text, heard)
+        edits, words = edits + e, words + n
+    assert edits / words <= 0.10, (edits, words)
+
+
+def test_stream_is_one_chunk_per_sentence(tts):
+    chunks = list(tts.generate_speech_stream("Hello there. How are you today? Fine, thanks."))
+    assert len(chunks) == 3 and all(len(c) % 2 == 0 and len(c) > 4000 for c in chunks)
+    assert split_sentences("One.  Two!\nThree") == ["One.", "Two!", "Three"]
+
+
+def test_voices_speed_and_errors(tts):
+    assert tts.list_voices() == ["en_US-joe-medium"]
+    normal = len(
+        tts.generate_speech("Good morning everyone.", AudioParams(voice="en_US-joe-medium"))
+    )
+    fast = len(tts.generate_speech("Good morning everyone.", AudioParams(speed=2.0)))
+    assert 0.35 < fast / normal < 0.65
+    with pytest.raises(ValueError, match="known voices"):
+        list(tts.generate_speech_stream("Hi.", AudioParams(voice="alloy")))
+    with pytest.raises(ValueError, match="empty"):
+        list(tts.generate_speech_stream("   "))
+    with pytest.raises(ValueError, match="speed"):
+        AudioParams(speed=9)
