@@ -38,21 +38,33 @@ def _sse(http, route: str, body: dict) -> list[dict]:
         return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
 
 
-def test_responses_reasoning_item(http):
+@pytest.mark.parametrize("summary", [None, "auto", "detailed"])
+def test_responses_reasoning_item(http, summary):
+    """The reasoning text is the item's content; a summary only when asked for (then the
+    same text), streamed as summary or reasoning_text events accordingly."""
     body = {"model": MODEL, "input": "Why?", "max_output_tokens": 6, "temperature": 0}
+    if summary is not None:
+        body["reasoning"] = {"summary": summary}
     r = http.post("/v1/responses", json=body).json()
     Response.model_validate(r)
     reasoning = r["output"][0]
-    assert reasoning["type"] == "reasoning" and reasoning["summary"][0]["text"]
+    assert reasoning["type"] == "reasoning"
+    text = reasoning["content"][0]["text"]
+    assert text and reasoning["content"][0]["type"] == "reasoning_text"
+    if summary is None:
+        assert reasoning["summary"] == []
+    else:
+        assert reasoning["summary"] == [{"type": "summary_text", "text": text}]
     assert r["usage"]["output_tokens_details"]["reasoning_tokens"] > 0
     events = _sse(http, "/v1/responses", body)
     for e in events:
         TypeAdapter(ResponseStreamEvent).validate_python(e)
-    deltas = "".join(
-        e["delta"] for e in events if e["type"] == "response.reasoning_summary_text.delta"
-    )
-    assert deltas == reasoning["summary"][0]["text"]
-    assert events[-1]["response"]["output"][0]["summary"][0]["text"] == deltas
+    kind = "reasoning_text" if summary is None else "reasoning_summary_text"
+    deltas = "".join(e["delta"] for e in events if e["type"] == f"response.{kind}.delta")
+    assert deltas == text
+    [done] = [e for e in events if e["type"] == f"response.{kind}.done"]
+    assert done["text"] == text
+    assert events[-1]["response"]["output"][0] == {**reasoning, "id": done["item_id"]}
 
 
 def test_messages_thinking_block(http):

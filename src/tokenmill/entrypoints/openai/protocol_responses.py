@@ -47,8 +47,10 @@ INCLUDABLE: dict[str, str | None] = {
 }
 """``include`` values: None = honoured; a string = refused, and why."""
 REASONING_SUMMARIES = (None, "auto", "detailed")
-"""The summary of a reasoning item is the model's reasoning text itself, unabridged: the
-"auto" and "detailed" summaries; a "concise" one would need a summarizer (a 400)."""
+"""A reasoning item's content is the model's reasoning text; asked for a summary, the item
+also carries that text, unabridged, as its summary: the "auto" and "detailed" summaries.
+A "concise" one would need a summarizer (a 400). Without ``summary`` the summary is
+empty, as OpenAI's."""
 
 
 class ResponsesRequest(RequestModel):
@@ -82,8 +84,8 @@ class ResponsesRequest(RequestModel):
     """{"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"},
     "verbosity": "medium"} (no other verbosity can be set)."""
     reasoning: dict[str, Any] | None = None
-    """{"effort": ..., "summary": ...}: effort goes to the chat template; the summary is the
-    reasoning text itself (``REASONING_SUMMARIES``)."""
+    """{"effort": ..., "summary": ...}: effort goes to the chat template; a summary is the
+    reasoning text itself (``REASONING_SUMMARIES``, ``wants_summary``)."""
     include: list[str] | None = None
     """``INCLUDABLE``: "message.output_text.logprobs" puts logprobs on output_text parts."""
     top_logprobs: int | None = None
@@ -117,6 +119,13 @@ class ResponsesRequest(RequestModel):
         if INCLUDE_LOGPROBS not in (self.include or ()):
             return None
         return self.top_logprobs or 0
+
+
+def wants_summary(req: ResponsesRequest) -> bool:
+    """Whether reasoning items carry a summary (``reasoning.summary``, or its older name
+    ``generate_summary``); the reasoning text is their content either way."""
+    reasoning = req.reasoning or {}
+    return (reasoning.get("summary") or reasoning.get("generate_summary")) is not None
 
 
 def check_request(req: ResponsesRequest) -> None:

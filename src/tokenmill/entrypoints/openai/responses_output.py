@@ -13,12 +13,15 @@ from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest, it
 from tokenmill.parsers.tools import ToolCall
 
 
-def reasoning_item(text: str, rid: str | None = None) -> dict[str, Any]:
+def reasoning_item(text: str, summary: bool, rid: str | None = None) -> dict[str, Any]:
+    """The reasoning text as ``content`` (reasoning_text, as vLLM returns it) and, when the
+    request asked for a summary (``wants_summary``), as the summary too."""
     return {
         "type": "reasoning",
         "id": rid or item_id("rs"),
         "status": "completed",
-        "summary": [{"type": "summary_text", "text": text}],
+        "summary": [{"type": "summary_text", "text": text}] if summary else [],
+        "content": [{"type": "reasoning_text", "text": text}],
     }
 
 

@@ -25,6 +25,7 @@ from tokenmill.entrypoints.openai.protocol_responses import (
     item_id,
     to_chat_request,
     to_messages,
+    wants_summary,
 )
 from tokenmill.entrypoints.openai.responses_output import (
     ResponseObject,
@@ -115,13 +116,14 @@ class ResponsesHandler:
         prep = await off_loop(self.state, self.chat.prepare, chat_req, "resp")
         stream, first = await self.chat.start(prep, chat_req, raw)
         resp = ResponseObject.start(item_id("resp"), self.state.model_name, req)
+        summary = wants_summary(req)
         if req.stream:
-            run = _Run(self, resp, prep, stream, chat_req.messages, items)
+            run = _Run(self, resp, prep, stream, chat_req.messages, items, summary)
             return StreamingResponse(run.events(first), media_type="text/event-stream")
         comp = first.outputs[0]
         parts = prep.parser.parse(comp.text, final=True)
         if parts.reasoning:
-            resp.output.append(reasoning_item(parts.reasoning))
+            resp.output.append(reasoning_item(parts.reasoning, summary))
         if parts.content or not parts.calls:
             logprobs = _text_logprobs(comp, prep.top_n, parts.content)
             resp.output.append(message_item(parts.content, logprobs=logprobs))
@@ -249,9 +251,20 @@ class _Run:
         stream: RequestStream,
         messages: list[dict[str, Any]],
         items: list[dict[str, Any]],
+        summary: bool,
     ) -> None:
         self.handler, self.resp, self.prep, self.stream = handler, resp, prep, stream
         self.messages, self.items = messages, items
+        self.summary = summary
+        # reasoning streams as a summary (asked for) or as reasoning_text content:
+        # (part events, text events, index key, part type)
+        self.reasoning_events = (
+            ("response.reasoning_summary_part", "response.reasoning_summary_text",
+             "summary_index", "summary_text")
+            if summary
+            else ("response.content_part", "response.reasoning_text", "content_index",
+                  "reasoning_text")
+        )  # fmt: skip
         self.seq = 0
         self.open: dict[str, Any] | None = None  # the item being streamed
         self.reasoning = ""
@@ -306,10 +319,9 @@ class _Run:
         if delta.reasoning:
             self.reasoning += delta.reasoning
             events += self._open("reasoning")
+            _, text_events, index_key, _ = self.reasoning_events
             events.append(
-                self._text_delta(
-                    "response.reasoning_summary_text.delta", delta.reasoning, summary_index=0
-                )
+                self._text_delta(text_events + ".delta", delta.reasoning, **{index_key: 0})
             )
         if delta.content:
             events += self._open("message")
@@ -346,14 +358,15 @@ class _Run:
             return []
         events = self._close()
         if kind == "reasoning":
-            item = {**reasoning_item(""), "summary": [], "status": "in_progress"}
+            item = {**reasoning_item("", False), "content": [], "status": "in_progress"}
             events += self._added(item, kind)
+            part_events, _, index_key, part_type = self.reasoning_events
             events.append(
                 self._event(
-                    "response.reasoning_summary_part.added",
+                    part_events + ".added",
                     **self._where(),
-                    summary_index=0,
-                    part={"type": "summary_text", "text": ""},
+                    **{index_key: 0},
+                    part={"type": part_type, "text": ""},
                 )
             )
         else:
@@ -390,16 +403,13 @@ class _Run:
         kind, item, text = self.open["kind"], self.open["item"], self.open["text"]
         where = self._where()
         if kind == "reasoning":
-            part = {"type": "summary_text", "text": text}
+            part_events, text_events, index_key, part_type = self.reasoning_events
+            at = {**where, index_key: 0}
             events = [
-                self._event(
-                    "response.reasoning_summary_text.done", **where, summary_index=0, text=text
-                ),
-                self._event(
-                    "response.reasoning_summary_part.done", **where, summary_index=0, part=part
-                ),
+                self._event(text_events + ".done", **at, text=text),
+                self._event(part_events + ".done", **at, part={"type": part_type, "text": text}),
             ]
-            item = reasoning_item(text, item["id"])
+            item = reasoning_item(text, self.summary, item["id"])
         elif kind == "message":
             logprobs = self.open["logprobs"]
             events = [
