@@ -28,6 +28,7 @@ from tokenmill.sampling import make_generator
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import SchedulerOutput
 from tokenmill.scheduler.request import Request, RequestStatus
+from tokenmill.spec_decode.proposer import DraftHook
 from tokenmill.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,9 @@ class LLMEngine:
         self.hooks = parts.hooks
         """Request hooks, called in order (``engine/hooks.py``): structured output, then
         the caller's."""
-        self.stats = EngineStats()
+        self.stats = EngineStats(spec_decode=next(
+            (h.stats for h in self.hooks if isinstance(h, DraftHook)), None
+        ))  # fmt: skip
         """Folded from the stages' event records (``metrics/stats.py``)."""
         self.processor = OutputProcessor(self.tokenizer, self.stats.on_request_finished)
         self.overlap = config.overlaps_steps()

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from tokenmill.scheduler.output import SchedulerOutput
     from tokenmill.scheduler.scheduler import Progress
+    from tokenmill.spec_decode.metrics import SpecDecodeStats
 
 # Bucket upper bounds in seconds (vLLM's).
 # fmt: off
@@ -119,6 +120,8 @@ class EngineStats:
     time_to_first_token: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     inter_token_latency: Histogram = field(default_factory=lambda: Histogram(ITL_BUCKETS))
     e2e_latency: Histogram = field(default_factory=lambda: Histogram(REQUEST_BUCKETS))
+    spec_decode: SpecDecodeStats | None = None
+    """Speculative decoding's counters (the draft hook's own, shared), None when off."""
 
     @property
     def refused(self) -> int:
@@ -180,4 +183,5 @@ class EngineStats:
             "queue_latency_max_s": self.queue_time.max,
             "queued": self.num_waiting,
             "running": self.num_running,
+            **(self.spec_decode.as_dict() if self.spec_decode is not None else {}),
         }
