@@ -269,3 +269,23 @@ def test_text_logprobs_are_the_message_tokens_only():
     assert _text_logprobs(comp, 0, "") == []
     assert len(_text_logprobs(comp, 0, comp.text)) == len(pieces)
     assert _text_logprobs(comp, None, "Hello") is None
+
+
+def test_every_sdk_request_field_is_declared_or_refused():
+    """Each field of the openai SDK's request parameters (pinned in constraints.txt) is a
+    field of our request model (honoured) or in its refused table: none is silently
+    dropped as unknown."""
+    from openai.types import completion_create_params as text
+    from openai.types.chat import completion_create_params as chat
+    from openai.types.responses import response_create_params as responses
+
+    from tokenmill.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+    from tokenmill.entrypoints.openai.protocol_responses import ResponsesRequest
+
+    for params, model in (
+        (chat.CompletionCreateParamsBase, ChatCompletionRequest),
+        (text.CompletionCreateParamsBase, CompletionRequest),
+        (responses.ResponseCreateParamsBase, ResponsesRequest),
+    ):
+        handled = set(model.model_fields) | set(model.refused)
+        assert set(params.__annotations__) - handled == set(), model.__name__
