@@ -73,7 +73,8 @@ class RequestModel(OpenAIModel):
         for name, rule in self.refused.items():
             value = getattr(self, name) if name in type(self).model_fields else extra.get(name)
             if not any(value == ok and type(value) is type(ok) for ok in rule.harmless):
-                raise bad_request(f"{name}={value!r} is not supported: {rule.reason}", name)
+                shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+                raise bad_request(f"{name}={shown} is not supported: {rule.reason}", name)
         unknown = sorted(set(extra) - set(self.refused))
         if unknown:
             logger.warning("ignoring request fields this API does not define: %s", unknown)
