@@ -29,6 +29,7 @@ CONV = [{"role": "user", "content": "Name any animal you like, then say why."}]
 
 class GreedyProposer:
     name = "greedy"
+    costly = False
 
     def __init__(self, continuation: list[int]) -> None:
         self.continuation = continuation

@@ -47,6 +47,7 @@ class NgramProposer:
     """``Proposer`` of prompt-lookup drafts (vLLM's method ``ngram``)."""
 
     name = "ngram"
+    costly = False
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n

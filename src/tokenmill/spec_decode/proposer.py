@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 class Proposer(Protocol):
     name: str
     """The method's name in metrics (ngram, suffix, draft_model...)."""
+    costly: bool
+    """Whether proposing costs model steps (a draft model): then the step's draft cap is
+    chosen before proposing, and only that many are drafted."""
 
     def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
         """Per request, up to ``k`` guesses of the tokens after its ``all_token_ids``."""
@@ -64,17 +67,23 @@ class DraftHook(RequestHook):
         ]  # fmt: skip
         if not eligible:
             return
-        proposals = self.proposer.propose(eligible, self.num_tokens)
+        k = self.num_tokens
+        if getattr(self.proposer, "costly", False):  # choose the cap first: drafting costs
+            k = self._cap(len(running), eligible, [k] * len(eligible))
+            if k == 0:
+                return
+        proposals = self.proposer.propose(eligible, k)
         drafting = [(req, p) for req, p in zip(eligible, proposals) if p]
         if not drafting:
             return
-        prior = self.length.prior()
-        rates = [self._rates.get(r.request_id, Acceptance()).rate(prior) for r, _ in drafting]
-        cap = self.length.choose(len(running) - len(drafting), rates, [len(p) for _, p in drafting])
-        if cap == 0:
-            return
+        cap = self._cap(len(running), [r for r, _ in drafting], [len(p) for _, p in drafting])
         for req, p in drafting:
             req.spec_token_ids = p[:cap]
+
+    def _cap(self, num_running: int, requests: Sequence[Request], lengths: list[int]) -> int:
+        prior = self.length.prior()
+        rates = [self._rates.get(r.request_id, Acceptance()).rate(prior) for r in requests]
+        return self.length.choose(num_running - len(requests), rates, lengths)
 
     def on_scheduled(self, sched: SchedulerOutput) -> None:
         for seq in sched.seqs:

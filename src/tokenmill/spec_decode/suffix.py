@@ -73,6 +73,7 @@ class SuffixProposer:
     """``Proposer`` of suffix-decoding drafts (vLLM's method ``suffix``)."""
 
     name = "suffix"
+    costly = False
 
     def __init__(
         self,

