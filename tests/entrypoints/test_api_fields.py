@@ -289,3 +289,10 @@ def test_every_sdk_request_field_is_declared_or_refused():
     ):
         handled = set(model.model_fields) | set(model.refused)
         assert set(params.__annotations__) - handled == set(), model.__name__
+
+
+def test_fields_no_api_defines_are_logged(http, caplog):
+    with caplog.at_level("WARNING", logger="tokenmill.entrypoints.openai.protocol"):
+        r = http.post("/v1/chat/completions", json={**CHAT, "no_such_field": 1})
+    assert r.status_code == 200
+    assert "no_such_field" in caplog.text
