@@ -20,6 +20,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.loader.checkpoint import Checkpoint
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.models.registry import resolve_pooling_class
+from tokenmill.pooling.causal import CausalPoolingModel
 from tokenmill.pooling.params import PoolingParams
 from tokenmill.pooling.pooler import Pooler, check_dimensions, finish_embedding, finish_logits
 from tokenmill.pooling.runner import PoolingRunner
@@ -58,17 +59,39 @@ class PoolingEngine:
         self.stats = EngineStats()
         device, dtype = config.torch_device(), config.torch_dtype()
         self.tokenizer = load_tokenizer(plan.checkpoint, config.tokenizer)
-        with torch.device("meta"):
-            model = resolve_pooling_class(plan.architecture)(plan.checkpoint.hf_config)
-        model = model.to_empty(device=device).to(dtype)
-        model.load_weights(plan.checkpoint.weights(dtype))
-        self.model = model.eval()
+        self.model = self._build_model(device, dtype)
+        model = self.model
         self.pooler = Pooler(plan.pooler, dtype).to(device)
         limits = [model.max_positions, plan.pooler.max_seq_length, config.max_model_len]
         self.max_model_len = min(n for n in limits if n)
         self.text = PoolingTokenizer(self.tokenizer.hf, self.max_model_len)
         budget = config.max_num_batched_tokens or max(DEFAULT_TOKEN_BUDGET, self.max_model_len)
         self.runner = PoolingRunner(self.model, self.pooler, device, budget, config.max_num_seqs)
+
+    def _build_model(self, device: torch.device, dtype: torch.dtype) -> Any:
+        """Built on the meta device (encoders) or in place (decoders), then loaded once."""
+        plan, hf_config = self.plan, self.plan.checkpoint.hf_config
+        if plan.causal:
+            tokens = plan.pooler.classifier_from_token
+            ids = None if tokens is None else self._token_ids(tokens)
+            weights = plan.checkpoint.weights(dtype)
+            return CausalPoolingModel.build(
+                plan.architecture, hf_config, weights, dtype, device, ids
+            )
+        with torch.device("meta"):
+            model = resolve_pooling_class(plan.architecture)(hf_config)
+        model = model.to_empty(device=device).to(dtype)
+        model.load_weights(plan.checkpoint.weights(dtype))
+        return model.eval()
+
+    def _token_ids(self, tokens: tuple[str, str]) -> tuple[int, int]:
+        hf = self.tokenizer.hf
+        ids = [hf.convert_tokens_to_ids(t) for t in tokens]
+        if any(i is None or i == hf.unk_token_id for i in ids):
+            raise InvalidRequestError(
+                f"classifier_from_token {list(tokens)}: not single tokens of this vocabulary"
+            )
+        return int(ids[0]), int(ids[1])  # type: ignore[arg-type]
 
     # -- what the model serves ----------------------------------------------------------
     @property

@@ -33,7 +33,14 @@ _ACTIVATIONS = {
     "torch.nn.modules.activation.GELU": "gelu",
     "torch.nn.modules.activation.Sigmoid": "sigmoid",
 }
-OVERRIDABLE = ("pooling_type", "normalize", "activation", "use_activation", "dimensions")
+OVERRIDABLE = (
+    "pooling_type",
+    "normalize",
+    "activation",
+    "use_activation",
+    "dimensions",
+    "classifier_from_token",
+)
 """Keys of ``pooler_config={...}`` (vLLM's names)."""
 
 
@@ -74,13 +81,19 @@ class PoolerConfig:
     """sentence_bert_config.json's limit; it lowers max_model_len."""
     cross_encoder: bool = False
     """config_sentence_transformers.json says model_type CrossEncoder."""
+    classifier_from_token: tuple[str, str] | None = None
+    """A decoder reranker's (no, yes) tokens: score = sigmoid(logit(yes) - logit(no))."""
 
 
 def read_pooler_config(
-    folder: Path | None, hf_config: dict[str, Any], overrides: dict[str, Any] | None
+    folder: Path | None,
+    hf_config: dict[str, Any],
+    overrides: dict[str, Any] | None,
+    default_pooling_type: str = "CLS",
 ) -> PoolerConfig:
-    """The checkpoint's pooling metadata, then ``overrides`` (``pooler_config={...}``)."""
-    cfg = PoolerConfig()
+    """The checkpoint's pooling metadata, then ``overrides`` (``pooler_config={...}``).
+    ``default_pooling_type``: CLS for encoders, LAST for decoders."""
+    cfg = PoolerConfig(pooling_type=default_pooling_type)
     if folder is not None and folder.is_dir():
         cfg = _from_sentence_transformers(folder, cfg)
     dims = hf_config.get("matryoshka_dimensions")
@@ -177,6 +190,13 @@ def _apply_overrides(cfg: PoolerConfig, overrides: dict[str, Any]) -> PoolerConf
     for key in ("activation", "use_activation"):
         if key in overrides:
             changes["activation"] = bool(overrides[key])
+    if "classifier_from_token" in overrides:
+        tokens = overrides["classifier_from_token"]
+        if not (isinstance(tokens, list | tuple) and len(tokens) == 2):
+            raise InvalidRequestError(
+                f"pooler_config classifier_from_token must list two tokens (no, yes), got {tokens!r}"
+            )
+        changes["classifier_from_token"] = (str(tokens[0]), str(tokens[1]))
     if "dimensions" in overrides:
         changes["default_dimensions"] = int(overrides["dimensions"])
         changes["is_matryoshka"] = True

@@ -12,7 +12,11 @@ from typing import TYPE_CHECKING
 
 from tokenmill.errors import InvalidRequestError, UnsupportedModelError
 from tokenmill.loader.checkpoint import Checkpoint
-from tokenmill.models.registry import POOLING_ARCHITECTURES, resolve_pooling_class
+from tokenmill.models.registry import (
+    POOLING_ARCHITECTURES,
+    SUPPORTED_ARCHITECTURES,
+    resolve_pooling_class,
+)
 from tokenmill.pooling.metadata import PoolerConfig, read_pooler_config
 
 if TYPE_CHECKING:
@@ -33,6 +37,8 @@ class PoolingPlan:
     pooler: PoolerConfig
     num_labels: int = 0
     """Classifier outputs (0 for an embedding model)."""
+    causal: bool = False
+    """A decoder (``models/`` generative family) run as a pooling model (``causal.py``)."""
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -85,6 +91,10 @@ def plan_pooling(config: EngineConfig) -> PoolingPlan | None:
     checkpoint = load_checkpoint(str(path))
     archs = list(checkpoint.hf_config.get("architectures") or [])
     arch = next((a for a in archs if a in POOLING_ARCHITECTURES), None)
+    causal = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    st_folder = (path / "modules.json").is_file()  # Qwen3-Embedding ships one
+    if arch is None and causal is not None and (wants_pooling or st_folder):
+        return _causal_plan(config, checkpoint, causal, path)
     if arch is None:
         if not wants_pooling:
             return None  # sentence-transformers files around a generative model: generate
@@ -104,6 +114,21 @@ def plan_pooling(config: EngineConfig) -> PoolingPlan | None:
     pooler = read_pooler_config(path, checkpoint.hf_config, config.pooler_config)
     num_labels = _num_labels(checkpoint.hf_config) if convert == "classify" else 0
     return PoolingPlan(checkpoint, arch, convert, pooler, num_labels)
+
+
+def _causal_plan(
+    config: EngineConfig, checkpoint: Checkpoint, arch: str, path: Path
+) -> PoolingPlan:
+    """A decoder as an embedding model (last token) or a yes/no reranker."""
+    pooler = read_pooler_config(path, checkpoint.hf_config, config.pooler_config, "LAST")
+    convert = config.convert if config.convert != "auto" else "embed"
+    if convert == "classify" and pooler.classifier_from_token is None:
+        raise UnsupportedModelError(
+            f"convert='classify' on the decoder {arch} needs the reranker's two tokens: "
+            "pooler_config={'classifier_from_token': ['no', 'yes']}"
+        )
+    num_labels = 1 if convert == "classify" else 0
+    return PoolingPlan(checkpoint, arch, convert, pooler, num_labels, causal=True)
 
 
 def _looks_like_pooling(path: Path) -> bool:
