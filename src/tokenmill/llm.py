@@ -39,7 +39,7 @@ class LLM(PoolingMixin):
         as ``tensor_parallel_size=2``, raises ValueError)."""
         check_compat_options(options)
         self.generation_config: str = options.pop("generation_config", None) or "auto"
-        known = EngineConfig.__dataclass_fields__.keys()
+        known = {n for n, f in EngineConfig.__dataclass_fields__.items() if f.init}
         unknown = sorted(options.keys() - known)
         if unknown:
             raise TypeError(f"LLM() got unknown options {unknown}; known: {sorted(known)}")

@@ -24,6 +24,7 @@ def _fields() -> list[tuple[str, Any, dataclasses.Field]]:
     fields = [
         (f.name, f.type, dataclasses.field(default=f.default))
         for f in dataclasses.fields(EngineConfig)
+        if f.init  # derived fields (the resolved speculative config) are not options
     ]
     fields.append(("generation_config", "str", dataclasses.field(default="auto")))
     fields += [(o.name, "Any", dataclasses.field(default=o.default)) for o in COMPAT_OPTIONS]

