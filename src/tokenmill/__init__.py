@@ -42,7 +42,7 @@ _LAZY = {
     "TTS": "tokenmill.speech.tts",
     "AudioParams": "tokenmill.speech.tts",
     "Transcriber": "tokenmill.speech.transcriber",
-    "load_model": "tokenmill.speech.detect",
+    "load_model": "tokenmill.speech.runtime",
 }
 _ALIASES = {"GuidedDecodingParams": "StructuredOutputsParams"}
 """vLLM's older names."""
@@ -54,7 +54,7 @@ if TYPE_CHECKING:
     from tokenmill.llm import LLM
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
     from tokenmill.sampling_params import RequestOutputKind, SamplingParams
-    from tokenmill.speech.detect import load_model
+    from tokenmill.speech.runtime import load_model
     from tokenmill.speech.transcriber import Transcriber
     from tokenmill.speech.tts import TTS, AudioParams
     from tokenmill.structured_output.params import StructuredOutputsParams

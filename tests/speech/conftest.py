@@ -81,3 +81,8 @@ def tts(piper_voice: Path):
     t = TTS(piper_voice)
     yield t
     t.close()
+
+
+@pytest.fixture(scope="session")
+def long_sentences() -> list[str]:
+    return list(LONG_SENTENCES)

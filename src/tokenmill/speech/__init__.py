@@ -18,7 +18,7 @@ _LAZY = {
     "ct2_to_hf": "tokenmill.speech.convert",
     "is_speech_model": "tokenmill.speech.detect",
     "piper_voice_file": "tokenmill.speech.detect",
-    "load_model": "tokenmill.speech.detect",
+    "load_model": "tokenmill.speech.runtime",
     "TTS": "tokenmill.speech.tts",
     "AudioParams": "tokenmill.speech.tts",
     "load_piper": "tokenmill.speech.piper",

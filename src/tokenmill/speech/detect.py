@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from tokenmill.speech.loader import is_whisper_folder
 
@@ -27,20 +26,3 @@ def is_speech_model(path: str | Path) -> str | None:
     if piper_voice_file(path) is not None:
         return "tts"
     return None
-
-
-def load_model(model: str | Path, **kwargs: Any) -> Any:
-    """The runtime a checkpoint needs: ``TTS`` for a Piper voice, ``Transcriber`` for Whisper,
-    else ``LLM(model, **kwargs)`` (the text engine)."""
-    kind = is_speech_model(model)
-    if kind == "tts":
-        from tokenmill.speech.tts import TTS
-
-        return TTS(model, **kwargs)
-    if kind == "whisper":
-        from tokenmill.speech.transcriber import Transcriber
-
-        return Transcriber(model, **kwargs)
-    from tokenmill.llm import LLM
-
-    return LLM(str(model), **kwargs)

@@ -49,9 +49,9 @@ class PiperVoice:
     scales: Scales
 
     def ids(self, phonemes: str) -> list[int]:
-        """IPA -> ids: ^ then each known phoneme followed by the pad, then $."""
+        """IPA -> ids as piper-tts makes them: ^ _, each known phoneme followed by _, then $."""
         m = self.phoneme_ids
-        out = list(m[BOS])
+        out = m[BOS] + m[PAD]
         for ph in phonemes:
             if ph in m:
                 out += m[ph] + m[PAD]
