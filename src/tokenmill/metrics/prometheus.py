@@ -37,6 +37,10 @@ VLLM_NAMES: dict[str, tuple[str, ...]] = {
     "inter_token_latency_seconds": ("inter_token_latency_seconds", "time_per_output_token_seconds"),
     "e2e_request_latency_seconds": ("e2e_request_latency_seconds",),
     "request_queue_time_seconds": ("request_queue_time_seconds",),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts",),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens",),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens",),
+    "spec_decode_num_accepted_tokens_per_pos": ("spec_decode_num_accepted_tokens_per_pos",),
 }
 """tokenmill name -> its vLLM names, from the same values. Older vLLM names kept as
 aliases: ``gpu_cache_usage_perc`` (now ``kv_cache_usage_perc``) and
@@ -144,6 +148,32 @@ class StatsCollector(Collector):
         yield self._histogram(
             "request_queue_time_seconds", "Arrival to first scheduled.", s.queue_time
         )
+        if s.spec_decode is not None:
+            yield from self._spec_decode(s)
+
+    def _spec_decode(self, s: EngineStats) -> Iterator[Metric]:
+        """vLLM's spec_decode_* counters, labelled with the method; per-position accepted
+        drafts as ``spec_decode_num_accepted_tokens_per_pos`` (label ``position``)."""
+        spec = s.spec_decode
+        assert spec is not None
+        labels = ["model_name", "method"]
+        for name, doc, value in (
+            ("spec_decode_num_drafts", "Sequence-steps that verified drafts.", spec.num_drafts),
+            ("spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens),
+            ("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+             spec.num_accepted_tokens),
+        ):  # fmt: skip
+            c = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            c.add_metric([self._model, spec.method], value)
+            yield c
+        per_pos = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafts by draft position (0 = the first draft of a step).",
+            labels=[*labels, "position"],
+        )
+        for j, value in enumerate(spec.accepted_per_pos):
+            per_pos.add_metric([self._model, spec.method, str(j)], value)
+        yield per_pos
 
     def _prefix_cache_metrics(self) -> Iterator[Metric]:
         """``LLMEngine.prefix_cache_metrics()``: counters, and the cached blocks gauge."""

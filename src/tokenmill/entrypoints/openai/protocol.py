@@ -138,6 +138,8 @@ class SamplingRequest(RequestModel):
     echo: bool = False
     priority: int = 0
     """vLLM: lower is scheduled first (FCFS within a priority)."""
+    disable_spec_decode: bool = False
+    """Never verify draft tokens for this request (when the server speculates)."""
     truncate_prompt_tokens: int | None = None
     """vLLM: keep only the last k prompt tokens."""
     allowed_token_ids: list[int] | None = None

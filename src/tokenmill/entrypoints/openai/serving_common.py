@@ -88,6 +88,7 @@ def to_sampling_params(
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words,
+        disable_spec_decode=getattr(req, "disable_spec_decode", False),
     )
 
 
