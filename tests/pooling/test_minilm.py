@@ -115,3 +115,10 @@ def test_matryoshka_when_declared(minilm_dir):
 def test_encode_token_embed(minilm):
     [out] = minilm.encode("Hello world", pooling_task="token_embed")
     assert tuple(out.outputs.data.shape) == (4, 384)
+
+
+def test_bfloat16_fast_path_stays_close(minilm_dir, sentence_transformer):
+    llm = LLM(str(minilm_dir), dtype="bfloat16")
+    outs = llm.embed([*SENTENCES, LONG], truncate_prompt_tokens=-1)
+    ref = sentence_transformer.encode([*SENTENCES, LONG], convert_to_tensor=True)
+    assert _cos([o.outputs.embedding for o in outs], ref).min() >= 0.999
