@@ -23,6 +23,11 @@ __all__ = [
     "AudioParams",
     "Transcriber",
     "load_model",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
+    "ScoringRequestOutput",
+    "ClassificationRequestOutput",
     "__version__",
 ]
 
@@ -43,6 +48,11 @@ _LAZY = {
     "AudioParams": "tokenmill.speech.tts",
     "Transcriber": "tokenmill.speech.transcriber",
     "load_model": "tokenmill.speech.runtime",
+    "PoolingParams": "tokenmill.pooling.params",
+    "PoolingRequestOutput": "tokenmill.pooling.outputs",
+    "EmbeddingRequestOutput": "tokenmill.pooling.outputs",
+    "ScoringRequestOutput": "tokenmill.pooling.outputs",
+    "ClassificationRequestOutput": "tokenmill.pooling.outputs",
 }
 _ALIASES = {"GuidedDecodingParams": "StructuredOutputsParams"}
 """vLLM's older names."""
@@ -53,6 +63,13 @@ if TYPE_CHECKING:
     from tokenmill.inputs import TextPrompt, TokensPrompt
     from tokenmill.llm import LLM
     from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+    from tokenmill.pooling.outputs import (
+        ClassificationRequestOutput,
+        EmbeddingRequestOutput,
+        PoolingRequestOutput,
+        ScoringRequestOutput,
+    )
+    from tokenmill.pooling.params import PoolingParams
     from tokenmill.sampling_params import RequestOutputKind, SamplingParams
     from tokenmill.speech.runtime import load_model
     from tokenmill.speech.transcriber import Transcriber
