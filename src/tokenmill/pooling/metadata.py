@@ -24,7 +24,6 @@ _ST_MODES = {
     "pooling_mode_lasttoken": "LAST",
     "pooling_mode_max_tokens": "MAX",
 }
-_ST_PREFIX = "sentence_transformers.models."
 # ST Dense activations by class path -> the name ``pooler.DENSE_ACTIVATIONS`` knows.
 _ACTIVATIONS = {
     "torch.nn.modules.linear.Identity": "identity",
@@ -108,7 +107,9 @@ def _from_sentence_transformers(folder: Path, cfg: PoolerConfig) -> PoolerConfig
         cfg = replace(cfg, normalize=False)  # sentence-transformers: only with a Normalize
     dense: list[DenseLayer] = []
     for module in modules if isinstance(modules, list) else []:
-        kind = str(module.get("type", "")).removeprefix(_ST_PREFIX)
+        # the class name: "sentence_transformers.models.Pooling" (v2-v5) or
+        # "sentence_transformers.sentence_transformer.modules.pooling.Pooling" (v6)
+        kind = str(module.get("type", "")).rpartition(".")[2]
         path = folder / str(module.get("path", ""))
         if kind == "Transformer":
             continue
