@@ -5,7 +5,7 @@
 Offline: sentences/s of ``LLM.embed`` (float32, and the bfloat16 fast path) and of
 ``SentenceTransformer.encode(batch_size=b)`` on the same folder, at batch 1, 32 and 256,
 for short (~16 tokens) and long (256 tokens, cut by both) inputs; each point alternates
-the three runners and keeps the median of its repeats. Online: ``/v1/embeddings`` with
+the three runners round by round and keeps each one's median. Online: ``/v1/embeddings`` with
 8 concurrent clients, one sentence per request. Prints a table with the ratios.
 """
 
@@ -35,16 +35,21 @@ def sentences(kind: str, n: int, offset: int = 0) -> list[str]:
     return [template.format(i=offset + i) for i in range(n)]
 
 
-def rate(fn: Callable[[list[str]], object], kind: str, batch: int, repeat: int) -> float:
-    """Median sentences/s over ``repeat`` calls, each on fresh sentences."""
-    fn(sentences(kind, batch, 10**6))  # warm-up
-    times = []
+def rates(
+    runners: dict[str, Callable[[list[str]], object]], kind: str, batch: int, repeat: int
+) -> dict[str, float]:
+    """Median sentences/s of each runner over ``repeat`` rounds; a round calls every
+    runner once in turn on the same fresh sentences, so each sees the same machine load."""
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for fn in runners.values():
+        fn(sentences(kind, batch, 10**6))  # warm-up
     for r in range(repeat):
         xs = sentences(kind, batch, r * batch)
-        start = time.perf_counter()
-        fn(xs)
-        times.append(time.perf_counter() - start)
-    return batch / statistics.median(times)
+        for name, fn in runners.items():
+            start = time.perf_counter()
+            fn(xs)
+            times[name].append(time.perf_counter() - start)
+    return {name: batch / statistics.median(ts) for name, ts in times.items()}
 
 
 def offline(model: str, quick: bool) -> list[tuple[str, int, float, float, float]]:
@@ -64,7 +69,7 @@ def offline(model: str, quick: bool) -> list[tuple[str, int, float, float, float
             "fp32": lambda xs: fp32.embed(xs, truncate_prompt_tokens=-1),
             "bf16": lambda xs: bf16.embed(xs, truncate_prompt_tokens=-1),
         }
-        got = {name: rate(fn, kind, batch, repeat) for name, fn in runners.items()}
+        got = rates(runners, kind, batch, repeat)
         rows.append((kind, batch, got["st"], got["fp32"], got["bf16"]))
         print(
             f"{kind:5} b={batch:<3}  st {got['st']:8.1f}/s  tokenmill fp32 {got['fp32']:8.1f}/s "
@@ -117,10 +122,15 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a sentence-transformers folder (MiniLM)")
     parser.add_argument("--quick", action="store_true", help="one repeat per point (a smoke run)")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of the online run")
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads for every runner (0: torch's)"
+    )
     args = parser.parse_args()
     model = args.model or default_model()
     import torch
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"model {model}\ntorch threads {torch.get_num_threads()}", flush=True)
     offline(model, args.quick)
     for dtype in ("float32", "bfloat16"):

@@ -18,7 +18,7 @@ TEXTS = ["hello world", "a somewhat longer input with more words in it", "ünïc
 @pytest.mark.parametrize("mode", ["mean", "max", "cls"])
 def test_dense_layers_pooling_modes_and_normalize(tmp_path, minilm_dir, mode):
     st = pytest.importorskip("sentence_transformers")
-    from sentence_transformers.models import Dense, Normalize, Pooling, Transformer  # noqa: I001
+    from sentence_transformers.models import Dense, Normalize, Pooling, Transformer
 
     encoder = make_encoder(tmp_path / "enc", minilm_dir, "BertModel")
     torch.manual_seed(1)

@@ -143,13 +143,6 @@ class PoolingEngine:
             return F.normalize(raw, dim=-1) if params.normalize else raw
         return finish_logits(raw, params, self.plan.pooler)
 
-    def encode(
-        self, prompts: Sequence[Prompt], params: PoolingParams, task: str
-    ) -> list[torch.Tensor]:
-        """prepare -> run -> finish in the calling thread: one tensor per prompt."""
-        encoded = self.prepare(prompts, params, task)
-        return [self.finish(t, params, task) for t in self.run(encoded, task)]
-
     # -- what the generation engine's callers also ask -------------------------------------
     @property
     def embedding_size(self) -> int:

@@ -78,8 +78,6 @@ class PoolerConfig:
     default_prompt_name: str | None = None
     max_seq_length: int | None = None
     """sentence_bert_config.json's limit; it lowers max_model_len."""
-    cross_encoder: bool = False
-    """config_sentence_transformers.json says model_type CrossEncoder."""
     classifier_from_token: tuple[str, str] | None = None
     """A decoder reranker's (no, yes) tokens: score = sigmoid(logit(yes) - logit(no))."""
 
@@ -137,7 +135,6 @@ def _from_sentence_transformers(folder: Path, cfg: PoolerConfig) -> PoolerConfig
         prompts=dict(st.get("prompts") or {}),
         default_prompt_name=st.get("default_prompt_name"),
         max_seq_length=bert.get("max_seq_length"),
-        cross_encoder=st.get("model_type") == "CrossEncoder",
     )
 
 
