@@ -164,7 +164,12 @@ def test_concurrent_clients_get_their_own_results(http, minilm):
             )
         )
     assert F.cosine_similarity(torch.tensor(got), torch.tensor(want), dim=-1).min() > 0.99999
-    assert "tokenmill" in http.get("/metrics").text
+    success = [
+        line
+        for line in http.get("/metrics").text.splitlines()
+        if line.startswith('tokenmill:request_success_total{finished_reason="stop"')
+    ]
+    assert float(success[0].split()[-1]) >= len(texts)
 
 
 def test_cross_encoder_rerank_and_score(cross_encoder):
@@ -206,5 +211,21 @@ def test_pooling_routes_on_a_generative_model_refuse(tiny_llm):
             assert _ok(http.get("/v1/models"))["data"][0]["task"] == "generate"
             with pytest.raises(ValueError, match="pooling model"):
                 tiny_llm.embed("hi")
+    finally:
+        srv.close(timeout=30)
+
+
+def test_admission_and_metrics(minilm):
+    srv = OpenAIServer(
+        minilm.llm_engine, ServerConfig(port=0, log_level="warning", max_queued_requests=0)
+    ).start()
+    try:
+        srv.wait_ready(60)
+        with httpx.Client(base_url=srv.url, timeout=60) as http:
+            r = http.post("/v1/embeddings", json={"input": "hi"})
+            assert r.status_code == 429 and r.headers["Retry-After"]
+            assert r.json()["error"]["code"] == "queue_full"
+            metrics = http.get("/metrics").text
+            assert 'request_refused_total{model_name="model",reason="queue_full"} 1.0' in metrics
     finally:
         srv.close(timeout=30)
