@@ -130,3 +130,13 @@ def test_load_model_picks_the_runtime(whisper_ct2, piper_voice):
     onnx = piper_voice_file(piper_voice)
     assert onnx is not None and is_speech_model(onnx) == "tts"
     assert is_speech_model(whisper_ct2.parent) is None  # the package folder itself: neither
+
+
+def test_cancel_stops_a_job(transcriber, long_audio):
+    from tokenmill.speech.engine import Cancelled
+
+    job = transcriber.start(long_audio)
+    job.cancel()
+    with pytest.raises(Cancelled):
+        job.future.result(timeout=60)
+    assert transcriber.transcribe(long_audio[:48000]).text  # the engine keeps serving
