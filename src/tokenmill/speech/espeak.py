@@ -35,7 +35,11 @@ def _backend(voice: str):  # type: ignore[no-untyped-def]
     from phonemizer.backend import EspeakBackend
 
     return EspeakBackend(
-        voice, preserve_punctuation=True, with_stress=True, language_switch="remove-flags"
+        voice,
+        preserve_punctuation=True,
+        with_stress=True,
+        language_switch="remove-flags",
+        words_mismatch="ignore",
     )
 
 
