@@ -96,3 +96,16 @@ def test_bad_input(server, change, status, needle):
         server.url + "/v1/audio/speech", json={"model": "tts-1", "input": "Hi."}, timeout=60
     )
     assert ok.status_code == 200
+
+
+def test_metrics(server):
+    httpx.post(server.url + "/v1/audio/speech", json={"model": "tts-1", "input": "Hi."}, timeout=60)
+    text = httpx.get(server.url + "/metrics").text
+    assert 'tokenmill:speech_requests_total{endpoint="speech"}' in text
+    out = [
+        ln
+        for ln in text.splitlines()
+        if ln.startswith('tokenmill:speech_audio_seconds_total{direction="out"}')
+    ]
+    assert out and float(out[0].split()[-1]) > 0.3
+    assert "tokenmill:speech_live_requests" in text

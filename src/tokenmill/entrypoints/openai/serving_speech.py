@@ -48,6 +48,26 @@ class SpeechLimits:
     """Longest text for /v1/audio/speech (OpenAI's limit)."""
 
 
+class SpeechMeter:
+    """Prometheus metrics of the speech routes (``GET /metrics``), in their own registry."""
+
+    def __init__(self, model_name: str, live: Any) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model_name}
+        self.requests = Counter("tokenmill:speech_requests", "Speech requests answered (200)",
+                                ["endpoint"], registry=self.registry).labels  # fmt: skip
+        self.audio = Counter("tokenmill:speech_audio_seconds", "Seconds of audio transcribed (in) "
+                             "or spoken (out)", ["direction"], registry=self.registry).labels  # fmt: skip
+        self.latency = Histogram("tokenmill:speech_request_seconds", "Time to a transcription, or to "
+                                 "the first audio chunk", ["endpoint"], registry=self.registry,
+                                 buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)).labels  # fmt: skip
+        gauge = Gauge("tokenmill:speech_live_requests", "Speech requests in flight",
+                      list(labels), registry=self.registry)  # fmt: skip
+        gauge.labels(**labels).set_function(live)
+
+
 @dataclass
 class SpeechState:
     model_name: str
@@ -58,6 +78,10 @@ class SpeechState:
     limits: SpeechLimits = field(default_factory=SpeechLimits)
     live: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
+    meter: SpeechMeter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.meter = SpeechMeter(self.model_name, lambda: self.live)
 
     def check_model(self, name: str | None, aliases: frozenset[str]) -> None:
         if not name:
@@ -175,6 +199,7 @@ class TranscriptionHandler:
             temperature=_float(form, "temperature", 0.0, 0.0, 1.0),
         )  # fmt: skip
         data = await _read_file(form, st.limits)
+        started = time.perf_counter()
         with st.admitted():
             samples = await asyncio.to_thread(load_audio, data)
             seconds = len(samples) / 16000
@@ -189,6 +214,10 @@ class TranscriptionHandler:
                 result = await _until_done(job, raw)
             except _ClientGone:
                 return Response(status_code=499)  # nobody reads it
+        endpoint = "transcriptions" if task == "transcribe" else "translations"
+        st.meter.requests(endpoint).inc()
+        st.meter.audio("in").inc(result.duration)
+        st.meter.latency(endpoint).observe(time.perf_counter() - started)
         return _render(result, fmt, task)
 
     async def _stream(self, raw: Request, samples: Any, options: Any) -> Response:
@@ -290,6 +319,13 @@ def _encode(pcm: bytes, rate: int, fmt: str) -> bytes:
     return buf.getvalue()
 
 
+def _metered(chunks: Any, meter: SpeechMeter, rate: int) -> Any:
+    """The PCM chunks, counting their seconds as they are made."""
+    for chunk in chunks:
+        meter.audio("out").inc(len(chunk) / 2 / rate)
+        yield chunk
+
+
 class SpeechHandler:
     def __init__(self, state: SpeechState) -> None:
         self.state = state
@@ -320,9 +356,14 @@ class SpeechHandler:
             raise bad_request(f"unknown voice {body.voice!r}; known voices: {tts.list_voices()} "
                               "(or 'default')", param="voice", code="unknown_voice")  # fmt: skip
         params = AudioParams(voice=body.voice, speed=body.speed)
+        started = time.perf_counter()
         with st.admitted():
-            chunks = tts.generate_speech_stream(body.input, params)
+            chunks = _metered(
+                tts.generate_speech_stream(body.input, params), st.meter, tts.sample_rate
+            )
             first = await asyncio.to_thread(next, chunks)  # errors here are still a 400
+        st.meter.requests("speech").inc()
+        st.meter.latency("speech").observe(time.perf_counter() - started)
         fmt, rate = body.response_format, tts.sample_rate
         if body.stream_format == "sse":
             return StreamingResponse(self._sse(first, chunks, raw), media_type="text/event-stream")
@@ -409,6 +450,12 @@ def add_speech_routes(app: FastAPI, state: SpeechState) -> None:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(state.meter.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
