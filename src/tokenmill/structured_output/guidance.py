@@ -43,6 +43,11 @@ class GuidanceMatcher(GrammarMatcher):
             return True
         return self.ll.consume_token(token_id)
 
+    def validate_tokens(self, token_ids: Sequence[int]) -> int:
+        if self.ll.is_stopped():
+            return 0
+        return self.ll.validate_tokens(list(token_ids))
+
     def rollback(self, num_tokens: int) -> None:
         if num_tokens > 0:
             self.ll.rollback(num_tokens)

@@ -48,15 +48,17 @@ class StructuredOutputHook(RequestHook):
         self.manager.prepare(sched)  # grammar masks compute while the model runs
 
     def after_tokens(self, request: Request, num_new: int) -> Outcome | None:
-        """Feed the new token to the grammar (a grammar's request never has drafts: one
-        token per step). An EOS or a stop string that already stopped it ends it as is."""
+        """Feed the new tokens to the grammar (more than one: accepted drafts, each one
+        sampled under the mask of the state before it). An EOS or a stop string that
+        already stopped the request ends it as is."""
         if request.structured is None or request.status is RequestStatus.FINISHED_STOPPED:
             return None
-        assert num_new == 1, "a grammar's request gets one token per step"
-        result = self.manager.advance(request)
-        if result is StepResult.COMPLETE:
-            return Outcome(RequestStatus.FINISHED_STOPPED)
-        if result is StepResult.REJECTED:
-            token = request.output_token_ids[-1]
-            return Outcome(RequestStatus.FINISHED_ERROR, f"the grammar rejected token {token}")
+        outputs = request.output_token_ids
+        for end in range(len(outputs) - num_new + 1, len(outputs) + 1):
+            result = self.manager.advance(request, end)
+            if result is StepResult.COMPLETE:
+                return Outcome(RequestStatus.FINISHED_STOPPED)
+            if result is StepResult.REJECTED:
+                token = outputs[end - 1]
+                return Outcome(RequestStatus.FINISHED_ERROR, f"the grammar rejected token {token}")
         return None

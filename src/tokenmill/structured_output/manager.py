@@ -245,17 +245,39 @@ class StructuredOutputManager:
     # -- every step ----------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> None:
         """Start filling this step's bitmask in the background (llguidance releases the GIL),
-        so that it overlaps the model's forward pass; ``mask_logits`` collects it."""
-        states = [
-            s.request.structured
+        so that it overlaps the model's forward pass; ``mask_logits`` collects it. A
+        sequence with drafts has a row per draft and one after them (``_fill``)."""
+        tasks = [
+            (s.request.structured, s.draft_token_ids)
             for s in sched.seqs
             if s.samples and s.request.structured is not None and s.request.structured.masks
         ]
         self._prepared = None
-        if states:
+        if tasks:
             if self._mask_thread is None:
                 self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-mask")
-            self._prepared = (states, self._mask_thread.submit(self._fill, states))
+            rows = [state for state, drafts in tasks for _ in range(len(drafts) + 1)]
+            self._prepared = (rows, self._mask_thread.submit(self._fill_tasks, tasks))
+
+    def _fill_tasks(self, tasks: list[tuple[StructuredRequest, tuple[int, ...]]]) -> torch.Tensor:
+        """The step's bitmask: one row per sequence without drafts (in one parallel fill),
+        drafts + 1 rows for one with drafts (its matcher walked through them)."""
+        if all(not drafts for _, drafts in tasks):
+            return self._fill([state for state, _ in tasks])
+        backend = self.backend
+        bitmask = allocate_bitmask(sum(len(d) + 1 for _, d in tasks), backend.bitmask_width)
+
+        def fill(matcher, row: int) -> None:
+            backend.fill_bitmasks([(matcher, row)], bitmask)
+
+        row = 0
+        for state, drafts in tasks:
+            state.fill_draft_masks(drafts, fill, row)
+            extra = state.extra_allowed
+            if extra is not None:
+                bitmask[row, extra // 32] |= _bit(extra % 32)
+            row += len(drafts) + 1
+        return bitmask
 
     def _fill(self, states: list[StructuredRequest]) -> torch.Tensor:
         """[len(states), W] int32: row j = what states[j] allows next."""
@@ -292,16 +314,13 @@ class StructuredOutputManager:
             index = torch.tensor([i for i, _ in constrained], dtype=torch.int64)
         apply_bitmask(logits, bitmask, index)
 
-    def advance(self, req: Request) -> StepResult:
-        """Feed the request's newest token to its matcher."""
+    def advance(self, req: Request, end: int | None = None) -> StepResult:
+        """Feed the request's output token ``end - 1`` (default: the newest) to its matcher."""
         assert req.structured is not None
-        result = req.structured.advance(req.output_token_ids)
+        outputs = req.output_token_ids if end is None else req.output_token_ids[:end]
+        result = req.structured.advance(outputs)
         if result is StepResult.REJECTED:
-            logger.warning(
-                "request %s: the grammar rejected token %d",
-                req.request_id,
-                req.output_token_ids[-1],
-            )
+            logger.warning("request %s: the grammar rejected token %d", req.request_id, outputs[-1])
         return result
 
     def shutdown(self) -> None:

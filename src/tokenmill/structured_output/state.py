@@ -10,7 +10,7 @@ marker is allowed on top of the grammar's mask) or begin the answer.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenmill.structured_output.backend import GrammarMatcher
@@ -96,6 +96,43 @@ class StructuredRequest:
             return StepResult.REJECTED
         self.num_accepted += 1
         return StepResult.COMPLETE if self.matcher.is_terminated() else StepResult.CONTINUE
+
+    @property
+    def takes_drafts(self) -> bool:
+        """Drafts can be checked: the grammar decides every token (not while reasoning, nor
+        before the first token, which may open a reasoning block)."""
+        return self.phase is Phase.CONSTRAINED and self.matcher is not None
+
+    def valid_drafts(self, drafts: Sequence[int]) -> list[int]:
+        """The longest prefix of ``drafts`` the grammar allows, stopping before a draft
+        that would complete it (the completing token must be a step's last: a token after
+        it would be one the plain output never has). The matcher ends where it started."""
+        assert self.matcher is not None
+        consumed = kept = 0
+        for token in drafts[: self.matcher.validate_tokens(drafts)]:
+            accepted = self.matcher.accept_token(token)
+            assert accepted, "validate_tokens allowed it"
+            consumed += 1
+            if self.matcher.is_terminated():
+                break
+            kept = consumed
+        if consumed:
+            self.matcher.rollback(consumed)
+        return list(drafts[:kept])
+
+    def fill_draft_masks(
+        self, drafts: Sequence[int], fill: Callable[[GrammarMatcher, int], None], row: int
+    ) -> None:
+        """Rows row .. row + len(drafts): the mask before each draft and after the last,
+        each with the drafts before it accepted (then rolled back)."""
+        assert self.matcher is not None
+        for j, token in enumerate(drafts):
+            fill(self.matcher, row + j)
+            accepted = self.matcher.accept_token(token)
+            assert accepted, "drafts are checked by valid_drafts before they are scheduled"
+        fill(self.matcher, row + len(drafts))
+        if drafts:
+            self.matcher.rollback(len(drafts))
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last accepted tokens (speculative decoding's rejected drafts)."""
