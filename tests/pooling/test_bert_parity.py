@@ -112,3 +112,47 @@ def test_runner_options(tmp_path, minilm_dir):
         LLM(str(path), runner="bogus")
     with pytest.raises(ValueError, match="classifier head"):
         LLM(str(path), convert="classify")
+
+
+@pytest.mark.parametrize("arch", ["ModernBertModel", "ModernBertForSequenceClassification"])
+def test_modernbert(tmp_path, minilm_dir, arch):
+    import shutil
+
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.ModernBertConfig(
+        vocab_size=30522,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        local_attention=8,  # windows of +-4 tokens: the long texts cross them
+        global_attn_every_n_layers=2,
+        pad_token_id=0,
+        bos_token_id=101,
+        eos_token_id=102,
+        cls_token_id=101,
+        sep_token_id=102,
+        num_labels=3,
+        initializer_range=0.2,
+    )
+    ref_model = getattr(transformers, arch)(cfg).eval()
+    ref_model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(minilm_dir / name, tmp_path / name)
+    llm = LLM(str(tmp_path))
+    texts = [*TEXTS, "a long text with many words to cross the local attention window " * 2]
+    batch = _hf_inputs(llm, texts)
+    batch.pop("token_type_ids", None)
+    with torch.no_grad():
+        ref = ref_model(**batch)
+    if arch == "ModernBertModel":
+        tokens = llm.encode(texts, pooling_task="token_embed")
+        for i, out in enumerate(tokens):
+            n = int(batch["attention_mask"][i].sum())
+            assert torch.allclose(out.outputs.data, ref.last_hidden_state[i, :n], atol=1e-4)
+    else:
+        got = torch.tensor([o.outputs.probs for o in llm.classify(texts)])
+        assert torch.allclose(got, ref.logits.softmax(-1), atol=1e-5)

@@ -71,23 +71,40 @@ class PackedBatch:
 
 
 def bidirectional_attention(
-    qkv: torch.Tensor, batch: PackedBatch, num_heads: int, scale: float | None = None
+    qkv: torch.Tensor,
+    batch: PackedBatch,
+    num_heads: int,
+    scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """qkv [T, 3 * H] (q, k, v side by side) -> [T, H], each sequence attending to itself."""
+    """qkv [T, 3 * H] (q, k, v side by side) -> [T, H], each sequence attending to itself;
+    ``window``: only keys at most that many positions away (local attention)."""
     total, width = qkv.shape
     hidden = width // 3
     head_dim = hidden // num_heads
     if batch.pad_index is None:
         b = batch.num_seqs
         x = qkv.view(b, total // b, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(x[0], x[1], x[2], scale=scale)  # [B, h, L, d]
-        return out.transpose(1, 2).reshape(total, hidden)
-    b, max_len = batch.num_seqs, batch.key_mask.shape[-1]  # type: ignore[union-attr]
+        band = _band(total // b, window, qkv.device)
+        out = F.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=band, scale=scale)
+        return out.transpose(1, 2).reshape(total, hidden)  # [B, h, L, d] -> [T, H]
+    assert batch.key_mask is not None
+    b, max_len = batch.num_seqs, batch.key_mask.shape[-1]
     padded = qkv.new_zeros(b * max_len, width)
     padded.index_copy_(0, batch.pad_index, qkv)
     x = padded.view(b, max_len, 3, num_heads, head_dim).permute(2, 0, 3, 1, 4)
-    out = F.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=batch.key_mask, scale=scale)
+    band = _band(max_len, window, qkv.device)
+    mask = batch.key_mask if band is None else batch.key_mask & band
+    out = F.scaled_dot_product_attention(x[0], x[1], x[2], attn_mask=mask, scale=scale)
     return out.transpose(1, 2).reshape(b * max_len, hidden).index_select(0, batch.pad_index)
+
+
+def _band(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """[L, L] bool, True where |query - key| <= window; None without a window."""
+    if window is None or window >= length:
+        return None
+    idx = torch.arange(length, device=device)
+    return (idx[:, None] - idx[None, :]).abs() <= window
 
 
 class BertLayer(nn.Module):

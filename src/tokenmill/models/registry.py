@@ -47,6 +47,11 @@ _POOLING_REGISTRY: dict[str, tuple[str, str]] = {
     )
     for name in names
 }
+_POOLING_REGISTRY["ModernBertModel"] = ("tokenmill.models.modernbert", "ModernBertModel")
+_POOLING_REGISTRY["ModernBertForSequenceClassification"] = (
+    "tokenmill.models.modernbert",
+    "ModernBertForSequenceClassification",
+)
 
 POOLING_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_POOLING_REGISTRY))
 
