@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.engine.hooks import RequestHook
-from tokenmill.scheduler.request import Request
+from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.spec_decode.adaptive import Acceptance, DraftLength
 from tokenmill.spec_decode.metrics import SpecDecodeStats
 
@@ -111,6 +111,8 @@ class DraftHook(RequestHook):
             if req.num_drafts_in_flight and not req.is_finished:
                 waiting.append(entry)
                 continue
+            if req.status is RequestStatus.FINISHED_ABORTED and req.num_drafts_in_flight:
+                continue  # aborted before its step landed: nothing was verified
             accepted = max(0, min(drafted, req.num_output_tokens - before - 1))
             self.stats.add(drafted, accepted)
             self.length.overall.add(drafted, accepted)
