@@ -140,3 +140,12 @@ def test_cancel_stops_a_job(transcriber, long_audio):
     with pytest.raises(Cancelled):
         job.future.result(timeout=60)
     assert transcriber.transcribe(long_audio[:48000]).text  # the engine keeps serving
+
+
+def test_no_speech_probability(transcriber, clips):
+    speech = transcriber.transcribe(clips[0])
+    assert all(s.no_speech_prob < 0.2 for s in speech.segments)
+    silence = transcriber.transcribe(np.zeros(16000 * 3, np.float32))
+    # Whisper's rule (OpenAI's and faster-whisper's): silence is skipped only when the text
+    # is also unsure; tiny.en says a confident "you" here, so the segment stays, flagged.
+    assert all(s.no_speech_prob > 0.6 for s in silence.segments)

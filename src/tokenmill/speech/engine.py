@@ -34,6 +34,8 @@ class WindowResult:
     """Generated tokens, eot excluded."""
     sum_logprob: float
     finished: bool
+    no_speech_prob: float = 0.0
+    """Probability of the no-speech token right after the prompt's sot token."""
     """True when the row emitted eot (False: it hit its token limit)."""
     error: BaseException | None = None
 
@@ -64,6 +66,7 @@ class _Row:
     """Tokens in the row's self-attention cache."""
     generated: list[int] = field(default_factory=list)
     sum_logprob: float = 0.0
+    no_speech_prob: float = 0.0
 
 
 class SpeechEngine:
@@ -123,9 +126,9 @@ class SpeechEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         for r in self.rows:
-            r.req.on_done(WindowResult([], 0.0, False, error))
+            r.req.on_done(WindowResult([], 0.0, False, error=error))
         for req in self.pending:
-            req.on_done(WindowResult([], 0.0, False, error))
+            req.on_done(WindowResult([], 0.0, False, error=error))
         self.rows, self.pending = [], []
 
     def _admit(self) -> None:
@@ -144,10 +147,15 @@ class SpeechEngine:
             row = _Row(req, len(req.prompt))
             self.rows.append(row)
             tokens = torch.tensor([req.prompt])
+            sot = len(req.prompt) - 1 - req.prompt[::-1].index(self.loaded.tokens.sot)
+            at = [sot, len(req.prompt) - 1]
             logits = model.decoder(
-                tokens, torch.zeros(1, dtype=torch.long), self.cache, slice(i, i + 1)
-            )
-            self._emit(list(range(i, i + 1)), logits)
+                tokens, torch.zeros(1, dtype=torch.long), self.cache, slice(i, i + 1), at=at
+            )  # [1, 2, V]: after sot (the no-speech probability), after the prompt
+            no_speech = self.loaded.tokens.no_speech
+            if no_speech is not None:
+                row.no_speech_prob = float(logits[0, 0].float().softmax(-1)[no_speech])
+            self._emit([i], logits[:, 1])
 
     def _step(self) -> None:
         n = len(self.rows)
@@ -196,7 +204,7 @@ class SpeechEngine:
         for i, r, tok, score in zip(idx, rows, picked, scores):
             if r.req.cancelled is not None and r.req.cancelled.is_set():
                 done.append(
-                    (i, WindowResult([], 0.0, False, Cancelled("the request was cancelled")))
+                    (i, WindowResult([], 0.0, False, error=Cancelled("the request was cancelled")))
                 )
                 continue
             if tok != eot:
@@ -205,7 +213,14 @@ class SpeechEngine:
             full = len(r.generated) >= r.req.max_new_tokens
             if tok == eot or full:
                 r.sum_logprob += score if tok == eot else 0.0
-                done.append((i, WindowResult(list(r.generated), r.sum_logprob, tok == eot)))
+                done.append(
+                    (
+                        i,
+                        WindowResult(
+                            list(r.generated), r.sum_logprob, tok == eot, r.no_speech_prob
+                        ),
+                    )
+                )
         for i, result in sorted(done, key=lambda d: -d[0]):
             self._retire(i).req.on_done(result)
 

@@ -57,7 +57,7 @@ def to_verbose_json(t: Transcription, task: str) -> dict[str, Any]:
                 "temperature": s.temperature,
                 "avg_logprob": s.avg_logprob,
                 "compression_ratio": s.compression_ratio,
-                "no_speech_prob": 0.0,  # not computed
+                "no_speech_prob": s.no_speech_prob,
             }
             for s in t.segments
         ],

@@ -25,6 +25,9 @@ class WhisperTokens:
     """Language code -> token id (empty for English-only models' purposes too)."""
     multilingual: bool
     extra_suppress: tuple[int, ...]
+    no_speech: int | None = None
+    """<|nospeech|> (or <|nocaptions|> in older vocabularies): its probability right after
+    the sot token says whether a window holds speech."""
     """Special tokens never generated as text (task, sot, prev, lm, nospeech)."""
 
     @property
@@ -64,6 +67,7 @@ class WhisperTokens:
             languages=languages,
             multilingual=multilingual,
             extra_suppress=tuple(i for s in specials if (i := tid(s)) is not None),
+            no_speech=tid("<|nospeech|>") or tid("<|nocaptions|>"),
         )
 
     def sot_sequence(self, language: str | None, task: str) -> list[int]:

@@ -26,6 +26,9 @@ COMPRESSION_RATIO_THRESHOLD = 2.4
 """A window whose text compresses better than this repeats itself: decode it again hotter."""
 LOGPROB_THRESHOLD = -1.0
 """A window whose mean token log-probability is below this is decoded again hotter."""
+NO_SPEECH_THRESHOLD = 0.6
+"""A window whose no-speech probability is above this, and whose text is unsure (mean
+log-probability below ``LOGPROB_THRESHOLD``), is silence: skipped, no text."""
 MAX_PROMPT = 223
 """Previous-text tokens kept in a window's prompt (half the decoder context, minus one)."""
 
@@ -40,6 +43,7 @@ class Segment:
     avg_logprob: float
     temperature: float
     compression_ratio: float
+    no_speech_prob: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class TranscriptionJob:
     all_tokens: list[int] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     temperature: float = 0.0
+    no_speech_prob: float = 0.0
     on_segment: Callable[[Segment], None] | None = None
     """Called (in the speech engine's thread) with each segment as soon as it is final."""
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -175,15 +180,26 @@ class TranscriptionJob:
             self.future.set_exception(error)
 
     def _on_window(self, result: WindowResult) -> None:
+        try:
+            self._window_done(result)
+        except Exception as e:  # never leave the caller waiting on a bug
+            self._fail(e)
+
+    def _window_done(self, result: WindowResult) -> None:
         if result.error is not None:
             return self._fail(result.error)
         tokens = result.tokens
         text = self.tokens.decode_text(tokens)
         ratio = compression_ratio(text)
         avg = result.sum_logprob / (len(tokens) + 1)
-        failed = ratio > COMPRESSION_RATIO_THRESHOLD or avg < LOGPROB_THRESHOLD
+        silence = result.no_speech_prob > NO_SPEECH_THRESHOLD and avg < LOGPROB_THRESHOLD
+        failed = not silence and (ratio > COMPRESSION_RATIO_THRESHOLD or avg < LOGPROB_THRESHOLD)
         if failed and self.options.fallback and self.temperature < 1.0 - 1e-6:
             return self._next_window(round(self.temperature + 0.2, 2))
+        if silence:
+            self.seek += min(WINDOW_FRAMES, self.frames - self.seek)  # silence: no segment
+            return self._next_window()
+        self.no_speech_prob = result.no_speech_prob
         self._cut(tokens, avg, ratio)
         if not self.options.condition_on_previous_text or self.temperature > 0.5:
             self.all_tokens = []
@@ -194,7 +210,7 @@ class TranscriptionJob:
         if not text.strip():
             return
         seg = Segment(len(self.segments), round(start, 3), round(end, 3), text, tokens, avg,
-                      self.temperature, ratio)  # fmt: skip
+                      self.temperature, ratio, self.no_speech_prob)  # fmt: skip
         self.segments.append(seg)
         if self.on_segment is not None:
             self.on_segment(seg)

@@ -147,9 +147,15 @@ class Decoder(nn.Module):
             cache.cross_v[i, rows] = v
 
     def forward(
-        self, tokens: torch.Tensor, start: torch.Tensor, cache: DecoderCache, rows: slice
+        self,
+        tokens: torch.Tensor,
+        start: torch.Tensor,
+        cache: DecoderCache,
+        rows: slice,
+        at: list[int] | None = None,
     ) -> torch.Tensor:
-        """tokens [B, T] at positions start[b] + t -> logits of the last position [B, V]."""
+        """tokens [B, T] at positions start[b] + t -> logits [B, V] of the last position, or
+        [B, len(at), V] of the input positions ``at``."""
         t = tokens.shape[1]
         pos = start[:, None] + torch.arange(t)  # [B, T]
         lk = int(pos.max()) + 1
@@ -157,7 +163,7 @@ class Decoder(nn.Module):
         x = self.embed_tokens(tokens) + self.embed_positions(pos)
         for i, layer in enumerate(self.layers):
             x = layer(x, i, cache, rows, pos, mask)
-        x = self.layer_norm(x[:, -1])
+        x = self.layer_norm(x[:, -1] if at is None else x[:, at])
         return x @ self.embed_tokens.weight.T
 
 
