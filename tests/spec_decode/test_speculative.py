@@ -241,3 +241,27 @@ def test_flat_names_and_cli_flag():
     spec = EngineConfig(speculative_config=parsed).speculative
     assert spec is not None and (spec.method, spec.num_speculative_tokens) == ("suffix", 7)
     assert EngineConfig().speculative is None
+
+
+def test_serve_flags_reach_the_engine_config():
+    from tokenmill.config import EngineConfig
+    from tokenmill.entrypoints.args import engine_options
+    from tokenmill.entrypoints.cli import build_parser
+    from tokenmill.vllm_compat import check_compat_options
+
+    def config(args) -> EngineConfig:  # what LLM(**options) does with the flags
+        opts = engine_options(args)
+        check_compat_options(opts)
+        opts.pop("generation_config", None)
+        return EngineConfig(**opts)
+
+    parser = build_parser()
+    args = parser.parse_args(
+        ["serve", "--speculative-config", '{"method": "suffix", "num_speculative_tokens": 6}']
+    )
+    spec = config(args).speculative
+    assert spec is not None and (spec.method, spec.num_speculative_tokens) == ("suffix", 6)
+    flat = config(parser.parse_args(["serve", "--speculative-method", "ngram"])).speculative
+    assert flat is not None and flat.method == "ngram"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--speculative-config", "{not json"])
