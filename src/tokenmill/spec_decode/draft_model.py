@@ -137,6 +137,8 @@ class DraftModelProposer:
         seq = self._seqs.get(rid)
         if seq is None:
             mirror = Request(rid, list(req.prompt_token_ids), _GREEDY, 1 << 30, frozenset())
+            mirror.output_token_ids = list(req.output_token_ids)
+            mirror.all_token_ids = list(tokens)
             seq = self._seqs[rid] = DraftSeq(mirror)
             seq.computed = self.kv.get_computed_blocks(rid, tokens, req.cache_key, True)
         else:
@@ -145,9 +147,10 @@ class DraftModelProposer:
             while kept < min(with_kv, len(new)) and new[kept] == seq.proposed[kept]:
                 kept += 1
             seq.computed = seq.base + kept
-        mirror = seq.mirror
-        mirror.all_token_ids = list(tokens)
-        mirror.output_token_ids = list(req.output_token_ids)
+        mirror = seq.mirror  # it holds the tokens known at its last proposal: extend it
+        known = len(mirror.all_token_ids)
+        mirror.all_token_ids.extend(tokens[known:])
+        mirror.output_token_ids.extend(req.output_token_ids[mirror.num_output_tokens :])
         seq.computed = min(seq.computed, len(tokens) - 1)  # the last token gives the logits
         self.kv.truncate(rid, seq.computed)
         if len(tokens) + k > self.max_model_len or not self.kv.allocate_slots(rid, len(tokens) + k):
