@@ -81,13 +81,32 @@ class TTS:
     def generate_speech_stream(
         self, text: str, params: AudioParams = AudioParams()
     ) -> Iterator[bytes]:
-        """int16 LE mono PCM, one chunk per sentence as soon as it is synthesized."""
+        """int16 LE mono PCM chunks as soon as each is synthesized (sentence by sentence,
+        each sentence in vocoder pieces)."""
         self._check(params)
         sentences = split_sentences(text)
         if not sentences:
             raise ValueError("the input text is empty")
         for sentence in sentences:
-            yield to_pcm16(self.synthesize(sentence, params))
+            yield from self._sentence_chunks(sentence, params)
+
+    def _sentence_chunks(self, sentence: str, params: AudioParams) -> Iterator[bytes]:
+        """A sentence's PCM in pieces: the vocoder runs on frame windows, so the first piece
+        is out before the rest of the sentence is decoded."""
+        ids = self.voice.ids(phonemize(sentence, self.voice.espeak_voice))
+        base = self.voice.scales
+        scales = replace(base, length=base.length / params.speed)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        model = self.voice.model
+        with self._lock, torch.inference_mode():
+            z = model.latent(torch.tensor([ids]), scales, gen)
+        pieces = model.decode_chunks(z)
+        while True:
+            with self._lock, torch.inference_mode():
+                piece = next(pieces, None)
+            if piece is None:
+                return
+            yield to_pcm16(piece)
 
     def generate_speech(self, text: str, params: AudioParams = AudioParams()) -> np.ndarray:
         """The whole text as int16 samples."""

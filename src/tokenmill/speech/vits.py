@@ -9,6 +9,7 @@ Tensors are [B, C, T] (channels first) throughout, as in the original.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -359,10 +360,10 @@ class Vits(nn.Module):
         """Samples per frame."""
         return math.prod(self.cfg.upsample_rates)
 
-    def forward(
+    def latent(
         self, ids: torch.Tensor, scales: Scales, generator: torch.Generator | None = None
     ) -> torch.Tensor:
-        """ids [1, T] -> audio [samples] in [-1, 1] (one utterance)."""
+        """ids [1, T] -> the decoder's input [1, inter, frames] (one utterance)."""
         mask = torch.ones(1, 1, ids.shape[1])
         x, m, logs = self.enc_p(ids, mask)
         noise_w = torch.randn(1, 2, ids.shape[1], generator=generator) * scales.noise_w
@@ -371,5 +372,26 @@ class Vits(nn.Module):
         m = m[0].repeat_interleave(frames, dim=1)[None]  # [1, inter, F]
         logs = logs[0].repeat_interleave(frames, dim=1)[None]
         z = m + torch.randn(m.shape, generator=generator) * torch.exp(logs) * scales.noise
-        ymask = torch.ones(1, 1, z.shape[2])
-        return self.dec(self.flow.reverse(z, ymask))[0, 0]
+        return self.flow.reverse(z, torch.ones(1, 1, z.shape[2]))
+
+    def forward(
+        self, ids: torch.Tensor, scales: Scales, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """ids [1, T] -> audio [samples] in [-1, 1] (one utterance)."""
+        return self.dec(self.latent(ids, scales, generator))[0, 0]
+
+    def decode_chunks(
+        self, z: torch.Tensor, first: int = 24, size: int = 96, context: int = 16
+    ) -> Iterator[torch.Tensor]:
+        """The waveform of latent z [1, inter, F] in pieces: ``first`` frames, then ``size``.
+
+        Each piece is decoded with ``context`` frames of z on either side and trimmed; the
+        generator sees about +-10 frames, so the pieces join into ``dec(z)`` up to rounding.
+        """
+        total, start, hop = z.shape[2], 0, self.hop
+        while start < total:
+            end = min(total, start + (first if start == 0 else size))
+            lo, hi = max(0, start - context), min(total, end + context)
+            audio = self.dec(z[:, :, lo:hi])[0, 0]
+            yield audio[(start - lo) * hop : (end - lo) * hop]
+            start = end
