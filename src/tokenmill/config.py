@@ -120,10 +120,28 @@ class EngineConfig:
     pooler_config: dict[str, Any] | None = None
     """Overrides of the checkpoint's pooling metadata: pooling_type (CLS, MEAN, LAST,
     MAX), normalize, activation / use_activation, dimensions (a Matryoshka default)."""
+    # -- prepared-model bundles (``bundles/``) ---------------------------------------------
+    prepare_bundle: bool = False
+    """Keep a prepared bundle of the loaded model (final weights mapped from one file, the
+    tokenizer, the resolved config) in ``cache_dir`` and start from it next time: a warm
+    start maps the weights instead of reading, converting and repacking them, with the same
+    logits bit for bit. CPU only (on CUDA the load is cold). Off by default for now."""
+    cache_dir: str | None = None
+    """Folder of the prepared bundles; default ``$TOKENMILL_CACHE_DIR/bundles``
+    (~/.cache/tokenmill/bundles)."""
+    engine_cache_max_size_gb: float = 50.0
+    """Size cap of ``cache_dir``: least recently used bundles not open in any process are
+    removed after a new one is written until the rest fit."""
+    clear_engine_cache: bool = False
+    """Remove every bundle of ``cache_dir`` not open in a process before loading."""
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("block_size", self.block_size)
+        if not self.engine_cache_max_size_gb >= 0:
+            raise InvalidRequestError(
+                f"engine_cache_max_size_gb must be >= 0, got {self.engine_cache_max_size_gb!r}"
+            )
         from tokenmill.pooling.task import check_runner_options
 
         check_runner_options(self.runner, self.convert)

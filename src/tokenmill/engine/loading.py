@@ -52,6 +52,19 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
+    """The ready model of ``config``: from its prepared bundle when ``prepare_bundle`` is on
+    (``tokenmill.bundles``; a bundle folder passed as the model is always one), else built."""
+    from tokenmill.bundles.cache import BundleCache, is_bundle
+
+    if is_bundle(config.model):
+        return LoadedModel(*BundleCache.for_config(config).load_pinned(config))
+    if config.prepare_bundle and config.torch_device().type == "cpu":
+        loaded = BundleCache.for_config(config).load_or_build(config, _build_model)
+        return loaded if isinstance(loaded, LoadedModel) else LoadedModel(*loaded)
+    return _build_model(config)
+
+
+def _build_model(config: EngineConfig) -> LoadedModel:
     start = time.perf_counter()
     ckpt = load_checkpoint(config.model)
     model_cls = resolve_model_class(ckpt.hf_config.get("architectures"))

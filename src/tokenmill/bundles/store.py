@@ -1,0 +1,214 @@
+"""A prepared bundle on disk: write one from a cold load, map one back into a ready model.
+
+A bundle is a folder::
+
+    manifest.json        key, versions, model, sizes and sha256 of every file, created / last used
+    weights.safetensors  every parameter and buffer in its final layout (``tensor_file.py``)
+    config.json          the checkpoint's resolved config and generation config, the load's
+                         resolution (model class, dtype, quantization, max_model_len), aliases
+    tokenizer/           the HF tokenizer as loaded (converted from a GGUF's metadata once)
+
+Reading (``read_bundle``) checks the manifest (format and tokenmill version, then each file's
+size and checksum) and builds the model on the meta device with the kernels of the cold load
+(``select_ops`` with the same inputs), then assigns the mapped tensors: no weight is read,
+converted or copied until a kernel touches it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+import tokenmill
+from tokenmill.bundles.capture import assign_tensors, check_assigned, model_tensors
+from tokenmill.bundles.fingerprint import FORMAT_VERSION
+from tokenmill.bundles.tensor_file import map_tensors, write_tensors
+from tokenmill.config import DTYPES
+from tokenmill.errors import ModelLoadError
+from tokenmill.layers.ops import select_ops
+from tokenmill.loader.checkpoint import Checkpoint
+from tokenmill.models import resolve_model_class
+from tokenmill.models.base import CausalLM
+from tokenmill.quant.plan import build_plan
+from tokenmill.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from tokenmill.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+MANIFEST, WEIGHTS, CONFIG, TOKENIZER = (
+    "manifest.json",
+    "weights.safetensors",
+    "config.json",
+    "tokenizer",
+)
+_CHUNK = 1 << 24
+
+
+class StaleBundleError(ModelLoadError):
+    """A bundle written by another tokenmill version or bundle format."""
+
+
+class CorruptBundleError(ModelLoadError):
+    """A bundle whose files do not match their manifest (truncated, edited, partial)."""
+
+
+class Prepared(NamedTuple):
+    """What a load computes, in ``engine.loading.LoadedModel``'s field order."""
+
+    checkpoint: Checkpoint
+    model: CausalLM
+    tokenizer: Tokenizer
+    max_model_len: int
+    dtype: torch.dtype
+    device: torch.device
+    quantization: str
+
+
+@dataclass
+class Manifest:
+    key: str
+    model: str
+    format_version: int = FORMAT_VERSION
+    tokenmill_version: str = tokenmill.__version__
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Relative path -> {"size", "sha256"}."""
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.time)
+
+    @property
+    def size(self) -> int:
+        return sum(f["size"] for f in self.files.values())
+
+    def save(self, folder: Path) -> None:
+        tmp = folder / f".{MANIFEST}.{os.getpid()}"
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(folder / MANIFEST)  # atomic: readers see the old or the new one
+
+    @classmethod
+    def load(cls, folder: Path) -> Manifest:
+        try:
+            return cls(**json.loads((folder / MANIFEST).read_text()))
+        except (OSError, ValueError, TypeError) as e:
+            raise CorruptBundleError(f"bundle {folder} has no readable manifest ({e})") from e
+
+
+def write_bundle(folder: Path, key: str, loaded: Prepared, config: EngineConfig) -> Manifest:
+    """Write ``loaded`` (a cold load of ``config``) into the empty ``folder``."""
+    tensors, aliases = model_tensors(loaded.model)
+    write_tensors(folder / WEIGHTS, {n: t.cpu() for n, t in tensors.items()}, {"key": key})
+    ckpt = loaded.checkpoint
+    resolved = {
+        "path": ckpt.path, "format": ckpt.format, "hf_config": ckpt.hf_config,
+        "generation_config": ckpt.generation_config,
+        "model_class": type(loaded.model).__name__, "max_model_len": loaded.max_model_len,
+        "dtype": str(loaded.dtype).removeprefix("torch."), "quantization": loaded.quantization,
+        "attention_backend": config.attention_backend, "aliases": aliases,
+        "stored_types": {k: int(v) for k, v in _tensor_types(ckpt).items()},
+    }  # fmt: skip
+    (folder / CONFIG).write_text(json.dumps(resolved, indent=1))
+    loaded.tokenizer.hf.save_pretrained(str(folder / TOKENIZER))
+    manifest = Manifest(key=key, model=ckpt.path)
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        rel = str(path.relative_to(folder))
+        manifest.files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    manifest.save(folder)
+    return manifest
+
+
+def check_bundle(folder: Path, pinned: bool = False) -> Manifest:
+    """The manifest of ``folder`` after checking versions, sizes and checksums.
+
+    Raises StaleBundleError (another version or format; with ``pinned``, the message names
+    both versions and what to do) or CorruptBundleError.
+    """
+    manifest = Manifest.load(folder)
+    if (manifest.format_version, manifest.tokenmill_version) != (
+        FORMAT_VERSION,
+        tokenmill.__version__,
+    ):
+        hint = " (delete it or pass prepare_bundle=False)" if pinned else ""
+        raise StaleBundleError(
+            f"bundle {folder} was built by tokenmill {manifest.tokenmill_version} (bundle format "
+            f"{manifest.format_version}); this is tokenmill {tokenmill.__version__} (format "
+            f"{FORMAT_VERSION}){hint}"
+        )
+    for rel, entry in manifest.files.items():
+        path = folder / rel
+        size = path.stat().st_size if path.is_file() else -1
+        if size != entry["size"] or _sha256(path) != entry["sha256"]:
+            raise CorruptBundleError(
+                f"bundle file {path} does not match its manifest (size {size}, expected "
+                f"{entry['size']}, or a different checksum)"
+            )
+    return manifest
+
+
+def read_bundle(folder: Path, config: EngineConfig, model_path: str) -> Prepared:
+    """The ready model of a checked bundle (``check_bundle``); weights stay mapped."""
+    resolved = json.loads((folder / CONFIG).read_text())
+    hf_config, dtype = resolved["hf_config"], DTYPES[resolved["dtype"]]
+    device, quantization = config.torch_device(), resolved["quantization"]
+    ckpt = Checkpoint(model_path, resolved["format"], hf_config, resolved["generation_config"],
+                      source=_ColdSource(model_path))  # fmt: skip
+    model_cls = resolve_model_class(hf_config.get("architectures"))
+    types = {k: Q(v) for k, v in resolved["stored_types"].items()} if quantization == "gguf" else {}
+    plan = build_plan(quantization, types)
+    ops = select_ops(device, dtype, plan, config.attention_backend)
+    kwargs = {"quant": plan} if plan else {}
+    model = _build_meta(model_cls, hf_config, dtype, resolved["max_model_len"], ops, kwargs)
+    tensors, _ = map_tensors(folder / WEIGHTS)
+    assign_tensors(model, tensors, resolved["aliases"])
+    check_assigned(model)
+    model.eval()
+    tokenizer = load_tokenizer(ckpt, str(folder / TOKENIZER))
+    return Prepared(ckpt, model, tokenizer, resolved["max_model_len"], dtype, device, quantization)
+
+
+def _build_meta(model_cls, hf_config, dtype, max_model_len, ops, kwargs) -> CausalLM:
+    """The model with meta tensors (no memory); a constructor that needs real values (a
+    scale computed with ``.item()``) is built on the CPU instead, its empty tensors
+    replaced by the assignment that follows."""
+    try:
+        with torch.device("meta"):
+            return model_cls(hf_config, dtype, max_positions=max_model_len, ops=ops, **kwargs)
+    except (RuntimeError, NotImplementedError) as e:
+        logger.debug("%s can not be built on the meta device (%s): building on cpu", model_cls, e)
+    with torch.device("cpu"):
+        return model_cls(hf_config, dtype, max_positions=max_model_len, ops=ops, **kwargs)
+
+
+def _tensor_types(ckpt: Checkpoint) -> dict:
+    """HF tensor name -> GGML type of a GGUF checkpoint (what its quantization plan reads)."""
+    types = getattr(ckpt.source, "tensor_types", None)
+    return types() if types is not None else {}
+
+
+class _ColdSource:
+    """The original checkpoint's weight stream, opened only if something asks for it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def iter_weights(self, dtype: torch.dtype, keep_quantized: bool = False):
+        from tokenmill.loader import load_checkpoint
+
+        return load_checkpoint(self.path).weights(dtype, keep_quantized)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,155 @@
+"""The bundle cache: corruption and stale versions rebuilt, pinned bundles refused, LRU
+eviction under a cap that spares bundles in use, two processes building once."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tokenmill.bundles.cache import BundleCache
+from tokenmill.bundles.fingerprint import bundle_inputs, fingerprint
+from tokenmill.bundles.store import WEIGHTS, StaleBundleError
+from tokenmill.config import EngineConfig
+from tokenmill.engine.loading import load_model
+
+
+def _config(model, root, **options) -> EngineConfig:
+    options.setdefault("max_model_len", 64)
+    return EngineConfig(model=str(model), dtype="float32", prepare_bundle=True,
+                        cache_dir=str(root), **options)  # fmt: skip
+
+
+def _key(config: EngineConfig) -> str:
+    return fingerprint(bundle_inputs(config))
+
+
+def _events(caplog) -> list[str]:
+    """ "written" / "mapped" for each bundle the loads wrote or mapped, in order."""
+    words = [r.getMessage().split(" ")[3] for r in caplog.records
+             if r.name == "tokenmill.bundles.cache" and r.getMessage().startswith("prepared bundle")]  # fmt: skip
+    return [w for w in words if w in ("written", "mapped")]
+
+
+def test_cold_then_warm(tiny_llama_dir, tmp_path, caplog):
+    caplog.set_level(logging.INFO, "tokenmill.bundles.cache")
+    config = _config(tiny_llama_dir, tmp_path)
+    load_model(config)
+    load_model(config)
+    assert _events(caplog) == ["written", "mapped"]
+    [info] = BundleCache.for_config(config).bundles()
+    assert info.key == _key(config)
+    assert info.manifest.model == str(tiny_llama_dir)
+    assert set(info.manifest.files) >= {WEIGHTS, "config.json", "tokenizer/tokenizer.json"}
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_corrupt_bundle_is_rebuilt(tiny_llama_dir, tmp_path, caplog, damage):
+    config = _config(tiny_llama_dir, tmp_path)
+    load_model(config)
+    weights = tmp_path / _key(config) / WEIGHTS
+    data = bytearray(weights.read_bytes())
+    if damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data[-100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    caplog.set_level(logging.INFO, "tokenmill.bundles.cache")
+    load_model(config)
+    assert any("does not match its manifest" in r.getMessage() and r.levelname == "WARNING"
+               for r in caplog.records)  # fmt: skip
+    assert _events(caplog) == ["written"]
+    caplog.clear()
+    load_model(config)
+    assert _events(caplog) == ["mapped"]
+
+
+def _age(folder, version: str) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["tokenmill_version"] = version
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_other_version_is_rebuilt(tiny_llama_dir, tmp_path, caplog):
+    config = _config(tiny_llama_dir, tmp_path)
+    load_model(config)
+    _age(tmp_path / _key(config), "0.0.1")
+    caplog.set_level(logging.INFO, "tokenmill.bundles.cache")
+    load_model(config)
+    assert any("built by tokenmill 0.0.1" in r.getMessage() for r in caplog.records)
+    assert _events(caplog) == ["written"]
+
+
+def test_pinned_bundle(tiny_llama_dir, tmp_path):
+    config = _config(tiny_llama_dir, tmp_path)
+    cold = load_model(config)
+    folder = tmp_path / _key(config)
+    pinned = load_model(EngineConfig(model=str(folder)))
+    assert pinned.checkpoint.path == str(tiny_llama_dir)
+    assert pinned.max_model_len == cold.max_model_len
+    del pinned
+    gc.collect()
+    _age(folder, "0.0.1")
+    with pytest.raises(StaleBundleError, match=r"tokenmill 0\.0\.1 .*this is tokenmill 0\.1\.0"):
+        load_model(EngineConfig(model=str(folder)))
+
+
+def test_lru_eviction_spares_bundles_in_use(tiny_llama_dir, tmp_path):
+    configs = [_config(tiny_llama_dir, tmp_path, max_model_len=n) for n in (32, 64, 128)]
+    keys = [_key(c) for c in configs]
+    for c in configs:
+        del c
+    load_model(configs[0])  # dropped at once: not in use
+    size = BundleCache.for_config(configs[0]).bundles()[0].manifest.size
+    cap_gb = 2.5 * size / (1 << 30)  # two bundles fit, three do not
+    capped = [_config(tiny_llama_dir, tmp_path, max_model_len=n, engine_cache_max_size_gb=cap_gb)
+              for n in (32, 64, 128)]  # fmt: skip
+    load_model(capped[1])
+    held = load_model(capped[0])  # warm: makes bundle 0 the most recent, and keeps it open
+    gc.collect()
+    load_model(capped[2])  # three bundles: the least recently used one (1) goes
+    cache = BundleCache.for_config(capped[0])
+    assert [b.key for b in cache.bundles()] == [keys[0], keys[2]]
+    assert cache.bundles()[0].in_use
+    assert cache.evict() == []  # within the cap
+    cache.max_bytes = 0
+    assert cache.evict() == [keys[2]]  # bundle 0 is open in this process
+    assert not cache.remove(keys[0])
+    del held
+    gc.collect()
+    assert cache.clear() == [keys[0]]
+    assert cache.bundles() == []
+
+
+def test_clear_engine_cache(tiny_llama_dir, tmp_path, caplog):
+    load_model(_config(tiny_llama_dir, tmp_path))
+    gc.collect()
+    caplog.set_level(logging.INFO, "tokenmill.bundles.cache")
+    load_model(_config(tiny_llama_dir, tmp_path, clear_engine_cache=True))
+    assert _events(caplog) == ["written"]
+
+
+def test_two_processes_build_once(tiny_llama_dir, tmp_path):
+    script = textwrap.dedent(f"""
+        import logging, sys
+        logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(name)s %(message)s")
+        from tokenmill.config import EngineConfig
+        from tokenmill.engine.loading import load_model
+        load_model(EngineConfig(model={str(tiny_llama_dir)!r}, dtype="float32", max_model_len=64,
+                                prepare_bundle=True, cache_dir={str(tmp_path)!r}))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]  # fmt: skip
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    text = "".join(outs)
+    assert text.count("tokenmill.bundles.cache prepared bundle") == 2
+    assert text.count(" written in ") == 1 and text.count(" mapped in ") == 1
+    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".locks")] == [
+        _key(_config(tiny_llama_dir, tmp_path))
+    ]
