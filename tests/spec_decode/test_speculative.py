@@ -187,6 +187,8 @@ def test_async_scheduling_gives_the_same_output(smollm2_gguf, plain):
     want = [o.token_ids for o in chat(plain, [COPY, OTHER], GREEDY)]
     with _llm(smollm2_gguf, METHODS["suffix"], async_scheduling="on") as llm:
         assert [o.token_ids for o in chat(llm, [COPY, OTHER], GREEDY)] == want
+        s = hook(llm).stats  # drafts ran every step they could (a draft step is drained)
+        assert s.num_accepted_tokens >= 10 and s.num_drafts >= 8
 
 
 def test_adaptive_cap_and_cost_curve(smollm2_gguf, plain):

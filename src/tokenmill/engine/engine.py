@@ -61,6 +61,7 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer, self.stats.on_request_finished)
         self.overlap = config.overlaps_steps()
         """Asynchronous scheduling: launch step N+1 before waiting for step N."""
+        self._speculates = any(isinstance(h, DraftHook) for h in self.hooks)
 
     @property
     def runner(self) -> ModelRunner:
@@ -212,7 +213,12 @@ class LLMEngine:
         self._note_scheduled(sched)
         for hook in self.hooks:
             hook.on_scheduled(sched)
-        keep = overlap and self.scheduler.has_unfinished()  # else nobody waits for it: drain
+        # Nobody waits for it: drain. Nor is a step with drafts kept in flight: its
+        # requests could not be scheduled again until it returns (how many tokens it
+        # yields is unknown), so they would skip every other step.
+        keep = overlap and self.scheduler.has_unfinished()
+        if keep and self._speculates:
+            keep = not any(s.draft_token_ids for s in sched.seqs)
         outputs += self._apply(self.pipeline.launch(sched, keep_in_flight=keep))
         self._update_gauges()
         return outputs
