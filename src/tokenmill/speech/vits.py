@@ -381,7 +381,7 @@ class Vits(nn.Module):
         return self.dec(self.latent(ids, scales, generator))[0, 0]
 
     def decode_chunks(
-        self, z: torch.Tensor, first: int = 24, size: int = 96, context: int = 16
+        self, z: torch.Tensor, first: int = 24, size: int = 256, context: int = 16
     ) -> Iterator[torch.Tensor]:
         """The waveform of latent z [1, inter, F] in pieces: ``first`` frames, then ``size``.
 
