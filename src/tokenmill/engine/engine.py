@@ -61,7 +61,8 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer, self.stats.on_request_finished)
         self.overlap = config.overlaps_steps()
         """Asynchronous scheduling: launch step N+1 before waiting for step N."""
-        self._speculates = any(isinstance(h, DraftHook) for h in self.hooks)
+        self._draft_hook = next((h for h in self.hooks if isinstance(h, DraftHook)), None)
+        self._speculates = self._draft_hook is not None
 
     @property
     def runner(self) -> ModelRunner:
@@ -198,6 +199,8 @@ class LLMEngine:
         """
         outputs = self._admit_ready()
         overlap = self.overlap and not self.scheduler.num_sync_only
+        if overlap and self._draft_hook is not None and self._draft_hook.needs_tokens:
+            overlap = False  # drafts follow known tokens: this step waits for the last
         if not overlap:
             outputs += self._apply(self.pipeline.drain())
         for hook in self.hooks:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.engine.hooks import RequestHook
 from tokenmill.scheduler.request import Request, RequestStatus
-from tokenmill.spec_decode.adaptive import Acceptance, DraftLength
+from tokenmill.spec_decode.adaptive import EXPLORE_EVERY, Acceptance, DraftLength
 from tokenmill.spec_decode.metrics import SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -57,6 +57,17 @@ class DraftHook(RequestHook):
         self._rates: dict[str, Acceptance] = {}
         self._verifying: list[tuple[Request, int, int]] = []
         """(request, drafts, outputs before the step) of the steps not yet counted."""
+        self._drafting = True
+        """The latest step that looked drafted something (``needs_tokens``)."""
+        self._idle_steps = 0
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether the next step should see every token on the host (asynchronous
+        scheduling then waits for the step in flight): drafts follow known tokens only.
+        True while drafting pays; once a step drafted nothing (no proposal, or a cap of
+        0), steps may overlap again, and every ``EXPLORE_EVERY``-th one looks again."""
+        return self._drafting or self._idle_steps % EXPLORE_EVERY == EXPLORE_EVERY - 1
 
     def before_step(self, running: Sequence[Request]) -> None:
         self._count_verified()
@@ -68,22 +79,32 @@ class DraftHook(RequestHook):
                     or req.num_computed_tokens < req.num_tokens - 1)  # still prefilling
         ]  # fmt: skip
         if not eligible:
+            self._idle_steps += 1
             return
+        drafted = self._propose(len(running), eligible)
+        self._drafting = drafted
+        self._idle_steps = 0 if drafted else self._idle_steps + 1
+
+    def _propose(self, num_running: int, eligible: list[Request]) -> bool:
+        """Set the eligible requests' drafts; whether any got some."""
         k = self.num_tokens
         if getattr(self.proposer, "costly", False):  # choose the cap first: drafting costs
-            k = self._cap(len(running), eligible, [k] * len(eligible))
+            k = self._cap(num_running, eligible, [k] * len(eligible))
             if k == 0:
-                return
+                return False
         proposals = self.proposer.propose(eligible, k)
         drafting = [(req, p) for req, p in zip(eligible, proposals) if p]
         if not drafting:
-            return
-        cap = self._cap(len(running), [r for r, _ in drafting], [len(p) for _, p in drafting])
+            return False
+        cap = self._cap(num_running, [r for r, _ in drafting], [len(p) for _, p in drafting])
+        if cap == 0:
+            return False
         for req, p in drafting:
             p = p[:cap]
             if req.structured is not None:  # only what its grammar allows
                 p = req.structured.valid_drafts(p)
             req.spec_token_ids = p
+        return True
 
     def _cap(self, num_running: int, requests: Sequence[Request], lengths: list[int]) -> int:
         prior = self.length.prior()
