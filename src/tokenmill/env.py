@@ -52,7 +52,9 @@ TOKENMILL_CACHE_DIR: EnvVar[Path] = _declare(
         default="~/.cache/tokenmill",
         parse=_path,
         doc="Root of tokenmill's on-disk caches (converted GGUF tokenizers live in "
-        "<root>/tokenizers/<key>). Safe to delete at any time.",
+        "<root>/tokenizers/<key>, prepared-model bundles in <root>/bundles/<key> unless "
+        "cache_dir says otherwise). Safe to delete at any time (not while a process runs "
+        "from a bundle).",
     )
 )
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tokenmill.bundles.fingerprint import bundle_inputs, fingerprint
+from tokenmill.bundles.phases import Phases
 from tokenmill.bundles.store import (
     MANIFEST,
     CorruptBundleError,
@@ -101,7 +102,7 @@ class BundleCache:
             start = time.perf_counter()
             try:
                 self._write(key, loaded, config)
-            except OSError as e:  # a full disk costs the next start, never this one
+            except (OSError, ModelLoadError) as e:  # costs the next start, never this one
                 logger.warning("could not write the prepared bundle %s: %s", key, e)
                 return loaded
             logger.info("prepared bundle %s written in %.2f s", key, time.perf_counter() - start)
@@ -125,9 +126,10 @@ class BundleCache:
             if not (folder / MANIFEST).is_file():
                 os.close(fd)
                 return None
-            start = time.perf_counter()
-            manifest = check_bundle(folder)
-            warm = read_bundle(folder, config, _model_path(config))
+            start, phases = time.perf_counter(), Phases()
+            with phases("resolve"):
+                manifest = check_bundle(folder)
+            warm = read_bundle(folder, config, _model_path(config), phases)
         except (StaleBundleError, CorruptBundleError, ModelLoadError) as e:
             os.close(fd)
             logger.warning("prepared bundle %s is unusable, rebuilding it: %s", key, e)

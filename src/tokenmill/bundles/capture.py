@@ -6,8 +6,8 @@ weights, the packed tiles of the quantized and 16-bit formats (``qtiles``, ``wti
 Anything derived from addresses (``NativeDecode``'s layer descriptors, ``RMSNorm``'s
 scaled weight) is recomputed from the tensors when first used, keyed by ``data_ptr``, so
 it follows the assigned tensors. A module attribute that is a tensor but neither a
-parameter nor a buffer can not be captured: ``check_assigned`` refuses the warm model
-then, rather than run it with a placeholder.
+parameter nor a buffer can not be captured: ``check_capturable`` refuses to write such a
+model's bundle, so its loads stay cold rather than run with a placeholder.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def model_tensors(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
 def assign_tensors(
     model: nn.Module, tensors: Mapping[str, torch.Tensor], aliases: Mapping[str, str]
 ) -> None:
-    """Replace every parameter and buffer of ``model`` (built on the meta device) by the
+    """Replace every parameter and buffer of ``model`` (built unfilled) by the
     tensor of the same name; shared tensors stay shared. Raises ModelLoadError when the
     names or shapes do not match the model."""
     wanted = dict(_slots(model))
@@ -69,15 +69,15 @@ def assign_tensors(
             owner._buffers[attr] = made[root]
 
 
-def check_assigned(model: nn.Module) -> None:
-    """Raise ModelLoadError when a module still holds a meta tensor outside its parameters
-    and buffers (state this capture does not know about)."""
+def check_capturable(model: nn.Module) -> None:
+    """Raise ModelLoadError when a module holds a tensor outside its parameters and buffers:
+    state a bundle would not restore (the bundle is then not written)."""
     for mod_name, module in model.named_modules():
         for attr, value in vars(module).items():
-            if isinstance(value, torch.Tensor) and value.is_meta:
+            if isinstance(value, torch.Tensor):
                 raise ModelLoadError(
-                    f"{mod_name or 'model'}.{attr} is a tensor outside the parameters and buffers; "
-                    "a bundle can not restore it"
+                    f"{mod_name or 'model'}.{attr} is a tensor outside the parameters and "
+                    "buffers; a bundle can not restore it"
                 )
 
 

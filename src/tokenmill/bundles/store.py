@@ -9,7 +9,7 @@ A bundle is a folder::
     tokenizer/           the HF tokenizer as loaded (converted from a GGUF's metadata once)
 
 Reading (``read_bundle``) checks the manifest (format and tokenmill version, then each file's
-size and checksum) and builds the model on the meta device with the kernels of the cold load
+size and checksum) and builds the model unfilled with the kernels of the cold load
 (``select_ops`` with the same inputs), then assigns the mapped tensors: no weight is read,
 converted or copied until a kernel touches it.
 """
@@ -29,8 +29,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 import tokenmill
-from tokenmill.bundles.capture import assign_tensors, check_assigned, model_tensors
+from tokenmill.bundles.capture import assign_tensors, check_capturable, model_tensors
 from tokenmill.bundles.fingerprint import FORMAT_VERSION
+from tokenmill.bundles.phases import Phases
 from tokenmill.bundles.tensor_file import map_tensors, write_tensors
 from tokenmill.config import DTYPES
 from tokenmill.errors import ModelLoadError
@@ -105,6 +106,7 @@ class Manifest:
 
 def write_bundle(folder: Path, key: str, loaded: Prepared, config: EngineConfig) -> Manifest:
     """Write ``loaded`` (a cold load of ``config``) into the empty ``folder``."""
+    check_capturable(loaded.model)
     tensors, aliases = model_tensors(loaded.model)
     write_tensors(folder / WEIGHTS, {n: t.cpu() for n, t in tensors.items()}, {"key": key})
     ckpt = loaded.checkpoint
@@ -154,36 +156,44 @@ def check_bundle(folder: Path, pinned: bool = False) -> Manifest:
     return manifest
 
 
-def read_bundle(folder: Path, config: EngineConfig, model_path: str) -> Prepared:
+def read_bundle(
+    folder: Path, config: EngineConfig, model_path: str, phases: Phases | None = None
+) -> Prepared:
     """The ready model of a checked bundle (``check_bundle``); weights stay mapped."""
-    resolved = json.loads((folder / CONFIG).read_text())
-    hf_config, dtype = resolved["hf_config"], DTYPES[resolved["dtype"]]
-    device, quantization = config.torch_device(), resolved["quantization"]
-    ckpt = Checkpoint(model_path, resolved["format"], hf_config, resolved["generation_config"],
-                      source=_ColdSource(model_path))  # fmt: skip
-    model_cls = resolve_model_class(hf_config.get("architectures"))
-    types = {k: Q(v) for k, v in resolved["stored_types"].items()} if quantization == "gguf" else {}
-    plan = build_plan(quantization, types)
-    ops = select_ops(device, dtype, plan, config.attention_backend)
-    kwargs = {"quant": plan} if plan else {}
-    model = _build_meta(model_cls, hf_config, dtype, resolved["max_model_len"], ops, kwargs)
-    tensors, _ = map_tensors(folder / WEIGHTS)
-    assign_tensors(model, tensors, resolved["aliases"])
-    check_assigned(model)
-    model.eval()
-    tokenizer = load_tokenizer(ckpt, str(folder / TOKENIZER))
+    phases = phases or Phases()
+    with phases("resolve"):
+        resolved = json.loads((folder / CONFIG).read_text())
+        hf_config, dtype = resolved["hf_config"], DTYPES[resolved["dtype"]]
+        device, quantization = config.torch_device(), resolved["quantization"]
+        ckpt = Checkpoint(model_path, resolved["format"], hf_config, resolved["generation_config"],
+                          source=_ColdSource(model_path))  # fmt: skip
+        model_cls = resolve_model_class(hf_config.get("architectures"))
+        gguf = quantization == "gguf"
+        plan = build_plan(
+            quantization, {k: Q(v) for k, v in resolved["stored_types"].items()} if gguf else {}
+        )
+    with phases("kernels"):
+        ops = select_ops(device, dtype, plan, config.attention_backend)
+    with phases("weights"):
+        kwargs = {"quant": plan} if plan else {}
+        model = _build_unfilled(model_cls, hf_config, dtype, resolved["max_model_len"], ops, kwargs)
+        tensors, _ = map_tensors(folder / WEIGHTS)
+        assign_tensors(model, tensors, resolved["aliases"])
+        model.eval()
+    with phases("tokenizer"):
+        tokenizer = load_tokenizer(ckpt, str(folder / TOKENIZER))
+    phases.log(f"model ready (warm, mapped from {folder})")
     return Prepared(ckpt, model, tokenizer, resolved["max_model_len"], dtype, device, quantization)
 
 
-def _build_meta(model_cls, hf_config, dtype, max_model_len, ops, kwargs) -> CausalLM:
-    """The model with meta tensors (no memory); a constructor that needs real values (a
-    scale computed with ``.item()``) is built on the CPU instead, its empty tensors
-    replaced by the assignment that follows."""
-    try:
-        with torch.device("meta"):
-            return model_cls(hf_config, dtype, max_positions=max_model_len, ops=ops, **kwargs)
-    except (RuntimeError, NotImplementedError) as e:
-        logger.debug("%s can not be built on the meta device (%s): building on cpu", model_cls, e)
+def _build_unfilled(model_cls, hf_config, dtype, max_model_len, ops, kwargs) -> CausalLM:
+    """The model with uninitialized storage, every tensor of it replaced by a mapped one next.
+
+    Built on the CPU, not the meta device: ``torch.empty`` only reserves address space (no
+    page is touched, so no memory is used before the assignment frees it), while meta
+    tensors route some ops (the rotary tables' division) through Python references whose
+    first use imports ``torch._dynamo``: seconds, more than the whole warm load.
+    """
     with torch.device("cpu"):
         return model_cls(hf_config, dtype, max_positions=max_model_len, ops=ops, **kwargs)
 

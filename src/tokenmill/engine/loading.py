@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import torch
@@ -65,18 +64,23 @@ def load_model(config: EngineConfig) -> LoadedModel:
 
 
 def _build_model(config: EngineConfig) -> LoadedModel:
-    start = time.perf_counter()
-    ckpt = load_checkpoint(config.model)
-    model_cls = resolve_model_class(ckpt.hf_config.get("architectures"))
-    max_model_len = resolve_max_model_len(config, ckpt.hf_config)
-    device = config.torch_device()
-    auto_hf = config.quantization == "auto" and ckpt.format == "hf"
-    stored = stored_float_dtype(ckpt) if auto_hf else None  # a 16-bit HF checkpoint stays 16-bit
-    quantization = resolve_quantization(config.quantization, config.dtype, device, ckpt.format,
-                                        stored)  # fmt: skip
-    plan = build_plan(quantization, _stored_types(ckpt) if quantization == "gguf" else {})
-    dtype = auto_dtype() if plan and config.dtype == "auto" else config.torch_dtype()
-    tokenizer = load_tokenizer(ckpt, config.tokenizer)
+    from tokenmill.bundles.phases import Phases
+
+    phases = Phases()
+    with phases("resolve"):
+        ckpt = load_checkpoint(config.model)
+        model_cls = resolve_model_class(ckpt.hf_config.get("architectures"))
+        max_model_len = resolve_max_model_len(config, ckpt.hf_config)
+        device = config.torch_device()
+        auto_hf = config.quantization == "auto" and ckpt.format == "hf"
+        # a 16-bit HF checkpoint stays 16-bit
+        stored = stored_float_dtype(ckpt) if auto_hf else None
+        quantization = resolve_quantization(config.quantization, config.dtype, device, ckpt.format,
+                                            stored)  # fmt: skip
+        plan = build_plan(quantization, _stored_types(ckpt) if quantization == "gguf" else {})
+        dtype = auto_dtype() if plan and config.dtype == "auto" else config.torch_dtype()
+    with phases("tokenizer"):
+        tokenizer = load_tokenizer(ckpt, config.tokenizer)
     logger.info(
         "building %s (%s, %s, weights %s) from %s",
         model_cls.__name__,
@@ -85,15 +89,18 @@ def _build_model(config: EngineConfig) -> LoadedModel:
         quantization,
         ckpt.path,
     )
-    ops = select_ops(device, dtype, plan, config.attention_backend)  # every layer's kernels
+    with phases("kernels"):
+        ops = select_ops(device, dtype, plan, config.attention_backend)  # every layer's kernels
     logger.info("attention backend %s, layer kernels %s", ops.backend.name, ops.kernels.name)
-    with torch.device(device):  # parameters are created in place: no second copy
-        kwargs = {"quant": plan} if plan else {}
-        model = model_cls(ckpt.hf_config, dtype, max_positions=max_model_len, ops=ops, **kwargs)
-    _kv_blocks(config, model, dtype, max_model_len)  # too small a KV cache fails before the read
-    model.load_weights(ckpt.weights(dtype, keep_quantized=plan is not None))
-    model.eval()
-    logger.info("model ready in %.1f s", time.perf_counter() - start)
+    with phases("weights"):
+        with torch.device(device):  # parameters are created in place: no second copy
+            kwargs = {"quant": plan} if plan else {}
+            model = model_cls(ckpt.hf_config, dtype, max_positions=max_model_len, ops=ops, **kwargs)
+        # too small a KV cache fails before the read
+        _kv_blocks(config, model, dtype, max_model_len)
+        model.load_weights(ckpt.weights(dtype, keep_quantized=plan is not None))
+        model.eval()
+    phases.log(f"model ready (cold load of {ckpt.path})")
     return LoadedModel(ckpt, model, tokenizer, max_model_len, dtype, device, quantization)
 
 

@@ -222,6 +222,35 @@ ENGINE_FLAGS = (
         json_object,
         'pooling overrides as JSON: {"pooling_type": "MEAN" | "CLS" | "LAST" | "MAX", "normalize": bool, "dimensions": n}',
     ),
+    Flag(
+        "--prepare-bundle",
+        "prepare_bundle",
+        None,
+        "start from a prepared bundle of the model in --cache-dir (mapped weights, same logits), written on the first start (CPU; --no-prepare-bundle: off)",
+        False,
+        action=argparse.BooleanOptionalAction,
+    ),
+    Flag(
+        "--cache-dir",
+        "cache_dir",
+        str,
+        "folder of the prepared bundles (default: $TOKENMILL_CACHE_DIR/bundles)",
+    ),
+    Flag(
+        "--engine-cache-max-size-gb",
+        "engine_cache_max_size_gb",
+        float,
+        "size cap of --cache-dir; least recently used bundles not in use are removed",
+        50.0,
+    ),
+    Flag(
+        "--clear-engine-cache",
+        "clear_engine_cache",
+        None,
+        "remove every bundle of --cache-dir not in use before loading",
+        False,
+        action="store_true",
+    ),
 )
 GENERATION_CONFIG_HELP = (
     "default sampling parameters: auto (the checkpoint's "

@@ -1,4 +1,4 @@
-"""`tokenmill generate | chat | serve`: the command line."""
+"""`tokenmill generate | chat | serve | run-batch | cache`: the command line."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from tokenmill.bundles import commands as cache_commands
 from tokenmill.entrypoints import run_batch
 from tokenmill.entrypoints.args import (
     SAMPLING_FLAGS,
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_flags(_add_serve(sub))
     batch = run_batch.add_parser(sub)
     add_engine_flags(batch.add_argument_group("engine"))
+    cache_commands.add_parser(sub)
     return parser
 
 
@@ -222,6 +224,7 @@ COMMANDS = {
     "chat": cmd_chat,
     "serve": cmd_serve,
     "run-batch": cmd_run_batch,
+    "cache": cache_commands.cmd_cache,
 }
 
 
