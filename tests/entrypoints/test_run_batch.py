@@ -57,7 +57,7 @@ def test_good_and_bad_lines_then_resume(tmp_path, tiny_llama_dir):
         return tiny_engine_llm(tiny_llama_dir)
 
     counts = run_batch(src, dst, factory)
-    assert counts == {"skipped": 0, "invalid": 5, "ok": 2, "failed": 1}
+    assert counts == {"skipped": 0, "invalid": 4, "ok": 2, "failed": 2}
     lines = dst.read_text().splitlines()
     assert len(lines) == len(LINES) + 1  # one output line per input line
     out = _read(dst)
@@ -66,7 +66,8 @@ def test_good_and_bad_lines_then_resume(tmp_path, tiny_llama_dir):
     check("text_completion", out["cmpl-1"]["response"]["body"])
     assert out["refused"]["response"]["status_code"] == 400
     check("error", out["refused"]["response"]["body"])
-    assert out["emb"]["error"]["code"] == "invalid_url" and out["emb"]["response"] is None
+    assert out["emb"]["response"]["status_code"] == 400  # a generative model embeds nothing
+    check("error", out["emb"]["response"]["body"])
     assert out["streamed"]["error"]["code"] == "invalid_body"
     codes = sorted(
         json.loads(line)["error"]["code"] for line in lines if json.loads(line)["custom_id"] is None

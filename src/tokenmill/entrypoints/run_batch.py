@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-URLS = ("/v1/chat/completions", "/v1/completions")
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/score", "/v1/rerank")
+"""Generation routes for a generative model, pooling routes for a pooling one (the other
+kind's route answers a 400 line that says which model serves what)."""
 MAX_IN_FLIGHT = 256
 """Requests sent to the in-process server at once (the engine batches what runs)."""
 
