@@ -15,17 +15,18 @@ from tokenmill.engine.prompts import (
     params_per_prompt,
     request_options,
 )
-from tokenmill.errors import EngineDeadError
+from tokenmill.errors import EngineDeadError, InvalidRequestError
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling.offline import PoolingMixin
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, generation_defaults
+from tokenmill.speech.offline import SpeechMixin
 from tokenmill.tokenizer.chat import with_tool_arguments
 from tokenmill.vllm_compat import check_compat_options
 
 logger = logging.getLogger(__name__)
 
 
-class LLM(PoolingMixin):
+class LLM(PoolingMixin, SpeechMixin):
     """A model loaded for offline generation (vLLM-compatible names).
 
     >>> llm = LLM()   # the embedded SmolLM2-135M-Instruct
@@ -47,6 +48,9 @@ class LLM(PoolingMixin):
         if self._load_pooling(self.config):  # an embedding / scoring model (pooling/)
             self.tokenizer, self._counter, self._server = self.engine.tokenizer, 0, None
             return
+        if self._load_speech(self.config):  # a Whisper folder (speech/offline.py)
+            self.engine, self.tokenizer, self._counter, self._server = None, None, 0, None
+            return
         self.engine: LLMEngine | None = LLMEngine(self.config)
         self.tokenizer = self.engine.tokenizer
         self.get_default_sampling_params()  # a bad generation_config fails here, not later
@@ -62,6 +66,7 @@ class LLM(PoolingMixin):
         server = self._server
         if server is not None:
             server.close()
+        self._close_speech()
         engine, self.engine = self.engine, None
         if engine is not None:
             for rid in engine.live_request_ids():
@@ -76,6 +81,11 @@ class LLM(PoolingMixin):
         self.close()
 
     def _live_engine(self) -> LLMEngine:
+        if self.engine is None and self.transcriber is not None:
+            raise InvalidRequestError(
+                "this LLM holds a Whisper model: call transcribe(audio), or generate() with "
+                '{"prompt": ..., "multi_modal_data": {"audio": (samples, rate)}}'
+            )
         if self.engine is None:
             raise EngineDeadError("this LLM was closed; create a new one")
         return self.engine
@@ -146,7 +156,10 @@ class LLM(PoolingMixin):
         "cache_generated_tokens" (prefix-cache controls). ``priority``: one int or
         one per prompt, lower runs first. ``use_tqdm``: a progress bar on stderr over
         the finished prompts (True, as in vLLM; or a tqdm-like class to use instead).
+        A Whisper model takes audio prompts instead (``speech/offline.py``).
         """
+        if self.transcriber is not None:
+            return self._generate_speech(prompts, sampling_params)
         engine = self._live_engine()
         items = normalize_prompts(prompts, self.tokenizer)
         options = request_options(prompts, priority)
@@ -180,6 +193,7 @@ class LLM(PoolingMixin):
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template, then generate. Each output's
         ``prompt`` is the rendered conversation."""
+        self._live_engine()  # a closed LLM, or one holding a Whisper model, says so here
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
