@@ -82,6 +82,9 @@ class DraftLength:
     max_tokens: int
     curve: CostCurve
     adaptive: bool = True
+    proposal: CostCurve | None = None
+    """A proposer that runs model steps (a draft model): the cost of one of its steps by
+    the sequences drafting; a cap of k costs k of them on top of the verification."""
     overall: Acceptance = field(default_factory=Acceptance)
     _steps_off: int = 0
 
@@ -102,7 +105,10 @@ class DraftLength:
         base = num_plain + len(rates)
         expected = np.concatenate(([base], base + gain))
         tokens = np.concatenate(([base], base + extra))
-        k = int(np.argmax(expected / self.curve(tokens)))
+        cost = self.curve(tokens)
+        if self.proposal is not None:
+            cost[1:] += np.arange(1, self.max_tokens + 1) * self.proposal(np.array([len(rates)]))
+        k = int(np.argmax(expected / cost))
         if k == 0:
             self._steps_off += 1
             if self._steps_off % EXPLORE_EVERY == 0:

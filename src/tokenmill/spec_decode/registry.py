@@ -57,13 +57,18 @@ PROPOSERS: dict[str, Callable[[SpeculativeConfig, TargetParts], Proposer]] = {
 
 def build_draft_hook(spec: SpeculativeConfig, target: TargetParts, budget: int) -> DraftHook:
     """The engine's draft hook: the method's proposer; with ``spec.adaptive`` the draft
-    cap chosen per step from the verify cost measured on ``target.runner``."""
+    cap chosen per step from the verify cost measured on ``target.runner`` (and, for a
+    draft model, the cost of its own steps measured on its runner)."""
     from tokenmill.spec_decode.adaptive import CostCurve
     from tokenmill.spec_decode.calibrate import measure_cost_curve
+    from tokenmill.spec_decode.draft_model import DraftModelProposer
 
     proposer = PROPOSERS[spec.method](spec, target)
     k = spec.num_speculative_tokens
-    curve = CostCurve.linear()
+    curve, proposal = CostCurve.linear(), None
     if spec.adaptive:
-        curve = measure_cost_curve(target.runner, target.kv, k, budget, target.config.max_num_seqs)
-    return DraftHook(proposer, k, DraftLength(k, curve, adaptive=spec.adaptive))
+        seqs = target.config.max_num_seqs
+        curve = measure_cost_curve(target.runner, target.kv, k, budget, seqs)
+        if isinstance(proposer, DraftModelProposer):  # its one-token steps cost too
+            proposal = measure_cost_curve(proposer.runner, proposer.kv, 0, budget, seqs)
+    return DraftHook(proposer, k, DraftLength(k, curve, spec.adaptive, proposal))
