@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.engine.hooks import RequestHook
 from tokenmill.scheduler.request import Request, RequestStatus
-from tokenmill.spec_decode.adaptive import EXPLORE_EVERY, Acceptance, DraftLength
+from tokenmill.spec_decode.adaptive import EXPLORE_EVERY, Acceptance, CostCurve, DraftLength
 from tokenmill.spec_decode.metrics import SpecDecodeStats
 
 if TYPE_CHECKING:
@@ -48,8 +48,6 @@ class DraftHook(RequestHook):
     def __init__(
         self, proposer: Proposer, num_tokens: int, length: DraftLength | None = None
     ) -> None:
-        from tokenmill.spec_decode.adaptive import CostCurve
-
         self.proposer = proposer
         self.num_tokens = num_tokens
         self.length = length or DraftLength(num_tokens, CostCurve.linear(), adaptive=False)
