@@ -34,6 +34,17 @@ def _bool(text: str) -> bool:
     return text.lower() in ("1", "true", "yes", "on")
 
 
+TASKS: dict[str, dict[str, str]] = {
+    "auto": {},
+    "generate": {"runner": "generate"},
+    "embed": {"runner": "pooling", "convert": "embed"},
+    "embedding": {"runner": "pooling", "convert": "embed"},
+    "classify": {"runner": "pooling", "convert": "classify"},
+    "score": {"runner": "pooling"},  # the checkpoint's head decides (a cross-encoder scores)
+    "transcription": {},  # a Whisper folder is detected as such
+}
+"""vLLM's ``task`` -> the ``runner`` / ``convert`` options it means."""
+
 COMPAT_OPTIONS: tuple[CompatOption, ...] = (
     CompatOption(
         "tensor_parallel_size",
@@ -136,7 +147,14 @@ COMPAT_OPTIONS: tuple[CompatOption, ...] = (
     CompatOption(
         "enable_lora", False, None, "LoRA adapters are not supported: only off", only=(False,)
     ),
-    CompatOption("task", "auto", str, "only text generation", only=("auto", "generate")),
+    CompatOption(
+        "task",
+        "auto",
+        str,
+        "vLLM's older name of runner/convert: generate, embed (or embedding), classify, "
+        "score (a pooling model), transcription (a Whisper folder); reward is not built",
+        only=tuple(TASKS),
+    ),
     CompatOption(
         "scheduling_policy",
         "fcfs",
@@ -154,6 +172,14 @@ COMPAT_OPTIONS: tuple[CompatOption, ...] = (
 BY_NAME = {o.name: o for o in COMPAT_OPTIONS}
 
 
+def _apply_task(task: str, options: dict[str, Any]) -> None:
+    for name, value in TASKS[task].items():
+        given = options.get(name, "auto")
+        if given not in ("auto", value):
+            raise ValueError(f"task={task!r} means {name}={value!r}, but {name}={given!r} was set")
+        options[name] = value
+
+
 def check_compat_options(options: dict[str, Any]) -> dict[str, Any]:
     """Remove the vLLM-only options from ``options`` (in place) and return them.
 
@@ -167,4 +193,6 @@ def check_compat_options(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"{name}={value!r} is not supported: {opt.meaning}")
         if not opt.only and value != opt.default:
             logger.info("%s=%r has no effect in tokenmill (%s)", name, value, opt.meaning)
+    if "task" in taken:
+        _apply_task(taken["task"], options)
     return taken
