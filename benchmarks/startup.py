@@ -10,7 +10,8 @@ Each measurement is a fresh Python process (a restart, as a server would see it)
 ``ready`` is the constructor's wall time (after imports; the imports are reported apart),
 ``first`` adds one greedy token of a short prompt. Times are the median of ``--repeat``
 processes (the machine is shared). Models: the embedded SmolLM2-135M Q4_1 and Gemma3-270M
-Q4_K_M (assembled like the ``gemma3_gguf`` test fixture); ``--model`` adds others.
+Q4_K_M (assembled like the ``gemma3_gguf`` test fixture); ``--model`` runs others instead
+(e.g. the Qwen2.5-Coder-1.5B Q4_K_M of the slow tests).
 
     python benchmarks/startup.py [--repeat 3] [--model X.gguf ...] [--no-gemma]
 """
@@ -117,15 +118,17 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--repeat", type=int, default=3, help="processes per measurement")
-    ap.add_argument("--model", action="append", default=[], help="more GGUF files")
+    ap.add_argument(
+        "--model", action="append", default=[], help="GGUF files to run instead of the defaults"
+    )
     ap.add_argument("--no-gemma", action="store_true", help="skip Gemma3-270M")
     args = ap.parse_args()
     from tokenmill.loader import default_model_path
 
-    models = [default_model_path()]
-    gemma = None if args.no_gemma else _gemma3()
+    models = args.model or [default_model_path()]
+    gemma = None if args.no_gemma or args.model else _gemma3()
     models += [gemma] if gemma else []
-    for model in models + args.model:
+    for model in models:
         report(Path(model).name, measure(model, args.repeat))
 
 

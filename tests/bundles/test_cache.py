@@ -92,10 +92,12 @@ def test_pinned_bundle(tiny_llama_dir, tmp_path):
     pinned = load_model(EngineConfig(model=str(folder)))
     assert pinned.checkpoint.path == str(tiny_llama_dir)
     assert pinned.max_model_len == cold.max_model_len
+    assert BundleCache(tmp_path, 0).bundles()[0].in_use  # eviction spares it
     del pinned
     gc.collect()
     _age(folder, "0.0.1")
-    with pytest.raises(StaleBundleError, match=r"tokenmill 0\.0\.1 .*this is tokenmill 0\.1\.0"):
+    both = r"tokenmill 0\.0\.1 .*this is tokenmill 0\.1\.0 .*with prepare_bundle=True"
+    with pytest.raises(StaleBundleError, match=both):
         load_model(EngineConfig(model=str(folder)))
 
 

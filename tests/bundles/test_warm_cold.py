@@ -4,6 +4,7 @@ dequantized GGUF load."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from paged_runner import PagedRunner
 
@@ -87,3 +88,9 @@ def test_hf_folder(tiny_llama_dir, tmp_path):
 
 def test_float32_dequantized_gguf(smollm2_gguf, tmp_path):
     _check(str(smollm2_gguf), tmp_path, dtype="float32", max_model_len=256)
+
+
+@pytest.mark.slow
+def test_gemma3_q4_k_m(gemma3_gguf, tmp_path):
+    """Sandwich norms, a scaled embedding, two rotary tables: no whole-layer native decode."""
+    _check(str(gemma3_gguf), tmp_path, max_model_len=256)

@@ -115,8 +115,20 @@ class BundleCache:
         version, failed checksums), never rebuilt. The bundle's own resolution (dtype,
         quantization, max_model_len) applies."""
         path = Path(str(config.model)).expanduser()
-        manifest = check_bundle(path, pinned=True)
-        return read_bundle(path, config, manifest.model)
+        locks = path.parent / ".locks"  # inside a cache: eviction must see it in use
+        fd = _open_lock(locks / f"{path.name}.use") if locks.is_dir() else None
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            manifest = check_bundle(path, pinned=True)
+            warm = read_bundle(path, config, manifest.model)
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        if fd is not None:
+            weakref.finalize(warm.model, os.close, fd)
+        return warm
 
     def _open(self, key: str, config: EngineConfig) -> Prepared | None:
         folder = self.root / key

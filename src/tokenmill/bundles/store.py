@@ -139,7 +139,7 @@ def check_bundle(folder: Path, pinned: bool = False) -> Manifest:
         FORMAT_VERSION,
         tokenmill.__version__,
     ):
-        hint = " (delete it or pass prepare_bundle=False)" if pinned else ""
+        hint = f"; load {manifest.model} with prepare_bundle=True to build one" if pinned else ""
         raise StaleBundleError(
             f"bundle {folder} was built by tokenmill {manifest.tokenmill_version} (bundle format "
             f"{manifest.format_version}); this is tokenmill {tokenmill.__version__} (format "
@@ -173,7 +173,7 @@ def read_bundle(
             quantization, {k: Q(v) for k, v in resolved["stored_types"].items()} if gguf else {}
         )
     with phases("kernels"):
-        ops = select_ops(device, dtype, plan, config.attention_backend)
+        ops = select_ops(device, dtype, plan, resolved["attention_backend"])  # as built
     with phases("weights"):
         kwargs = {"quant": plan} if plan else {}
         model = _build_unfilled(model_cls, hf_config, dtype, resolved["max_model_len"], ops, kwargs)
