@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -155,3 +156,14 @@ def test_two_processes_build_once(tiny_llama_dir, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".locks")] == [
         _key(_config(tiny_llama_dir, tmp_path))
     ]
+
+
+def test_leftovers_of_dead_processes_are_swept(tmp_path):
+    cache = BundleCache(tmp_path, 1 << 30)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    for name in (f".tmp-abc-{dead}", f".trash-abc-{dead}", f".tmp-def-{os.getpid()}"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / WEIGHTS).write_bytes(b"x")
+    assert sorted(cache.sweep()) == [f".tmp-abc-{dead}", f".trash-abc-{dead}"]
+    assert (tmp_path / f".tmp-def-{os.getpid()}").is_dir()  # a live writer's

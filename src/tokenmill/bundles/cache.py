@@ -6,6 +6,9 @@ Layout of ``root`` (``EngineConfig.cache_dir``, default ``$TOKENMILL_CACHE_DIR/b
     .locks/<key>.build  exclusive flock while a process builds <key>
     .locks/<key>.use    shared flock held by every process that has <key> mapped
     .tmp-<key>-<pid>/   a bundle being written (renamed to <key> when complete)
+    .trash-<key>-<pid>/ a bundle being deleted (renamed away from <key> first)
+
+Leftovers of a process that died while writing or deleting are swept by ``evict``/``clear``.
 
 - Two processes loading one model: both miss, one takes the build lock and builds, the
   other waits on the lock and then maps what the first wrote.
@@ -202,12 +205,14 @@ class BundleCache:
         return True
 
     def clear(self) -> list[str]:
-        """Remove every bundle not in use; the keys removed."""
+        """Remove every bundle not in use (and leftovers of dead writers); the keys removed."""
+        self.sweep()
         return [b.key for b in self.bundles() if self.remove(b.key)]
 
     def evict(self, keep: str | None = None) -> list[str]:
         """Remove least recently used bundles (never ``keep``, never one in use) until the
         cache fits ``max_bytes``; the keys removed, in order."""
+        self.sweep()
         bundles = self.bundles()
         total = sum(b.manifest.size for b in bundles)
         removed = []
@@ -218,6 +223,17 @@ class BundleCache:
                 total -= b.manifest.size
                 removed.append(b.key)
                 logger.info("evicted prepared bundle %s (%s)", b.key, b.manifest.model)
+        return removed
+
+    def sweep(self) -> list[str]:
+        """Delete the ``.tmp-*`` / ``.trash-*`` folders of processes that died mid-write or
+        mid-removal (their pid ends the name); the names removed."""
+        removed = []
+        for folder in self.root.glob(".t*-*-*"):
+            kind, _, pid = folder.name.rpartition("-")
+            if kind.startswith((".tmp-", ".trash-")) and pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder.name)
         return removed
 
     def _in_use(self, key: str) -> bool:
@@ -237,6 +253,16 @@ class BundleCache:
 def _model_path(config: EngineConfig) -> str:
     """The checkpoint path ``load_checkpoint`` would report for ``config.model``."""
     return str(detect_format(Path(config.model or default_model_path()).expanduser())[0])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
 
 
 def _fields(loaded: LoadedModel) -> tuple:
