@@ -86,7 +86,8 @@ class DraftHook(RequestHook):
     def _propose(self, num_running: int, eligible: list[Request]) -> bool:
         """Set the eligible requests' drafts; whether any got some."""
         k = self.num_tokens
-        if getattr(self.proposer, "costly", False):  # choose the cap first: drafting costs
+        costly = getattr(self.proposer, "costly", False)
+        if costly:  # the cap first: drafting costs steps, so only that many are drafted
             k = self._cap(num_running, eligible, [k] * len(eligible))
             if k == 0:
                 return False
@@ -94,7 +95,9 @@ class DraftHook(RequestHook):
         drafting = [(req, p) for req, p in zip(eligible, proposals) if p]
         if not drafting:
             return False
-        cap = self._cap(num_running, [r for r, _ in drafting], [len(p) for _, p in drafting])
+        cap = k
+        if not costly:  # cheap proposals: the cap from their actual lengths
+            cap = self._cap(num_running, [r for r, _ in drafting], [len(p) for _, p in drafting])
         if cap == 0:
             return False
         for req, p in drafting:
