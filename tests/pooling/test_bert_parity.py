@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_encoder
+from encoder_models import make_encoder
 
 from tokenmill import LLM
 from tokenmill.errors import InvalidRequestError

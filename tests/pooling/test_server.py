@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_encoder
+from encoder_models import make_encoder
 from test_minilm import LONG, SENTENCES
 
 from tokenmill import LLM

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_encoder
+from encoder_models import make_encoder
 
 from tokenmill import LLM
 

@@ -213,21 +213,7 @@ class AsyncLLM:
         self._commands.put(_Abort(request_id))
 
     def _admit(self) -> None:
-        if self._dead is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine stopped: {self._dead or 'shut down'}")
-        with self._lock:
-            if not self._accepting:
-                self.stats.refused_draining += 1
-                raise DrainingError("the server is shutting down; send the request elsewhere")
-            limit = self.max_queued_requests
-            if limit is not None and self._num_queued >= limit:
-                self.stats.refused_queue_full += 1
-                raise QueueFullError(
-                    f"{self._num_queued} requests are waiting (max_queued_requests={limit}); "
-                    "retry later"
-                )
-            self._num_queued += 1
-            self._num_live += 1
+        admit(self)
 
     # -- lifecycle ----------------------------------------------------------------------
     def stop_accepting(self) -> None:
@@ -387,3 +373,24 @@ def _run_call(cmd: _Call, engine: LLMEngine) -> None:
 def _deliver(items: list[tuple[RequestStream, object]]) -> None:
     for stream, item in items:
         stream.put(item)
+
+
+def admit(front: Any) -> None:
+    """Count one more queued request on an async front end (``AsyncLLM`` or the pooling
+    one: the same ``_dead``, ``_thread``, ``_lock``, ``_accepting``, ``_num_queued``,
+    ``_num_live``, ``max_queued_requests`` and ``stats``), or raise why it is refused."""
+    if front._dead is not None or not front._thread.is_alive():
+        raise EngineDeadError(f"the engine stopped: {front._dead or 'shut down'}")
+    with front._lock:
+        if not front._accepting:
+            front.stats.refused_draining += 1
+            raise DrainingError("the server is shutting down; send the request elsewhere")
+        limit = front.max_queued_requests
+        if limit is not None and front._num_queued >= limit:
+            front.stats.refused_queue_full += 1
+            raise QueueFullError(
+                f"{front._num_queued} requests are waiting (max_queued_requests={limit}); "
+                "retry later"
+            )
+        front._num_queued += 1
+        front._num_live += 1

@@ -54,15 +54,15 @@ class LLMEngine:
         self.hooks = parts.hooks
         """Request hooks, called in order (``engine/hooks.py``): structured output, then
         the caller's."""
-        self.stats = EngineStats(spec_decode=next(
-            (h.stats for h in self.hooks if isinstance(h, DraftHook)), None
-        ))  # fmt: skip
+        self._draft_hook = next((h for h in self.hooks if isinstance(h, DraftHook)), None)
+        """Speculative decoding's hook (``spec_decode/``), None when off."""
+        self.stats = EngineStats(
+            spec_decode=self._draft_hook.stats if self._draft_hook is not None else None
+        )
         """Folded from the stages' event records (``metrics/stats.py``)."""
         self.processor = OutputProcessor(self.tokenizer, self.stats.on_request_finished)
         self.overlap = config.overlaps_steps()
         """Asynchronous scheduling: launch step N+1 before waiting for step N."""
-        self._draft_hook = next((h for h in self.hooks if isinstance(h, DraftHook)), None)
-        self._speculates = self._draft_hook is not None
 
     @property
     def runner(self) -> ModelRunner:
@@ -220,7 +220,7 @@ class LLMEngine:
         # requests could not be scheduled again until it returns (how many tokens it
         # yields is unknown), so they would skip every other step.
         keep = overlap and self.scheduler.has_unfinished()
-        if keep and self._speculates:
+        if keep and self._draft_hook is not None:
             keep = not any(s.draft_token_ids for s in sched.seqs)
         outputs += self._apply(self.pipeline.launch(sched, keep_in_flight=keep))
         self._update_gauges()

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.errors import DrainingError, EngineDeadError, QueueFullError, QueueTimeoutError
+from tokenmill.engine.async_llm import admit
+from tokenmill.errors import EngineDeadError, QueueTimeoutError
 from tokenmill.metrics.stats import RequestFinished
 from tokenmill.pooling.engine import PoolingEngine
 from tokenmill.pooling.tokenize import Encoded
@@ -91,22 +92,8 @@ class AsyncPoolingLLM:
         return 0
 
     def _admit(self) -> None:
-        if self._dead is not None or not self._thread.is_alive():
-            raise EngineDeadError(f"the engine stopped: {self._dead or 'shut down'}")
-        with self._lock:
-            if not self._accepting:
-                self.stats.refused_draining += 1
-                raise DrainingError("the server is shutting down; send the request elsewhere")
-            limit = self.max_queued_requests
-            if limit is not None and self._num_queued >= limit:
-                self.stats.refused_queue_full += 1
-                raise QueueFullError(
-                    f"{self._num_queued} requests are waiting (max_queued_requests={limit}); "
-                    "retry later"
-                )
-            self._num_queued += 1
-            self._num_live += 1
-            self.stats.on_added()
+        admit(self)  # the text front end's rule
+        self.stats.on_added()
 
     # -- lifecycle -------------------------------------------------------------------------
     def stop_accepting(self) -> None:
