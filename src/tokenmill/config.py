@@ -69,6 +69,14 @@ class EngineConfig:
     """Model name reported in outputs and by the server; default: the path's name."""
     enable_prefix_caching: bool = True
     """Reuse the KV of full blocks shared with earlier requests (same tokens from the start)."""
+    ssm_state_cache_size: int | None = None
+    """Hybrid and state-space models: the number of recurrent-state slots (one per running
+    request; a request waits, or is preempted and later recomputed, while none is free).
+    None: sized by ``ssm_full_memory_ratio``. Not together with it."""
+    ssm_full_memory_ratio: float | None = None
+    """Hybrid models: state-slot memory : full-attention KV memory = r : 1 (None means
+    1.0), at most ``max_num_seqs`` slots (more could not be used); a model with no
+    attention layer gets ``max_num_seqs`` slots. Not together with ``ssm_state_cache_size``."""
     long_prefill_token_threshold: int | None = None
     """Largest prefill chunk of one request per step, so long prompts never stall decodes
     for a whole budget's worth of compute (None: up to max_num_batched_tokens)."""
@@ -151,10 +159,12 @@ class EngineConfig:
             "kv_cache_memory_bytes",
             "num_kv_blocks",
             "long_prefill_token_threshold",
+            "ssm_state_cache_size",
         ):
             value = getattr(self, name)
             if value is not None:
                 _check_positive(name, value)
+        self._check_state_pool()
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise InvalidRequestError(
                 f"async_scheduling={self.async_scheduling!r} is unknown; use one of "
@@ -194,6 +204,18 @@ class EngineConfig:
             self.num_speculative_tokens, tree,
         )  # fmt: skip
         object.__setattr__(self, "speculative", speculative)  # derived once, here
+
+    def _check_state_pool(self) -> None:
+        ratio = self.ssm_full_memory_ratio
+        if ratio is not None and self.ssm_state_cache_size is not None:
+            raise InvalidRequestError(
+                f"ssm_state_cache_size={self.ssm_state_cache_size} and ssm_full_memory_ratio="
+                f"{ratio} both size the state pool; give one of them"
+            )
+        if ratio is not None and (
+            isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio > 0
+        ):
+            raise InvalidRequestError(f"ssm_full_memory_ratio must be > 0, got {ratio!r}")
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -18,9 +18,11 @@ from tokenmill.engine.hooks import RequestHook
 from tokenmill.engine.loading import LoadedModel, kv_cache_blocks, load_model
 from tokenmill.executor import Executor, UniProcExecutor
 from tokenmill.kv_cache import KVCacheCoordinator, KVCacheManager, make_kv_cache
+from tokenmill.kv_cache.coordinator import state_pool_slots
 from tokenmill.sampling import Sampler
 from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.spec_decode import DraftHook
+from tokenmill.spec_decode.config import check_target_cache
 from tokenmill.spec_decode.registry import TargetParts, build_draft_hook
 from tokenmill.structured_output.hook import StructuredOutputHook
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -51,10 +53,16 @@ def build_engine(
     configure_threads()  # before loading: repacking quantized weights uses the pool
     loaded = loaded or load_model(config)
     num_blocks = kv_cache_blocks(config, loaded)
+    specs = loaded.model.cache_specs()
+    check_target_cache(config.speculative, specs)  # a recurrent state can not roll back
+    num_slots = state_pool_slots(
+        specs, num_blocks, config.block_size, config.max_num_seqs,
+        config.ssm_state_cache_size, config.ssm_full_memory_ratio,
+    )  # fmt: skip
     kv = make_kv_cache(  # the manager itself unless some layer needs state slots
-        loaded.model.cache_specs(), num_blocks, config.block_size, config.enable_prefix_caching,
+        specs, num_blocks, config.block_size, config.enable_prefix_caching,
         max_blocks_per_seq=-(-loaded.max_model_len // config.block_size),
-        num_slots=config.max_num_seqs,
+        num_slots=num_slots,
     )  # fmt: skip
     budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
     scheduler = Scheduler(
@@ -65,7 +73,7 @@ def build_engine(
     )
     caches = allocate_kv_caches(
         loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device,
-        num_slots=config.max_num_seqs,
+        num_slots=num_slots,
     )  # fmt: skip
     generator = torch.Generator(device=loaded.device).manual_seed(config.seed)
     structured = StructuredOutputManager.from_config(
@@ -79,6 +87,8 @@ def build_engine(
         config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len, state_slot
     )
     logger.info("KV cache: %d blocks x %d tokens", num_blocks, config.block_size)
+    if isinstance(kv, KVCacheCoordinator):
+        logger.info("state cache: %d slots", num_slots)
     if config.speculative is not None and not any(isinstance(h, DraftHook) for h in hooks):
         target = TargetParts(config, loaded, runner, kv)
         all_hooks = (*all_hooks, build_draft_hook(config.speculative, target, budget))

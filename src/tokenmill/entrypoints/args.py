@@ -124,6 +124,18 @@ ENGINE_FLAGS = (
         "exact number of KV cache blocks (overrides --kv-cache-memory)",
     ),
     Flag(
+        "--ssm-state-cache-size",
+        "ssm_state_cache_size",
+        int,
+        "hybrid and state-space models: number of recurrent-state slots, one per running request (not with --ssm-full-memory-ratio)",
+    ),
+    Flag(
+        "--ssm-full-memory-ratio",
+        "ssm_full_memory_ratio",
+        float,
+        "hybrid models: recurrent-state memory as a multiple of the full-attention KV cache memory (default 1.0, at most --max-num-seqs slots; not with --ssm-state-cache-size)",
+    ),
+    Flag(
         "--enforce-eager",
         "enforce_eager",
         None,

@@ -32,10 +32,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenmill.errors import InvalidRequestError
 from tokenmill.kv_cache.block_pool import BlockPool
 from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.kv_cache.manager import KVCacheManager, PrefixCacheStats
-from tokenmill.kv_cache.spec import CacheSpec, FullAttention, uses_slots
+from tokenmill.kv_cache.spec import (
+    CacheSpec,
+    FullAttention,
+    RecurrentState,
+    bytes_per_block,
+    state_bytes_per_slot,
+    uses_slots,
+)
 from tokenmill.kv_cache.state_slots import StateSlots
 
 
@@ -86,6 +94,36 @@ def make_kv_cache(
     if not any(g.kind == "slots" for g in groups):
         return paged
     return KVCacheCoordinator(groups, paged, StateSlots(num_slots))
+
+
+def state_pool_slots(
+    specs: Sequence[CacheSpec],
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    cache_size: int | None = None,
+    memory_ratio: float | None = None,
+) -> int:
+    """How many state slots to keep: ``cache_size`` when given; else, for models with
+    recurrent layers, as many as ``memory_ratio`` (default 1.0) times the paged layers' KV
+    bytes hold, at most ``max_num_seqs`` (a slot per running request; more would stay
+    idle). Raises when that is not one slot: no request could run."""
+    if cache_size is not None:
+        return cache_size
+    slot_bytes = state_bytes_per_slot(specs)
+    kv_bytes = num_blocks * bytes_per_block(specs, block_size)
+    if not any(isinstance(s, RecurrentState) for s in specs) or kv_bytes == 0:
+        return max_num_seqs
+    ratio = 1.0 if memory_ratio is None else memory_ratio
+    slots = int(ratio * kv_bytes // slot_bytes)
+    if slots < 1:
+        raise InvalidRequestError(
+            f"the recurrent-state pool holds no request: ssm_full_memory_ratio={ratio} of "
+            f"{kv_bytes} KV bytes is {int(ratio * kv_bytes)} bytes, one request's state takes "
+            f"{slot_bytes}; raise ssm_full_memory_ratio or the KV cache, or set "
+            "ssm_state_cache_size"
+        )
+    return min(slots, max_num_seqs)
 
 
 class KVCacheCoordinator:

@@ -16,6 +16,7 @@ and allocates the tensors (``allocate_caches``):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,16 +55,45 @@ class SlidingWindow(FullAttention):
 @dataclass(frozen=True)
 class RecurrentState:
     """A fixed-size state per request, updated token by token (h = f(h, x)). It can not be
-    rebuilt from a cached prefix of blocks, nor rolled back to an earlier token."""
+    rebuilt from a cached prefix of blocks, nor rolled back to an earlier token.
+
+    A layer that keeps several state tensors (a convolution window and an SSM / delta-rule
+    state) declares them with ``RecurrentState.of(conv_shape, ssm_shape, dtype=...)``: one
+    flat ``[num_slots, sum of sizes]`` tensor holds them, and ``split`` gives each part as a
+    ``[num_slots, *part]`` view of it (no copy)."""
 
     shape: tuple[int, ...]
+    """One slot's shape ((sum of the parts' sizes,) when ``parts`` is set)."""
     dtype: torch.dtype
+    parts: tuple[tuple[int, ...], ...] = ()
+    """The shapes of the state tensors packed into one slot; () for a single tensor."""
 
     paged = False
     reuses_prefix = False
 
+    @classmethod
+    def of(cls, *parts: tuple[int, ...], dtype: torch.dtype) -> RecurrentState:
+        """Several state tensors per slot, packed one after another."""
+        return cls((sum(math.prod(p) for p in parts),), dtype, tuple(parts))
+
     def slot_shape(self, num_slots: int) -> tuple[int, ...]:
         return (num_slots, *self.shape)
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot (every part)."""
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def split(self, cache: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The layer's ``[num_slots, *shape]`` tensor -> one ``[num_slots, *part]`` view per
+        part (the tensor itself, as the only part, when no parts were declared)."""
+        if not self.parts:
+            return (cache,)
+        views, start = [], 0
+        for part in self.parts:
+            size = math.prod(part)
+            views.append(cache[:, start : start + size].view(cache.shape[0], *part))
+            start += size
+        return tuple(views)
 
 
 @dataclass(frozen=True)
@@ -131,3 +161,8 @@ def bytes_per_block(specs: Sequence[CacheSpec], block_size: int) -> int:
             elem = torch.empty((), dtype=spec.dtype).element_size()
             total += 2 * block_size * spec.num_kv_heads * spec.head_dim * elem
     return total
+
+
+def state_bytes_per_slot(specs: Sequence[CacheSpec]) -> int:
+    """Bytes one state slot costs over all recurrent layers (what sizes the slot pool)."""
+    return sum(s.slot_bytes() for s in specs if isinstance(s, RecurrentState))

@@ -9,7 +9,7 @@ the field, before any weight is read.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -135,6 +135,19 @@ def resolve_speculative(
     if not raw:
         return None
     return _from_dict(raw)
+
+
+def check_target_cache(spec: SpeculativeConfig | None, cache_specs: Sequence[object]) -> None:
+    """Refuse speculation on a model whose cache can not roll back rejected drafts (a
+    recurrent state: hybrid and state-space models keep no per-position snapshots)."""
+    from tokenmill.kv_cache.spec import RecurrentState
+
+    if spec is not None and any(isinstance(s, RecurrentState) for s in cache_specs):
+        raise InvalidRequestError(
+            f"speculative decoding ({spec.method}) is not supported for hybrid or state-space "
+            "models: their recurrent state can not roll back rejected drafts; drop "
+            "speculative_config"
+        )
 
 
 def _from_dict(raw: dict[str, Any]) -> SpeculativeConfig:

@@ -1,0 +1,8 @@
+"""Layers whose cache is a recurrent state per request (``kv_cache/spec.RecurrentState``).
+
+- ``plan.StatePlan``: one step as these layers run it (one-token sequences batched, longer
+  ones one by one), built once per forward by the model;
+- ``conv.CausalConv1d``: the depthwise causal convolution with its window of past inputs;
+- ``delta_rule``: the gated delta rule, chunked for prefill and one step for decode;
+- ``gated_deltanet.GatedDeltaNet``: Qwen3.5's linear-attention layer.
+"""

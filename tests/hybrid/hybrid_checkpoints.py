@@ -1,0 +1,95 @@
+"""Tiny random hybrid checkpoints and transformers' greedy reference (importable as
+``hybrid_checkpoints`` from tests/hybrid)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
+    """Every parameter drawn at random (HF inits norms to 0/1 and decays to constants, which
+    would leave paths untested); weights large enough that greedy choices are clear-cut."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 1)  # decays exp(A) in (0.4, 2.7)
+            elif name.endswith("dt_bias"):
+                p.copy_(noise * 0.5)
+            elif "norm" in name:
+                p.copy_((1.0 if name.endswith("linear_attn.norm.weight") else 0.0) + 0.1 * noise)
+            else:
+                p.copy_(noise * std)
+
+
+def make_qwen3_5(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
+    """A 4-layer Qwen3.5 (three Gated DeltaNet layers, then gated full attention) with the
+    SmolLM2 tokenizer."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    cfg = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    cfg.update(overrides)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**cfg)).eval()
+    randomize(model, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@torch.no_grad()
+def hf_greedy(
+    path: Path, prompts: list[list[int]], steps: int
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Per prompt: transformers' greedy tokens (its own cache) and their log-probs [steps]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    results = []
+    for prompt in prompts:
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+        )  # fmt: skip
+        tokens = out.sequences[0, len(prompt) :].tolist()
+        logprobs = torch.stack([
+            torch.log_softmax(step_logits[0].float(), -1)[t] for step_logits, t in zip(out.logits, tokens)
+        ])  # fmt: skip
+        results.append((tokens, logprobs))
+    return results
+
+
+@torch.no_grad()
+def hf_teacher_forced(
+    model, prompt: list[int], tokens: list[int]
+) -> tuple[list[int], torch.Tensor]:
+    """One transformers forward over prompt + tokens (no cache): its greedy choice after
+    each prefix that ends before a token, and the log-probs of ``tokens`` [len(tokens)]."""
+    ids = torch.tensor([prompt + tokens])
+    logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [n, vocab]
+    logprobs = torch.log_softmax(logits, -1)
+    return logits.argmax(-1).tolist(), logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+
+
+def tokenmill_greedy(
+    llm, prompts: list[list[int]], steps: int
+) -> list[tuple[list[int], torch.Tensor]]:
+    """Per prompt: the engine's greedy tokens and their log-probs [steps]."""
+    from tokenmill import SamplingParams
+    from tokenmill.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    results = []
+    for out in outs:
+        c = out.outputs[0]
+        lp = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
+        results.append((list(c.token_ids), lp))
+    return results
