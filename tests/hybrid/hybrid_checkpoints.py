@@ -93,3 +93,23 @@ def tokenmill_greedy(
         lp = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, c.token_ids)])
         results.append((list(c.token_ids), lp))
     return results
+
+
+def make_qwen3_5_vl(path: Path, tokenizer, seed: int = 0) -> Path:
+    """The same text model inside a Qwen3.5 vision-language checkpoint (a 1-block vision
+    tower that tokenmill does not load)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    text = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64)
+    config = Qwen3_5Config(text_config=text, vision_config=vision)
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    randomize(model, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -146,3 +146,15 @@ def test_state_pool_options(qwen35_dir):
 def test_speculative_decoding_is_refused(qwen35_dir):
     with pytest.raises(InvalidRequestError, match="recurrent state can not roll back"):
         _llm(qwen35_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+
+
+def test_language_model_of_the_vision_checkpoint(tmp_path, smollm2_hf_tokenizer):
+    """Qwen3_5ForConditionalGeneration: its ``model.language_model`` weights, text input."""
+    from hybrid_checkpoints import make_qwen3_5_vl
+    from transformers import AutoModelForImageTextToText
+
+    path = make_qwen3_5_vl(tmp_path / "vl", smollm2_hf_tokenizer)
+    prompts = _prompts(2, seed=3)
+    results = tokenmill_greedy(_llm(path), prompts, STEPS)
+    hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    _assert_matches_hf(hf, prompts, results)
