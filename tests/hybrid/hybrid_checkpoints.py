@@ -113,3 +113,50 @@ def make_qwen3_5_vl(path: Path, tokenizer, seed: int = 0) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_mamba2(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
+    """A 4-layer Mamba2 (8 heads of 16 in 2 groups, state 16) with the SmolLM2 tokenizer."""
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    cfg = dict(
+        vocab_size=len(tokenizer), hidden_size=64, num_heads=8, head_dim=16, expand=2,
+        state_size=16, n_groups=2, num_hidden_layers=4, conv_kernel=4, chunk_size=16,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        time_step_limit=(0.0, 100.0),  # the default (0, inf) does not survive config.json
+    )  # fmt: skip
+    cfg.update(overrides)
+    model = Mamba2ForCausalLM(Mamba2Config(**cfg)).eval()
+    randomize(model, seed)
+    with torch.no_grad():
+        for layer in model.backbone.layers:
+            layer.mixer.D.normal_()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def hybrid_llm(path: Path, **options):
+    """``tokenmill.LLM`` in float32 on CPU with small test defaults and integrity checks."""
+    from tokenmill import LLM
+
+    options = {"max_model_len": 128, "num_kv_blocks": 64, "block_size": 4, **options}
+    return LLM(str(path), dtype="float32", device="cpu", check_kv_integrity=True, **options)
+
+
+def random_prompts(n: int, seed: int = 0, longest: int = 40) -> list[list[int]]:
+    import random
+
+    rng = random.Random(seed)
+    return [
+        [rng.randrange(3, 40000) for _ in range(rng.randrange(2, longest + 1))] for _ in range(n)
+    ]
+
+
+def assert_matches_hf(hf_model, prompts, results, steps: int, atol: float) -> None:
+    """Each result (tokens, log-probs) is transformers' greedy continuation of its prompt."""
+    for prompt, (tokens, logprobs) in zip(prompts, results):
+        assert len(tokens) == steps
+        hf_next, hf_logprobs = hf_teacher_forced(hf_model, prompt, tokens)
+        assert hf_next == tokens, f"prompt of {len(prompt)} tokens"
+        torch.testing.assert_close(logprobs, hf_logprobs, atol=atol, rtol=0)

@@ -1,0 +1,135 @@
+"""Mamba2's mixer: one input projection, causal conv over (x, B, C), the SSD scan, a
+grouped gated RMSNorm, the output projection; conv window and SSM state in a slot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention import StepContext
+from tokenmill.kv_cache.spec import RecurrentState
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.recurrent import ssd
+from tokenmill.layers.recurrent.conv import CausalConv1d
+from tokenmill.layers.recurrent.plan import Run, StatePlan
+
+
+@dataclass(frozen=True)
+class Mamba2Shape:
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    conv_bias: bool
+    bias: bool
+    eps: float
+    dt_limit: tuple[float, float]
+
+    @property
+    def inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner + 2 * self.n_groups * self.state_size
+
+
+class GroupedGatedRMSNorm(nn.Module):
+    """y = w * norm_per_group(x * silu(z)): the gate first, then an RMSNorm over each of
+    ``groups`` equal slices (HF ``MambaRMSNormGated``)."""
+
+    def __init__(self, dim: int, groups: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.groups, self.eps = groups, eps
+        self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        gated = x.float() * F.silu(z.float())
+        grouped = gated.view(*x.shape[:-1], self.groups, -1)
+        grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * grouped.view(x.shape).to(x.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    """hidden [T, hidden] -> [T, hidden]; reads and writes this layer's state slots."""
+
+    def __init__(self, shape: Mamba2Shape, layer_idx: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.shape, self.layer_idx = shape, layer_idx
+        h = shape.num_heads
+        self.in_proj = Linear(
+            shape.hidden_size, shape.inner + shape.conv_dim + h, shape.bias, dtype
+        )
+        self.conv1d = CausalConv1d(shape.conv_dim, shape.conv_kernel, shape.conv_bias, dtype)
+        self.dt_bias = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
+        self.A_log = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
+        self.D = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
+        self.norm = GroupedGatedRMSNorm(shape.inner, shape.n_groups, shape.eps, dtype)
+        self.out_proj = Linear(shape.inner, shape.hidden_size, shape.bias, dtype)
+        self.state_spec = RecurrentState.of(
+            self.conv1d.state_shape, (h, shape.head_dim, shape.state_size), dtype=torch.float32
+        )
+        """The conv window [conv_dim, K - 1] and the SSM state [H, P, N], float32."""
+
+    def forward(self, hidden: torch.Tensor, ctx: StepContext, plan: StatePlan) -> torch.Tensor:
+        s, tokens = self.shape, hidden.shape[0]
+        cache = ctx.kv_caches[self.layer_idx]
+        assert cache is not None, f"layer {self.layer_idx} has no state slots"
+        windows, states = self.state_spec.split(cache)
+        z, xbc, dt = self.in_proj(hidden, ctx).split([s.inner, s.conv_dim, s.num_heads], dim=-1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*s.dt_limit)  # [T, H]
+        y = torch.empty(tokens, s.num_heads, s.head_dim, device=hidden.device)
+        if plan.num_singles:
+            self._singles(xbc, dt, windows, states, plan, y)
+        for run in plan.runs:
+            self._run(xbc, dt, windows, states, run, y)
+        normed = self.norm(y.reshape(tokens, s.inner).to(hidden.dtype), z)
+        return self.out_proj(normed, ctx)
+
+    def _xbc(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved [N, conv_dim] -> x [N, H, P], B, C [N, H, S] (groups expanded), float32."""
+        s, n = self.shape, conv_out.shape[0]
+        x, b, c = (
+            F.silu(conv_out)
+            .float()
+            .split([s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size], dim=-1)
+        )
+        group = s.num_heads // s.n_groups
+        b = b.reshape(n, s.n_groups, s.state_size).repeat_interleave(group, 1)
+        c = c.reshape(n, s.n_groups, s.state_size).repeat_interleave(group, 1)
+        return x.reshape(n, s.num_heads, s.head_dim), b, c
+
+    def _params(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return -self.A_log.float().exp(), self.D.float()
+
+    def _singles(self, xbc, dt, windows, states, plan: StatePlan, y) -> None:
+        keep = plan.keep
+        window = windows.index_select(0, plan.slots) * keep[:, None, None]
+        conv_out, window = self.conv1d.forward_step(plan.gather(xbc), window)
+        windows.index_copy_(0, plan.slots, window.to(windows.dtype))
+        x, b, c = self._xbc(conv_out)
+        state = states.index_select(0, plan.slots) * keep[:, None, None, None]
+        a, d = self._params()
+        out, state = ssd.step(x, plan.gather(dt), a, b, c, d, state)
+        states.index_copy_(0, plan.slots, state)
+        plan.scatter(y, out)
+
+    def _run(self, xbc, dt, windows, states, run: Run, y) -> None:
+        rows = slice(run.start, run.end)
+        conv_out, window = self.conv1d.forward_seq(
+            xbc[rows], None if run.fresh else windows[run.slot]
+        )
+        windows[run.slot] = window
+        x, b, c = self._xbc(conv_out)
+        state = torch.zeros_like(states[run.slot]) if run.fresh else states[run.slot]
+        a, d = self._params()
+        out, state = ssd.chunked(
+            x.transpose(0, 1), dt[rows].T, a, b.transpose(0, 1), c.transpose(0, 1), d, state
+        )
+        states[run.slot] = state
+        y[rows] = out.transpose(0, 1)

@@ -1,0 +1,50 @@
+"""Mamba2's selective state-space scan (SSD), a PyTorch reference: chunked and one step.
+
+Per head, with a state S [P, N] and per token a step dt > 0, the head's A < 0, x [P] and
+B, C [N] (already expanded from their groups to the heads):
+
+    S <- exp(dt A) S + dt x B^T;   y = S C + D x
+
+Everything is float32. ``chunked`` runs a sequence C tokens at a time: inside a chunk the
+outputs are one masked, decayed (C B^T) product; the loop runs over chunks.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 64
+
+
+def step(x, dt, a, b, c, d, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per sequence: x [B, H, P], dt [B, H], a, d [H], b, c [B, H, N], state
+    [B, H, P, N] -> (y [B, H, P], the new state)."""
+    state = state * (dt * a).exp()[..., None, None] + (dt[..., None] * x)[..., None] * b[:, :, None]
+    return (state * c[:, :, None]).sum(-1) + d[:, None] * x, state
+
+
+def chunked(x, dt, a, b, c, d, state, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence: x [H, L, P], dt [H, L], a, d [H], b, c [H, L, N], state [H, P, N] ->
+    (y [H, L, P], the state after the L tokens)."""
+    heads, length, _ = x.shape
+    pad = -length % chunk  # padded tokens: dt = 0 changes nothing
+    skip = d[:, None, None] * x
+    if pad:
+        x, b, c = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (x, b, c))
+        dt = torch.nn.functional.pad(dt, (0, pad))
+    n = (length + pad) // chunk
+    x, b, c = (t.reshape(heads, n, chunk, -1) for t in (x, b, c))
+    dt = dt.reshape(heads, n, chunk)
+    cum = (dt * a[:, None, None]).cumsum(-1)  # [H, N, C] log decay since the chunk start
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=x.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()
+    x_dt = x * dt[..., None]
+    within = ((c @ b.transpose(-1, -2)) * decay) @ x_dt  # [H, N, C, P]
+    from_start = cum.exp()[..., None]  # decay from the chunk start to each token
+    to_end = (cum[..., -1:] - cum).exp()[..., None]  # from each token to the chunk end
+    chunk_decay = cum[..., -1].exp()[..., None, None]
+    out = torch.empty_like(within)
+    for i in range(n):
+        out[:, i] = within[:, i] + from_start[:, i] * (c[:, i] @ state.transpose(-1, -2))
+        state = state * chunk_decay[:, i] + (x_dt[:, i] * to_end[:, i]).transpose(-1, -2) @ b[:, i]
+    return out.reshape(heads, n * chunk, -1)[:, :length] + skip, state

@@ -1,0 +1,78 @@
+"""Mamba2 (state-space layers only) against transformers on random weights: every layer's
+cache is a state slot; one prompt, a batch of 12 under preemption, chunked prefill."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hybrid_checkpoints import (
+    assert_matches_hf,
+    hf_greedy,
+    hybrid_llm,
+    make_mamba2,
+    random_prompts,
+    tokenmill_greedy,
+)
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.kv_cache import KVCacheCoordinator
+
+STEPS = 32
+ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def mamba2_dir(tmp_path_factory, smollm2_hf_tokenizer):
+    return make_mamba2(tmp_path_factory.mktemp("mamba2"), smollm2_hf_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def hf_mamba2(mamba2_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(mamba2_dir, dtype=torch.float32).eval()
+
+
+def test_single_prompt_equals_transformers_generate(mamba2_dir):
+    prompt = [5, 17, 99, 3, 250, 8, 41, 1000, 12]
+    llm = hybrid_llm(mamba2_dir)
+    kv = llm.engine.kv
+    assert isinstance(kv, KVCacheCoordinator) and [g.kind for g in kv.groups] == ["slots"]
+    (tokens, logprobs), = tokenmill_greedy(llm, [prompt], STEPS)  # fmt: skip
+    (hf_tokens, hf_logprobs), = hf_greedy(mamba2_dir, [prompt], STEPS)  # fmt: skip
+    assert tokens == hf_tokens
+    torch.testing.assert_close(logprobs, hf_logprobs, atol=ATOL, rtol=0)
+    assert kv.slots.num_free == kv.slots.num_slots
+
+
+def test_batch_of_12_under_preemption(mamba2_dir, hf_mamba2):
+    prompts = random_prompts(12, seed=1)
+    llm = hybrid_llm(mamba2_dir, num_kv_blocks=40, ssm_state_cache_size=4)
+    results = tokenmill_greedy(llm, prompts, STEPS)
+    assert llm.engine.scheduler.num_preemptions > 0
+    kv = llm.engine.kv
+    assert kv.slots.num_free == kv.slots.num_slots == 4 and kv.num_free_blocks == 40
+    assert_matches_hf(hf_mamba2, prompts, results, STEPS, ATOL)
+
+
+def test_chunked_prefill_equals_one_chunk(mamba2_dir):
+    prompts = [
+        random_prompts(1, seed=5, longest=100)[0] + list(range(5, 80)),
+        *random_prompts(3, 6),
+    ]
+    one = tokenmill_greedy(hybrid_llm(mamba2_dir, max_model_len=192), prompts, STEPS)
+    chunked = tokenmill_greedy(
+        hybrid_llm(mamba2_dir, max_model_len=192, max_num_batched_tokens=16, max_num_seqs=4),
+        prompts, STEPS,
+    )  # fmt: skip
+    for (a, la), (b, lb) in zip(one, chunked):
+        assert a == b
+        torch.testing.assert_close(la, lb, atol=ATOL, rtol=0)
+
+
+def test_without_attention_the_ratio_gives_max_num_seqs(mamba2_dir):
+    """No full-attention KV to take a ratio of: a slot per running request."""
+    llm = hybrid_llm(mamba2_dir, max_num_seqs=6, ssm_full_memory_ratio=0.01)
+    assert llm.engine.kv.slots.num_slots == 6
+    with pytest.raises(InvalidRequestError, match="recurrent state can not roll back"):
+        hybrid_llm(mamba2_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
