@@ -10,11 +10,16 @@ prefill (state carried from chunk to chunk).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
-from hybrid_checkpoints import hf_greedy, hf_teacher_forced, make_qwen3_5, tokenmill_greedy
+from hybrid_checkpoints import (
+    assert_matches_hf,
+    hf_greedy,
+    hybrid_llm,
+    make_qwen3_5,
+    random_prompts,
+    tokenmill_greedy,
+)
 
 from tokenmill.errors import InvalidRequestError, UnsupportedModelError
 from tokenmill.kv_cache import KVCacheCoordinator
@@ -37,23 +42,15 @@ def hf_model(qwen35_dir):
 
 
 def _llm(path, **options):
-    from tokenmill import LLM
-
-    options = {"max_model_len": 128, "num_kv_blocks": 64, "block_size": 4, **options}
-    return LLM(str(path), dtype="float32", device="cpu", check_kv_integrity=True, **options)
+    return hybrid_llm(path, **options)
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 40000) for _ in range(rng.randrange(2, 41))] for _ in range(n)]
+    return random_prompts(n, seed)
 
 
 def _assert_matches_hf(hf_model, prompts, results) -> None:
-    for prompt, (tokens, logprobs) in zip(prompts, results):
-        assert len(tokens) == STEPS
-        hf_next, hf_logprobs = hf_teacher_forced(hf_model, prompt, tokens)
-        assert hf_next == tokens, f"prompt of {len(prompt)} tokens"
-        torch.testing.assert_close(logprobs, hf_logprobs, atol=ATOL, rtol=0)
+    assert_matches_hf(hf_model, prompts, results, STEPS, ATOL)
 
 
 def test_single_prompt_equals_transformers_generate(qwen35_dir):

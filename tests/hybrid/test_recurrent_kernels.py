@@ -69,3 +69,23 @@ def test_conv_window_carries_across_calls():
         w = w[0]
     torch.testing.assert_close(torch.cat(outs), whole)
     torch.testing.assert_close(w, window)
+
+
+def test_ssd_chunked_equals_the_recurrence():
+    from tokenmill.layers.recurrent import ssd
+
+    gen = torch.Generator().manual_seed(2)
+    h, p, n = 3, 4, 5
+    for length, chunk in ((11, 4), (1, 64), (33, 16)):
+        x = torch.randn(h, length, p, generator=gen)
+        dt = torch.rand(h, length, generator=gen)
+        a, d = -torch.rand(h, generator=gen) * 2, torch.randn(h, generator=gen)
+        b, c = torch.randn(h, length, n, generator=gen), torch.randn(h, length, n, generator=gen)
+        state = torch.randn(h, p, n, generator=gen)
+        out, end = ssd.chunked(x, dt, a, b, c, d, state, chunk=chunk)
+        s, outs = state[None], []
+        for t in range(length):
+            y, s = ssd.step(x[None, :, t], dt[None, :, t], a, b[None, :, t], c[None, :, t], d, s)
+            outs.append(y[0])
+        torch.testing.assert_close(out, torch.stack(outs, 1), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(end, s[0], atol=1e-5, rtol=1e-5)
