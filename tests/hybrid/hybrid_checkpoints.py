@@ -160,3 +160,26 @@ def assert_matches_hf(hf_model, prompts, results, steps: int, atol: float) -> No
         hf_next, hf_logprobs = hf_teacher_forced(hf_model, prompt, tokens)
         assert hf_next == tokens, f"prompt of {len(prompt)} tokens"
         torch.testing.assert_close(logprobs, hf_logprobs, atol=atol, rtol=0)
+
+
+def make_lfm2(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
+    """A 6-layer LFM2 (conv, conv, attention, conv, conv, attention) with the SmolLM2
+    tokenizer."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    cfg = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=192, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        conv_L_cache=3, conv_bias=True, full_attn_idxs=[2, 5], block_multiple_of=32,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg.update(overrides)
+    model = Lfm2ForCausalLM(Lfm2Config(**cfg)).eval()
+    randomize(model, seed)
+    with torch.no_grad():  # Llama-style norms (x * w): around 1, not 0
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(1.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
