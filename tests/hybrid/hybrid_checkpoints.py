@@ -183,3 +183,33 @@ def make_lfm2(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_falcon_h1(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
+    """A 4-layer Falcon-H1 (attention and a Mamba2 mixer in every layer) with muP
+    multipliers away from 1, so folding them into the weights is checked."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    cfg = dict(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+        mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=True, mamba_norm_before_gate=False,
+        time_step_limit=(0.0, 100.0), embedding_multiplier=1.5, lm_head_multiplier=0.7,
+        key_multiplier=0.8, attention_in_multiplier=1.2, attention_out_multiplier=0.9,
+        ssm_in_multiplier=1.1, ssm_out_multiplier=0.6, mlp_multipliers=[1.3, 0.8],
+        ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.05], bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    cfg.update(overrides)
+    model = FalconH1ForCausalLM(FalconH1Config(**cfg)).eval()
+    randomize(model, seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:  # Llama-style norms (x * w): around 1, not 0
+                p.add_(1.0)
+            elif name.endswith(".D"):
+                p.normal_()
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

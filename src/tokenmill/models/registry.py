@@ -13,6 +13,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("tokenmill.models.qwen3", "Qwen3ForCausalLM"),
     "MistralForCausalLM": ("tokenmill.models.mistral", "MistralForCausalLM"),
     "Gemma3ForCausalLM": ("tokenmill.models.gemma3", "Gemma3ForCausalLM"),
+    "FalconH1ForCausalLM": ("tokenmill.models.falcon_h1", "FalconH1ForCausalLM"),
     "Lfm2ForCausalLM": ("tokenmill.models.lfm2", "Lfm2ForCausalLM"),
     "Mamba2ForCausalLM": ("tokenmill.models.mamba2", "Mamba2ForCausalLM"),
     "Qwen3_5ForCausalLM": ("tokenmill.models.qwen3_5", "Qwen3_5ForCausalLM"),

@@ -29,6 +29,8 @@ class Mamba2Shape:
     bias: bool
     eps: float
     dt_limit: tuple[float, float]
+    out_bias: bool | None = None
+    """Bias on out_proj; None: as ``bias`` (Falcon-H1 sets it apart)."""
 
     @property
     def inner(self) -> int:
@@ -40,25 +42,40 @@ class Mamba2Shape:
 
 
 class GroupedGatedRMSNorm(nn.Module):
-    """y = w * norm_per_group(x * silu(z)): the gate first, then an RMSNorm over each of
-    ``groups`` equal slices (HF ``MambaRMSNormGated``)."""
+    """A gated RMSNorm over each of ``groups`` equal slices: w * norm(y * silu(z)) with
+    ``gate_first`` (Mamba2's ``MambaRMSNormGated``), else w * norm(y) * silu(z); the
+    products in float32."""
 
-    def __init__(self, dim: int, groups: int, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, dim: int, groups: int, eps: float, dtype: torch.dtype,
+                 gate_first: bool = True) -> None:  # fmt: skip
         super().__init__()
-        self.groups, self.eps = groups, eps
+        self.groups, self.eps, self.gate_first = groups, eps, gate_first
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        gated = x.float() * F.silu(z.float())
-        grouped = gated.view(*x.shape[:-1], self.groups, -1)
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        gate = F.silu(z.float())
+        x = y.float() * gate if self.gate_first else y.float()
+        grouped = x.view(*y.shape[:-1], self.groups, -1)
         grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * grouped.view(x.shape).to(x.dtype)
+        if self.gate_first:
+            return self.weight * grouped.view(y.shape).to(y.dtype)
+        return (self.weight * grouped.view(y.shape) * gate).to(y.dtype)
+
+
+class SiluGate(nn.Module):
+    """y * silu(z), no norm (Falcon-H1 without ``mamba_rms_norm``)."""
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return (y.float() * F.silu(z.float())).to(y.dtype)
 
 
 class Mamba2Mixer(nn.Module):
     """hidden [T, hidden] -> [T, hidden]; reads and writes this layer's state slots."""
 
-    def __init__(self, shape: Mamba2Shape, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, shape: Mamba2Shape, layer_idx: int, dtype: torch.dtype,
+                 norm: nn.Module | None = None) -> None:  # fmt: skip
+        """``layer_idx``: the layer's entry in ``ctx.kv_caches``. ``norm(y, z)``: the gate
+        (default Mamba2's grouped gated RMSNorm, loaded as ``norm.weight``)."""
         super().__init__()
         self.shape, self.layer_idx = shape, layer_idx
         h = shape.num_heads
@@ -69,8 +86,9 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
         self.A_log = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
         self.D = nn.Parameter(torch.empty(h, dtype=dtype), requires_grad=False)
-        self.norm = GroupedGatedRMSNorm(shape.inner, shape.n_groups, shape.eps, dtype)
-        self.out_proj = Linear(shape.inner, shape.hidden_size, shape.bias, dtype)
+        self.norm = norm or GroupedGatedRMSNorm(shape.inner, shape.n_groups, shape.eps, dtype)
+        out_bias = shape.bias if shape.out_bias is None else shape.out_bias
+        self.out_proj = Linear(shape.inner, shape.hidden_size, out_bias, dtype)
         self.state_spec = RecurrentState.of(
             self.conv1d.state_shape, (h, shape.head_dim, shape.state_size), dtype=torch.float32
         )
