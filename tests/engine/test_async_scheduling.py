@@ -28,8 +28,8 @@ def count_pending(llm: LLM, monkeypatch) -> list[int]:
     runner = llm.engine.runner
     real = runner._pending_tokens
 
-    def spy(seqs):
-        pending = real(seqs)
+    def spy(seqs, cols=None):
+        pending = real(seqs, cols)
         counts.append(0 if pending is None else len(pending.seqs))
         assert pending is None or not llm.engine.scheduler.num_sync_only
         return pending

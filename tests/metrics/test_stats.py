@@ -50,3 +50,21 @@ def test_n_counts_once_and_abort_counts_cancelled(tiny_llm):
     stream.close()
     assert stats.cancelled == cancelled + 1
     assert stats.num_running == 0 and stats.num_waiting == 0
+
+
+def test_bulk_observations_equal_one_by_one() -> None:
+    """A step's many inter-token gaps go in through ``observe_many`` (array ops): the same
+    buckets (bounds inclusive, as bisect_left), sum, count and max as one by one."""
+    import random
+
+    from tokenmill.metrics.stats import ITL_BUCKETS, Histogram
+
+    rng = random.Random(0)
+    values = [rng.choice([0.01, 0.025, 0.3, 100.0, rng.random() * 3]) for _ in range(500)]
+    one, bulk = Histogram(ITL_BUCKETS), Histogram(ITL_BUCKETS)
+    for v in values:
+        one.observe(v)
+    bulk.observe_many(values[:7])  # the short path
+    bulk.observe_many(values[7:])
+    assert bulk.counts == one.counts and bulk.count == one.count == 500
+    assert abs(bulk.sum - one.sum) < 1e-9 and bulk.max == one.max

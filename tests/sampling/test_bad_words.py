@@ -132,8 +132,8 @@ def test_async_scheduling_matches_sync_and_syncs_only_for_long_words(
         real = runner._pending_tokens
         pending: list[int] = []
 
-        def spy(seqs):
-            got = real(seqs)
+        def spy(seqs, cols=None):
+            got = real(seqs, cols)
             pending.append(0 if got is None else len(got.seqs))
             return got
 

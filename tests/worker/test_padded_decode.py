@@ -94,9 +94,9 @@ def count_runs(decode: PaddedDecode, monkeypatch) -> list[int]:
     sizes: list[int] = []
     run = decode.run
 
-    def spy(seqs, tables=None, pending=None):
+    def spy(seqs, tables=None, pending=None, cols=None):
         sizes.append(len(seqs))
-        return run(seqs, tables, pending)
+        return run(seqs, tables, pending, cols)
 
     monkeypatch.setattr(decode, "run", spy)
     return sizes
@@ -170,9 +170,9 @@ def test_padded_decode_takes_pending_tokens_with_async_scheduling(llm, monkeypat
         pending = []
         run = decode.run
 
-        def spy(seqs, tables=None, p=None):
+        def spy(seqs, tables=None, p=None, cols=None):
             pending.append(0 if p is None else len(p.seqs))
-            return run(seqs, tables, p)
+            return run(seqs, tables, p, cols)
 
         monkeypatch.setattr(decode, "run", spy)
         padded = generate(llm)

@@ -20,6 +20,13 @@ class InFlightRow:
 
     __slots__ = ("request", "source", "index")
 
+    def __eq__(self, other: object) -> bool:
+        """The same row as its request for the sampler's plan (``batch.PlanCache``): the
+        plan reads only a row's fixed state; the token in flight is read per step."""
+        return self.request is getattr(other, "request", other)
+
+    __hash__ = None  # type: ignore[assignment]
+
     def __init__(self, request: SamplingRow, source: torch.Tensor, index: int) -> None:
         self.request = request
         self.source = source

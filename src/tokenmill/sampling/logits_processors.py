@@ -17,7 +17,8 @@ a device value back.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from tokenmill.sampling.in_flight import InFlightRow
 
 if TYPE_CHECKING:
+    from tokenmill.sampling.penalty_history import PenaltyHistories
     from tokenmill.sampling.sampler import SamplingRow
 
 _NEG_INF = float("-inf")
@@ -40,15 +42,23 @@ class LogitsProcessor(Protocol):
 
 
 # ---- row processors -------------------------------------------------------------
+# Each takes ``only``: the indices of the rows it must look at (the sampler's plan knows
+# them, ``batch.py``); None: every row, each checked here.
 
 
-def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def _rows(rows: Sequence[SamplingRow], only: Sequence[int] | None) -> Sequence[int]:
+    return range(len(rows)) if only is None else only
+
+
+def apply_logit_bias(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], only: Sequence[int] | None = None
+) -> None:
     """logits[i, t] += params.logit_bias[t] (ids were checked by ``verify_for_vocab``)."""
     row_idx: list[int] = []
     tok_idx: list[int] = []
     values: list[float] = []
-    for i, row in enumerate(rows):
-        for token, bias in (row.params.logit_bias or {}).items():
+    for i in _rows(rows, only):
+        for token, bias in (rows[i].params.logit_bias or {}).items():
             row_idx.append(i)
             tok_idx.append(token)
             values.append(bias)
@@ -58,14 +68,17 @@ def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     logits.index_put_(index, _float(values, logits), accumulate=True)
 
 
-def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def apply_min_tokens(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], only: Sequence[int] | None = None
+) -> None:
     """Forbid EOS and stop_token_ids while fewer than min_tokens tokens were generated.
 
     Only the count matters, not the tokens: tokens still in flight (asynchronous
     scheduling) count too, so min_tokens needs no synchronous steps."""
     row_idx: list[int] = []
     tok_idx: list[int] = []
-    for i, row in enumerate(rows):
+    for i in _rows(rows, only):
+        row = rows[i]
         if len(row.output_token_ids) + row.num_placeholders - 1 >= row.params.min_tokens:
             continue
         banned = row.eos_token_ids.union(row.params.stop_token_ids or ())
@@ -75,25 +88,35 @@ def apply_min_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         logits[_long(row_idx, logits), _long(tok_idx, logits)] = _NEG_INF
 
 
-def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def apply_penalties(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    only: Sequence[int] | None = None,
+    histories: PenaltyHistories | None = None,
+) -> None:
     """Repetition (HF), then frequency and presence (OpenAI) penalties.
 
     repetition: for tokens seen in prompt or output, l > 0 -> l / r, l <= 0 -> l * r.
     frequency/presence: l -= frequency * count_in_output + presence * (count > 0).
-    Only the rows that use a penalty are touched.
+    Only the rows that use a penalty are touched. With ``histories`` the counts of live
+    requests come from their device-resident rows (``penalty_history.py``), not from
+    their token lists.
     """
-    selected = [i for i, row in enumerate(rows) if row.params.uses_penalties]
+    selected = (
+        list(only) if only is not None
+        else [i for i, row in enumerate(rows) if row.params.uses_penalties]
+    )  # fmt: skip
     if not selected:
         return
     sel_rows = [rows[i] for i in selected]
     index = _long(selected, logits)
     sub = logits[index]  # [S, V]
     vocab = logits.shape[1]
-    out_counts = _token_counts([r.output_token_ids for r in sel_rows], vocab, sub)  # [S, V]
+    out_counts, prompt_seen = _penalty_state(sel_rows, vocab, sub, histories)  # [S, V] each
     _count_in_flight(out_counts, sel_rows)
     rep = [r.params.repetition_penalty for r in sel_rows]
     if any(p != 1.0 for p in rep):
-        seen = _token_mask([r.prompt_token_ids for r in sel_rows], vocab, sub) | (out_counts > 0)
+        seen = prompt_seen | (out_counts > 0)
         penalty = torch.where(seen, _float(rep, sub)[:, None], 1.0)  # [S, V]
         sub = torch.where(sub > 0, sub / penalty, sub * penalty)
     freq = _float([r.params.frequency_penalty for r in sel_rows], sub)
@@ -102,17 +125,46 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     logits[index] = sub
 
 
-def apply_allowed_tokens(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def _penalty_state(
+    sel_rows: Sequence[SamplingRow],
+    vocab: int,
+    like: torch.Tensor,
+    histories: PenaltyHistories | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output-token counts [S, V] in ``like``'s dtype, prompt token set [S, V] bool): from
+    the histories for live requests, from the token lists for the other rows."""
+    bases = [getattr(r, "request", r) for r in sel_rows]  # an InFlightRow's request
+    kept = [] if histories is None else [i for i, b in enumerate(bases) if histories.keeps(b)]
+    if len(kept) == len(sel_rows):
+        assert histories is not None
+        counts, seen = histories.gather(bases, vocab, like)
+        return counts.to(like.dtype), seen
+    counts = _token_counts([r.output_token_ids for r in sel_rows], vocab, like)
+    seen = _token_mask([r.prompt_token_ids for r in sel_rows], vocab, like)
+    if kept:
+        assert histories is not None
+        kept_counts, kept_seen = histories.gather([bases[i] for i in kept], vocab, like)
+        index = _long(kept, like)
+        counts[index] = kept_counts.to(like.dtype)
+        seen[index] = kept_seen
+    return counts, seen
+
+
+def apply_allowed_tokens(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], only: Sequence[int] | None = None
+) -> None:
     """Rows with ``params.allowed_token_ids``: every other logit becomes -inf."""
-    for i, row in enumerate(rows):
-        allowed = row.params.allowed_token_ids
+    for i in _rows(rows, only):
+        allowed = rows[i].params.allowed_token_ids
         if allowed:
             keep = logits[i, _long(allowed, logits)]
             logits[i] = _NEG_INF
             logits[i, _long(allowed, logits)] = keep
 
 
-def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def apply_bad_words(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], only: Sequence[int] | None = None
+) -> None:
     """vLLM's bad words: for each variant ``w`` of ``params.bad_words_token_ids``, ban
     ``w[-1]`` when the row's last ``len(w) - 1`` output tokens are ``w[:-1]``.
 
@@ -122,7 +174,8 @@ def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     before it appended)."""
     row_idx: list[int] = []
     tok_idx: list[int] = []
-    for i, row in enumerate(rows):
+    for i in _rows(rows, only):
+        row = rows[i]
         words = row.params.bad_words_token_ids
         if not words:
             continue
@@ -141,10 +194,13 @@ def apply_bad_words(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         logits[_long(row_idx, logits), _long(tok_idx, logits)] = _NEG_INF
 
 
-def apply_request_processors(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+def apply_request_processors(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], only: Sequence[int] | None = None
+) -> None:
     """Each row's own ``params.logits_processors`` (vLLM's per-request callables):
     ``f(output_ids, row_logits)`` or ``f(prompt_ids, output_ids, row_logits)`` -> logits."""
-    for i, row in enumerate(rows):
+    for i in _rows(rows, only):
+        row = rows[i]
         for f in row.params.logits_processors or ():
             out_ids = list(row.output_token_ids)
             if _arity(f) >= 3:
@@ -165,16 +221,47 @@ def _arity(f) -> int:
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params)
 
 
-DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (
-    apply_logit_bias,
-    apply_allowed_tokens,
-    apply_min_tokens,
-    apply_penalties,
-    apply_bad_words,
-    apply_request_processors,
-)
-"""The built-in row processors, in vLLM's order of application (per-request callables
-last, as vLLM v0 ran them after its own)."""
+class RowProcessor:
+    """A row processor that touches only some rows: ``needs(row)`` says which (asked once
+    per batch composition by the sampler's plan, ``batch.py``, so it may depend only on
+    a row's fixed state: its parameters, its grammar), and ``apply(logits, rows, only)``
+    edits those rows (``only``: their indices). Called as a plain ``LogitsProcessor`` it
+    asks every row itself."""
+
+    __slots__ = ("apply", "needs")
+
+    def __init__(
+        self,
+        apply: Callable[[torch.Tensor, Sequence[SamplingRow], Sequence[int]], None],
+        needs: Callable[[SamplingRow], bool],
+    ) -> None:
+        self.apply = apply
+        self.needs = needs
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        only = [i for i, row in enumerate(rows) if self.needs(row)]
+        if only:
+            self.apply(logits, rows, only)
+
+
+def default_processors(histories: PenaltyHistories | None = None) -> tuple[RowProcessor, ...]:
+    """The built-in row processors, in vLLM's order of application (per-request callables
+    last, as vLLM v0 ran them after its own); penalties read ``histories`` when given."""
+    penalties = apply_penalties if histories is None else partial(apply_penalties,
+                                                                 histories=histories)  # fmt: skip
+    return (
+        RowProcessor(apply_logit_bias, lambda row: bool(row.params.logit_bias)),
+        RowProcessor(apply_allowed_tokens, lambda row: bool(row.params.allowed_token_ids)),
+        RowProcessor(apply_min_tokens, lambda row: row.params.min_tokens > 0),
+        RowProcessor(penalties, lambda row: row.params.uses_penalties),
+        RowProcessor(apply_bad_words, lambda row: bool(row.params.bad_words_token_ids)),
+        RowProcessor(apply_request_processors, lambda row: bool(row.params.logits_processors)),
+    )
+
+
+DEFAULT_PROCESSORS: tuple[RowProcessor, ...] = default_processors()
+"""The built-in row processors, without penalty histories (every row's counts from its
+lists): a ``Sampler`` makes its own, with histories."""
 
 
 # ---- filters for random rows -----------------------------------------------------

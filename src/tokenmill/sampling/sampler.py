@@ -26,14 +26,15 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from tokenmill.sampling.argmax import argmax_rows
+from tokenmill.sampling.batch import PlanCache, Processor, RandomRows
 from tokenmill.sampling.logits_processors import (
-    DEFAULT_PROCESSORS,
-    LogitsProcessor,
+    RowProcessor,
     apply_min_p,
     apply_temperature,
     apply_top_k_top_p,
-    upload,
+    default_processors,
 )
+from tokenmill.sampling.penalty_history import PenaltyHistories
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -141,17 +142,23 @@ class Sampler:
 
     ``default_generator`` serves the unseeded random rows (None = torch's default
     generator of the logits' device). ``processors`` replaces the built-in row
-    processors; ``extra_processors`` run after them (e.g. grammar masks).
+    processors; ``extra_processors`` run after them (e.g. grammar masks). What each row
+    needs is planned once per batch composition (``batch.py``), and penalised requests'
+    token counts live on the device across steps (``penalty_history.py``).
     """
 
     def __init__(
         self,
         default_generator: torch.Generator | None = None,
-        processors: Sequence[LogitsProcessor] = DEFAULT_PROCESSORS,
-        extra_processors: Sequence[LogitsProcessor] = (),
+        processors: Sequence[Processor] | None = None,
+        extra_processors: Sequence[Processor] = (),
     ) -> None:
         self.default_generator = default_generator
+        self.histories = PenaltyHistories()
+        if processors is None:
+            processors = default_processors(self.histories)
         self.processors = tuple(processors) + tuple(extra_processors)
+        self.plans = PlanCache()
 
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], in_place: bool = False
@@ -162,61 +169,69 @@ class Sampler:
         instead of a copy (the runner's fresh logits, which nothing reads afterwards: one
         [N, V] float32 copy less per step, 131 MB at 256 rows of a 128k vocabulary)."""
         assert logits.dim() == 2 and logits.shape[0] == len(rows), "one row state per logits row"
-        k = _max_logprobs(rows)
+        plan = self.plans.get(rows, self.processors, logits.device)
+        k = plan.max_logprobs
         raw_logprobs = None if k is None else torch.log_softmax(logits.float(), dim=-1)
         if not (in_place and logits.dtype == torch.float32):
             logits = logits.to(torch.float32, copy=True)  # [N, V] working copy
-        for process in self.processors:
-            process(logits, rows)
-        token_ids = self._pick(logits, rows)  # [N]
+        for process, only in zip(self.processors, plan.only):
+            if only is None:
+                process(logits, rows)
+            elif only:
+                assert isinstance(process, RowProcessor)
+                process.apply(logits, rows, only)
+        token_ids = self._pick(logits, rows, plan.random)  # [N]
         logprobs = None
         if raw_logprobs is not None and k is not None:
             logprobs = _gather_logprobs(raw_logprobs, k, token_ids)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
-    def _pick(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        random_idx = [i for i, row in enumerate(rows) if not row.params.is_greedy]
-        if not random_idx:
+    def _pick(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], random: RandomRows | None
+    ) -> torch.Tensor:
+        if random is None:
             return argmax_rows(logits)
-        if len(random_idx) == len(rows):
-            return self._sample(logits, rows)
+        if random.index_tensor is None:  # every row samples
+            return self._sample(logits, [rows[i] for i in random.index], random)
         token_ids = argmax_rows(logits)  # [N]; random rows overwritten below
-        index = upload(random_idx, torch.int64, logits.device)
-        token_ids[index] = self._sample(logits[index], [rows[i] for i in random_idx])
+        index = random.index_tensor
+        token_ids[index] = self._sample(logits[index], [rows[i] for i in random.index], random)
         return token_ids
 
-    def _sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _sample(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], random: RandomRows
+    ) -> torch.Tensor:
         """logits [S, V] of random rows (modified in place) -> [S] int64 sampled ids."""
-        params = [row.params for row in rows]
-        if any(p.temperature != 1.0 for p in params):
-            apply_temperature(logits, _param_tensor([p.temperature for p in params], logits))
-        if any(p.min_p > 0 for p in params):
-            apply_min_p(logits, _param_tensor([p.min_p for p in params], logits))
-        top_k = _top_k_tensor(params, logits)
-        top_p = None
-        if any(p.top_p < 1.0 for p in params):
-            top_p = _param_tensor([p.top_p for p in params], logits)
-        if top_k is not None or top_p is not None:
-            logits = apply_top_k_top_p(logits, top_k, top_p)
+        if random.temperature is not None:
+            apply_temperature(logits, random.temperature)
+        if random.min_p is not None:
+            apply_min_p(logits, random.min_p)
+        top_k = random.top_k
+        if top_k is not None:  # 0 (off) or beyond the vocabulary: V, which keeps every token
+            vocab = logits.shape[1]
+            top_k = torch.where((top_k > 0) & (top_k < vocab), top_k, vocab)
+        if top_k is not None or random.top_p is not None:
+            logits = apply_top_k_top_p(logits, top_k, random.top_p)
         probs = logits.softmax(dim=-1)  # [S, V]
-        return argmax_rows(probs.div_(self._exponential(probs, rows)))
+        return argmax_rows(probs.div_(self._exponential(probs, rows, random)))
 
-    def _exponential(self, probs: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    def _exponential(
+        self, probs: torch.Tensor, rows: Sequence[SamplingRow], random: RandomRows
+    ) -> torch.Tensor:
         """q [S, V] ~ Exp(1): seeded rows from their own generator, others from the default."""
+        seeded, unseeded = random.seeded, random.unseeded
         q = torch.empty_like(probs)
-        unseeded = [i for i, row in enumerate(rows) if row.generator is None]
-        if len(unseeded) == len(rows):
+        if not seeded:
             q.exponential_(generator=self.default_generator)
-        elif unseeded:
-            index = upload(unseeded, torch.int64, probs.device)
-            draw = probs.new_empty(len(unseeded), probs.shape[1])
-            q[index] = draw.exponential_(generator=self.default_generator)
-        for i, row in enumerate(rows):
-            assert row.generator is not None or row.params.seed is None, "seeded row, no generator"
-            if row.generator is not None:
-                position = len(row.output_token_ids) + row.num_placeholders - 1
-                row.generator.manual_seed(position_seed(row.params.seed or 0, position))
-                q[i].exponential_(generator=row.generator)
+        elif unseeded is not None:
+            draw = probs.new_empty(unseeded.shape[0], probs.shape[1])
+            q[unseeded] = draw.exponential_(generator=self.default_generator)
+        for i in seeded:
+            row = rows[i]
+            assert row.generator is not None
+            position = len(row.output_token_ids) + row.num_placeholders - 1
+            row.generator.manual_seed(position_seed(row.params.seed or 0, position))
+            q[i].exponential_(generator=row.generator)
         # q == 0 would turn a masked token (prob 0) into 0/0 = nan, which argmax picks.
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
@@ -233,21 +248,3 @@ def position_seed(seed: int, position: int) -> int:
 
 
 _MASK64 = (1 << 64) - 1
-
-
-def _max_logprobs(rows: Sequence[SamplingRow]) -> int | None:
-    asked = [row.params.logprobs for row in rows if row.params.logprobs is not None]
-    return max(asked) if asked else None
-
-
-def _param_tensor(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return upload(values, like.dtype, like.device)
-
-
-def _top_k_tensor(params: Sequence[SamplingParams], logits: torch.Tensor) -> torch.Tensor | None:
-    """[S] int64 k per row, V where disabled or larger than V; None when no row uses it."""
-    vocab = logits.shape[1]
-    if not any(0 < p.top_k < vocab for p in params):
-        return None
-    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-    return upload(ks, torch.int64, logits.device)

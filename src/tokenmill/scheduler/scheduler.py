@@ -85,15 +85,21 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
         preempted: list[str] = []
-        for req in list(self.running):
+        allocate = self.kv.allocate_slots
+        for req in list(self.running):  # (per request per step: kept to plain attribute reads)
             if budget == 0:
                 break
             if preempted and req.request_id in preempted:  # preempted earlier in this loop
                 continue
-            if req.num_drafts_in_flight or self._ends_with_placeholders(req):
+            if req.num_drafts_in_flight or (
+                req.num_placeholders and self._ends_with_placeholders(req)
+            ):
                 continue
-            n = self._chunk(req, budget)
-            if not self._allocate_or_preempt(req, n, preempted):
+            left = len(req.all_token_ids) + req.num_placeholders - req.num_computed_tokens
+            n = 1 if left == 1 and not req.spec_token_ids else self._chunk(req, budget)
+            if not allocate(req.request_id, req.num_computed_tokens + n) and not (
+                self._preempt_until_fits(req, n, preempted)
+            ):
                 continue
             chosen.append((req, n))
             budget -= n
@@ -108,7 +114,7 @@ class Scheduler:
         count again) and, when it reaches the last token, one more token as a placeholder
         (and the drafts it carries as in flight). Drafts are consumed either way."""
         start = req.num_computed_tokens
-        known_end = req.num_tokens_with_placeholders
+        known_end = len(req.all_token_ids) + req.num_placeholders
         samples = start + n >= known_end
         drafts: tuple[int, ...] = ()
         if req.spec_token_ids:  # (built per sequence per step: no list when no drafts)
@@ -151,8 +157,9 @@ class Scheduler:
         )
         return max(0, min(len(req.spec_token_ids), room - 1))
 
-    def _allocate_or_preempt(self, req: Request, n: int, preempted: list[str]) -> bool:
-        """Get blocks for n more tokens of a running request, preempting from the back."""
+    def _preempt_until_fits(self, req: Request, n: int, preempted: list[str]) -> bool:
+        """Get blocks for n more tokens of a running request (which did not get them),
+        preempting from the back; False when it was the one preempted."""
         while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
             victim = self.running[-1]
             self._preempt(victim)
@@ -224,6 +231,8 @@ class Scheduler:
         cached, and tokens are appended one by one until a token-level stop, which cuts
         the rest. Returns the requests that got tokens, with how many."""
         progressed: list[Progress] = []
+        kv, caching = self.kv, self.kv.enable_prefix_caching
+        max_model_len = self.config.max_model_len
         for seq, new in zip(out.seqs, tokens):
             req = seq.request
             if req.is_finished:  # aborted, or ended by the step before (async scheduling)
@@ -233,10 +242,11 @@ class Scheduler:
             preempted = req.status is RequestStatus.WAITING
             if len(new) == 1 and not seq.draft_token_ids and not preempted:  # the common step
                 req.num_placeholders -= 1
-                self.kv.commit(req.request_id, req.cacheable_tokens, seq.end, req.cache_key)
+                if caching:
+                    kv.commit(req.request_id, req.cacheable_tokens, seq.end, req.cache_key)
                 req.output_token_ids.append(new[0])
                 req.all_token_ids.append(new[0])
-                status = req.check_stop(self.config.max_model_len)
+                status = req.check_stop(max_model_len)
                 if status is not None:
                     self.finish(req.request_id, status)
                 progressed.append((req, 1))

@@ -8,6 +8,7 @@ rejected token fails it)."""
 from __future__ import annotations
 
 from tokenmill.engine.hooks import Outcome, RequestHook
+from tokenmill.sampling.logits_processors import RowProcessor
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import SchedulerOutput
 from tokenmill.scheduler.request import Request, RequestStatus
@@ -19,7 +20,8 @@ from tokenmill.structured_output.state import StepResult
 class StructuredOutputHook(RequestHook):
     def __init__(self, manager: StructuredOutputManager) -> None:
         self.manager = manager
-        self.logits_processor = manager.mask_logits
+        # Asked once per batch composition which rows it masks (``sampling/batch.py``).
+        self.logits_processor = RowProcessor(manager.mask_logits, _has_grammar)
 
     def check(self, params: SamplingParams) -> GrammarSpec | None:
         guide = params.structured_outputs
@@ -62,3 +64,7 @@ class StructuredOutputHook(RequestHook):
                 token = outputs[end - 1]
                 return Outcome(RequestStatus.FINISHED_ERROR, f"the grammar rejected token {token}")
         return None
+
+
+def _has_grammar(row) -> bool:
+    return row.structured is not None

@@ -290,12 +290,15 @@ class StructuredOutputManager:
                 bitmask[j, extra // 32] |= _bit(extra % 32)
         return bitmask
 
-    def mask_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
-        """Sampler row processor: -inf on the tokens each constrained row may not take."""
+    def mask_logits(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], only: Sequence[int] | None = None
+    ) -> None:
+        """Sampler row processor: -inf on the tokens each constrained row may not take
+        (``only``: the rows with a grammar, see ``row_processor``)."""
         constrained = [
-            (i, row.structured)
-            for i, row in enumerate(rows)
-            if row.structured is not None and row.structured.masks
+            (i, state)
+            for i in (range(len(rows)) if only is None else only)
+            if (state := rows[i].structured) is not None and state.masks
         ]
         prepared, self._prepared = self._prepared, None
         if not constrained:

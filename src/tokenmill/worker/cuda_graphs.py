@@ -29,8 +29,8 @@ from tokenmill.scheduler import ScheduledSeq
 from tokenmill.worker.inputs import (
     PendingTokens,
     PinnedStaging,
+    StepColumns,
     fill_block_tables,
-    known_tokens,
     packed_numel,
     sections,
 )
@@ -122,29 +122,33 @@ class PaddedDecode:
             return None
         return next((b for b in self.buckets if b >= batch), None)
 
-    def takes(self, seqs: tuple[ScheduledSeq, ...]) -> bool:
+    def takes(self, seqs: tuple[ScheduledSeq, ...], cols: StepColumns | None = None) -> bool:
         """An all-decode step (one new token per sequence) that fits a bucket."""
-        return all(s.num_new_tokens == 1 and not s.draft_token_ids for s in seqs) and (
-            self.bucket_for(len(seqs)) is not None
-        )
+        one_each = (
+            cols.one_token_each if cols is not None
+            else all(s.num_new_tokens == 1 and not s.draft_token_ids for s in seqs)
+        )  # fmt: skip
+        return one_each and self.bucket_for(len(seqs)) is not None
 
     def run(
         self,
         seqs: tuple[ScheduledSeq, ...],
         tables: BlockTableArray | None = None,
         pending: PendingTokens | None = None,
+        cols: StepColumns | None = None,
     ) -> torch.Tensor:
         """Hidden states [B, hidden] of the step's B one-token sequences (``takes`` holds);
         ``tables``: the scheduler's block-table array (None: the sequences' lists);
         ``pending``: input tokens still on the device (asynchronous scheduling)."""
         n = self.bucket_for(len(seqs))
-        assert n is not None and all(s.num_new_tokens == 1 for s in seqs)
+        cols = cols or StepColumns.of(seqs)
+        assert n is not None and cols.one_token_each
         # Capture first: it fills the buffers with padding rows of its own.
         graph = (self.graphs.get(n) or self._capture(n)) if self.capture else None
         views = self._views(n)
-        self._upload(seqs, n, tables, pending)
+        self._upload(seqs, n, tables, pending, cols)
         if graph is None:  # eager through the same buffers (also after a failed capture)
-            seq_lens = tuple(s.end for s in seqs) + (0,) * (n - len(seqs))
+            seq_lens = tuple((cols.starts + 1).tolist()) + (0,) * (n - len(seqs))
             hidden = self.model(views.input_ids, views.positions, self._ctx(views, seq_lens))
             return hidden[: len(seqs)]
         graph.replay()
@@ -170,25 +174,32 @@ class PaddedDecode:
         n: int,
         tables: BlockTableArray | None,
         pending: PendingTokens | None,
+        cols: StepColumns | None = None,
     ) -> None:
         """Bucket n's packed inputs to the static buffers: real rows, then padding rows;
         pending input tokens are filled in on the device, before the replay. Only the
         block-table columns the step uses go up: with max_model_len 131072 the full
         [256, 8192] tables would be 16.8 MB a step."""
         b, bs = len(seqs), self.block_size
-        used = max((len(s.block_table) for s in seqs), default=0)
+        used = 0  # block-table columns in use (a decoding sequence holds >= 1 block)
+        if b:
+            cols = cols or StepColumns.of(seqs)
+            used = cols.width
         k = len(pending.seqs) if pending is not None else 0
         sizes = [*self._head_sizes(n), b * used, k, k]
         host = self.staging.host(packed_numel(sizes))
         ids, pos, slots, lens, qsl, flat_tables, token_rows, src_rows = sections(host, sizes)
         for part in (ids, pos, lens):
             part[b:] = 0  # padding rows: token 0 at position 0, context 0
-        ids[:b] = [known_tokens(s)[0] for s in seqs]
-        pos[:b] = np.fromiter((s.start for s in seqs), np.int64, b)
+        if b:
+            assert cols is not None and cols.decode_ids is not None
+            ids[:b] = cols.decode_ids
+            pos[:b] = cols.starts
         lens[:b] = pos[:b] + 1
         qsl[:] = np.arange(n + 1)
         table = flat_tables.reshape(b, used)
-        fill_block_tables(seqs, tables, table)
+        if b:
+            fill_block_tables(seqs, tables, table, cols.table_rows if cols else None)
         slots[:b] = table[np.arange(b), pos[:b] // bs] * bs + pos[:b] % bs
         slots[b:] = PAD_SLOT
         if pending is not None:

@@ -19,14 +19,15 @@ from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.models.base import CausalLM
 from tokenmill.models.native_decode import NativeDecode
 from tokenmill.scheduler import ScheduledSeq
-from tokenmill.worker.inputs import PendingTokens, PinnedStaging, build_step_inputs
+from tokenmill.worker.inputs import PendingTokens, PinnedStaging, StepColumns, build_step_inputs
 
 
 class FastPath(Protocol):
     """A way to run some steps' forward pass, chosen once when the runner is built."""
 
-    def takes(self, seqs: tuple[ScheduledSeq, ...]) -> bool:
-        """Whether this step (its scheduled sequences) runs here."""
+    def takes(self, seqs: tuple[ScheduledSeq, ...], cols: StepColumns | None = None) -> bool:
+        """Whether this step (its scheduled sequences; ``cols``: the same as columns, made
+        once per step by the runner) runs here."""
         ...
 
     def run(
@@ -34,6 +35,7 @@ class FastPath(Protocol):
         seqs: tuple[ScheduledSeq, ...],
         tables: BlockTableArray | None = None,
         pending: PendingTokens | None = None,
+        cols: StepColumns | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens, flattened in sequence order (T = B
         for one-token sequences: row i = sequence i);
@@ -59,9 +61,11 @@ class NativeDecodePath:
         self.backend = backend
         self.staging = PinnedStaging(device)
 
-    def takes(self, seqs: tuple[ScheduledSeq, ...]) -> bool:
+    def takes(self, seqs: tuple[ScheduledSeq, ...], cols: StepColumns | None = None) -> bool:
         """Decode steps, also verifying drafts: each sequence's new tokens are its last
         known token and its drafts."""
+        if cols is not None and cols.one_token_each:
+            return True
         return all(s.num_new_tokens == 1 + len(s.draft_token_ids) for s in seqs)
 
     def run(
@@ -69,8 +73,9 @@ class NativeDecodePath:
         seqs: tuple[ScheduledSeq, ...],
         tables: BlockTableArray | None = None,
         pending: PendingTokens | None = None,
+        cols: StepColumns | None = None,
     ) -> torch.Tensor:
-        inputs = build_step_inputs(seqs, self.block_size, self.staging, tables, pending)
+        inputs = build_step_inputs(seqs, self.block_size, self.staging, tables, pending, cols)
         meta = inputs.meta
         if not meta.is_all_decode:
             meta = per_token_rows(meta, inputs.positions)

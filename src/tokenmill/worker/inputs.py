@@ -24,6 +24,63 @@ from tokenmill.scheduler import ScheduledSeq
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 
+@dataclass(frozen=True)
+class StepColumns:
+    """A step's sequences as columns, read once from the ``ScheduledSeq`` objects (one
+    pass per field, in C) so that input building, the fast paths' checks and the sampling
+    rows do not each walk the objects again."""
+
+    starts: np.ndarray
+    """[B] int64 position of each sequence's first new token."""
+    num_new: np.ndarray
+    """[B] int64 new tokens per sequence."""
+    table_rows: list[int] | None
+    """Each sequence's row of the scheduler's block-table array; None when one has none
+    (steps built by hand): the tables come from the sequences' lists then."""
+    width: int
+    """The longest block table (at least 1)."""
+    one_token_each: bool
+    """Every sequence computes one token and carries no drafts."""
+    all_sample: bool
+    """Every sequence samples (reaches its last token)."""
+    decode_ids: list[int] | None
+    """For a decode step: each sequence's input token on the host (0 where it is the
+    placeholder of a token in flight); None otherwise."""
+    pending: tuple[int, ...]
+    """Sequences whose last input token is a placeholder (asynchronous scheduling)."""
+
+    @classmethod
+    def of(cls, seqs: Sequence[ScheduledSeq]) -> StepColumns:
+        b = len(seqs)
+        num_new_list = [s.num_new_tokens for s in seqs]
+        starts_list = [s.start for s in seqs]
+        rows = [s.table_row for s in seqs]
+        one_each = sum(num_new_list) == b and not any(s.draft_token_ids for s in seqs)
+        width = max([len(s.block_table) for s in seqs], default=1) or 1
+        decode_ids = None
+        if one_each:
+            # The token at ``start`` is the input; past the known tokens it is in flight.
+            known = [len(s.request.all_token_ids) for s in seqs]
+            pending = tuple(i for i in range(b) if starts_list[i] >= known[i])
+            decode_ids = [s.request.all_token_ids[s.start] if s.start < k else 0
+                          for s, k in zip(seqs, known)]  # fmt: skip
+        else:
+            pending = tuple(
+                i for i, s in enumerate(seqs)
+                if s.end - len(s.draft_token_ids) > len(s.request.all_token_ids)
+            )  # fmt: skip
+        return cls(
+            starts=np.array(starts_list, dtype=np.int64),
+            num_new=np.array(num_new_list, dtype=np.int64),
+            table_rows=rows if min(rows, default=0) >= 0 else None,
+            width=width,
+            one_token_each=one_each,
+            all_sample=all(s.samples for s in seqs),
+            decode_ids=decode_ids,
+            pending=pending,
+        )
+
+
 class PinnedStaging:
     """A reusable int64 host buffer (pinned on CUDA) for one host-to-device copy at a time.
 
@@ -65,13 +122,19 @@ class PinnedStaging:
 
 
 def fill_block_tables(
-    seqs: Sequence[ScheduledSeq], tables: BlockTableArray | None, out: np.ndarray
+    seqs: Sequence[ScheduledSeq],
+    tables: BlockTableArray | None,
+    out: np.ndarray,
+    rows: list[int] | None = None,
 ) -> None:
     """out [B, W] := each sequence's block table, 0-padded. One gather from the KV
-    manager's array when the scheduler passed it; else (steps built by hand, in tests)
-    from the per-sequence lists."""
-    if tables is not None and all(s.table_row >= 0 for s in seqs):
-        tables.gather([s.table_row for s in seqs], out)
+    manager's array when the scheduler passed it (``rows``: the sequences' rows there,
+    ``StepColumns.table_rows``); else (steps built by hand, in tests) from the
+    per-sequence lists."""
+    if rows is None and tables is not None and all(s.table_row >= 0 for s in seqs):
+        rows = [s.table_row for s in seqs]
+    if tables is not None and rows is not None:
+        tables.gather(rows, out)
         return
     out[:] = 0
     for i, s in enumerate(seqs):
@@ -151,28 +214,35 @@ def build_step_inputs(
     staging: PinnedStaging,
     tables: BlockTableArray | None = None,
     pending: PendingTokens | None = None,
+    cols: StepColumns | None = None,
 ) -> StepInputs:
     """Flatten the scheduled tokens; every integer tensor of the step comes from one copy of
     the packed host vector [ids T | positions T | slots T | seq_lens B | qsl B+1 | tables B*W
     | pending rows K | their source rows K] (block tables padded with 0 to the longest,
     W >= 1; each section at an even offset, see ``sections``), filled with numpy. Pending
     tokens go in as 0 and are filled on the device."""
+    cols = cols or StepColumns.of(seqs)
     b = len(seqs)
-    new = np.fromiter((s.num_new_tokens for s in seqs), np.int64, b)
-    starts = np.fromiter((s.start for s in seqs), np.int64, b)
+    new, starts, width = cols.num_new, cols.starts, cols.width
     t = int(new.sum())
-    width = max((len(s.block_table) for s in seqs), default=1) or 1
     k = len(pending.seqs) if pending is not None else 0
     sizes = [t, t, t, b, b + 1, b * width, k, k]
     host = staging.host(packed_numel(sizes))
     ids, pos, slots, lens, qsl, flat_tables, token_rows, src_rows = sections(host, sizes)
-    ids[:] = list(chain.from_iterable(known_tokens(s) for s in seqs))
+    if cols.decode_ids is not None:
+        ids[:] = cols.decode_ids
+    else:
+        ids[:] = list(chain.from_iterable(known_tokens(s) for s in seqs))
     qsl[0] = 0
     np.cumsum(new, out=qsl[1:])
-    owner = np.repeat(np.arange(b), new)  # [T]: the sequence of each token
-    pos[:] = np.arange(t) - qsl[owner] + starts[owner]
+    if cols.one_token_each:
+        owner = np.arange(b)
+        pos[:] = starts
+    else:
+        owner = np.repeat(np.arange(b), new)  # [T]: the sequence of each token
+        pos[:] = np.arange(t) - qsl[owner] + starts[owner]
     table = flat_tables.reshape(b, width)
-    fill_block_tables(seqs, tables, table)
+    fill_block_tables(seqs, tables, table, cols.table_rows)
     slots[:] = table[owner, pos // block_size] * block_size + pos % block_size
     lens[:] = starts + new
     if pending is not None:

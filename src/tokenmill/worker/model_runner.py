@@ -31,6 +31,7 @@ from tokenmill.worker.inputs import (
     HostIds,
     PendingTokens,
     PinnedStaging,
+    StepColumns,
     build_step_inputs,
     record_event,
 )
@@ -135,9 +136,10 @@ class ModelRunner:
         """Queue the step's forward pass and sampling on the device and the copy of the
         sampled ids back; returns without waiting (on CUDA) for any of it."""
         seqs = sched.seqs
-        pending = self._pending_tokens(seqs)
-        hidden, qsl = self._forward(sched, pending)
-        first_rows, sample_rows, rows = _sample_rows(seqs, qsl, pending)
+        cols = StepColumns.of(seqs)  # the sequences as columns, read once per step
+        pending = self._pending_tokens(seqs, cols)
+        hidden, qsl = self._forward(sched, pending, cols)
+        first_rows, sample_rows, rows = _sample_rows(seqs, qsl, pending, cols)
         sampled, lp = self._sample(rows, sample_rows, hidden) if rows else (None, None)
         prompt_lp = self._prompt_logprobs(seqs, qsl, hidden)
         pinned = self.host_ids.pinned
@@ -151,17 +153,17 @@ class ModelRunner:
         return LaunchedStep(seqs, first_rows, ids, done, lp, prompt_lp)
 
     def _forward(
-        self, sched: SchedulerOutput, pending: PendingTokens | None
+        self, sched: SchedulerOutput, pending: PendingTokens | None, cols: StepColumns
     ) -> tuple[torch.Tensor, tuple[int, ...]]:
         """hidden [T, hidden] of the step's tokens and the query offsets (B+1) of its
         sequences: through the padded decode path (CUDA graphs) when it takes the step."""
         seqs = sched.seqs
-        if self.decode is not None and self.decode.takes(seqs):
-            hidden = self.decode.run(seqs, sched.tables, pending)  # [T, hidden], flattened
+        if self.decode is not None and self.decode.takes(seqs, cols):
+            hidden = self.decode.run(seqs, sched.tables, pending, cols)  # [T, hidden]
             if len(seqs) == hidden.shape[0]:  # one token each: row i = sequence i
                 return hidden, tuple(range(len(seqs) + 1))
-            return hidden, tuple(accumulate((s.num_new_tokens for s in seqs), initial=0))
-        inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending)
+            return hidden, tuple(accumulate(cols.num_new.tolist(), initial=0))
+        inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending, cols)
         hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(inputs.meta, seqs))
         return hidden, inputs.meta.query_start_loc
 
@@ -184,13 +186,12 @@ class ModelRunner:
         token_list = step.ids.tolist() if step.ids is not None else []
         return _to_host(step, token_list)
 
-    def _pending_tokens(self, seqs: tuple[ScheduledSeq, ...]) -> PendingTokens | None:
+    def _pending_tokens(
+        self, seqs: tuple[ScheduledSeq, ...], cols: StepColumns | None = None
+    ) -> PendingTokens | None:
         """The step's input tokens that the previous step is still sampling (each the
         last row its sequence sampled there: it has no drafts)."""
-        waiting = [
-            i for i, s in enumerate(seqs)
-            if s.end - len(s.draft_token_ids) > len(s.request.all_token_ids)
-        ]  # fmt: skip
+        waiting = (cols or StepColumns.of(seqs)).pending
         if not waiting:
             return None
         assert self._last_sampled is not None, "a pending token without a step in flight"
@@ -293,7 +294,10 @@ def _copy_to_host(lp: LogprobsTensors | None) -> LogprobsTensors | None:
 
 
 def _sample_rows(
-    seqs: tuple[ScheduledSeq, ...], qsl: tuple[int, ...], pending: PendingTokens | None = None
+    seqs: tuple[ScheduledSeq, ...],
+    qsl: tuple[int, ...],
+    pending: PendingTokens | None = None,
+    cols: StepColumns | None = None,
 ) -> tuple[tuple[int, ...], list[int], list[SamplingRow]]:
     """(first sampled row per sequence, the hidden rows that sample, their sampling states).
 
@@ -306,6 +310,9 @@ def _sample_rows(
     if pending is not None:
         in_flight = {i: row for i, row in zip(pending.seqs, pending.rows)
                      if seqs[i].request.params.uses_penalties}  # fmt: skip
+    if not in_flight and cols is not None and cols.one_token_each and cols.all_sample:  # decode
+        b = len(seqs)
+        return tuple(range(b)), list(range(b)), [s.request for s in seqs]
     if not in_flight and not _has_drafts(seqs):  # the common step: one row per sampler
         sampling = [i for i, s in enumerate(seqs) if s.samples]
         if len(sampling) == len(seqs):  # all of them (decode)
