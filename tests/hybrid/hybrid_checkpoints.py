@@ -7,6 +7,9 @@ from pathlib import Path
 
 import torch
 
+VOCAB = 4096
+"""The first ids of the SmolLM2 tokenizer: a small output head keeps the tests fast."""
+
 
 def randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
     """Every parameter drawn at random (HF inits norms to 0/1 and decays to constants, which
@@ -31,7 +34,7 @@ def make_qwen3_5(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     cfg = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
@@ -101,7 +104,7 @@ def make_qwen3_5_vl(path: Path, tokenizer, seed: int = 0) -> Path:
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
@@ -120,7 +123,7 @@ def make_mamba2(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     from transformers import Mamba2Config, Mamba2ForCausalLM
 
     cfg = dict(
-        vocab_size=len(tokenizer), hidden_size=64, num_heads=8, head_dim=16, expand=2,
+        vocab_size=VOCAB, hidden_size=64, num_heads=8, head_dim=16, expand=2,
         state_size=16, n_groups=2, num_hidden_layers=4, conv_kernel=4, chunk_size=16,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
         time_step_limit=(0.0, 100.0),  # the default (0, inf) does not survive config.json
@@ -149,7 +152,7 @@ def random_prompts(n: int, seed: int = 0, longest: int = 40) -> list[list[int]]:
 
     rng = random.Random(seed)
     return [
-        [rng.randrange(3, 40000) for _ in range(rng.randrange(2, longest + 1))] for _ in range(n)
+        [rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, longest + 1))] for _ in range(n)
     ]
 
 
@@ -168,7 +171,7 @@ def make_lfm2(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     cfg = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=192, num_hidden_layers=6,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=6,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         conv_L_cache=3, conv_bias=True, full_attn_idxs=[2, 5], block_multiple_of=32,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
@@ -191,7 +194,7 @@ def make_falcon_h1(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
     cfg = dict(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
         mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
         mamba_d_conv=4, mamba_chunk_size=16, mamba_rms_norm=True, mamba_norm_before_gate=False,
