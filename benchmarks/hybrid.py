@@ -1,0 +1,118 @@
+"""Hybrid models: tokenmill vs transformers on the same random weights, side by side.
+
+    python benchmarks/hybrid.py                      # Qwen3.5-0.8B shapes (configs/), float32
+    python benchmarks/hybrid.py --layers 8 --prompt 256 --tokens 32
+
+The model has the shapes of ``configs/qwen3.5-0.8b-shaped.json`` (Gated DeltaNet and gated
+attention, 3:1; the shapes as we take them from the published Qwen3.5-0.8B config) and
+random weights, saved once under ``--cache``. Reported: prefill tokens/s (one prompt of
+``--prompt`` tokens, one output token) and single-stream decode tokens/s (a 16-token
+prompt: the time of ``--tokens`` output tokens minus that of one, over ``--tokens - 1``),
+each for both engines in float32 and as a ratio (medians of 3 runs). The scans are the PyTorch reference (chunked for prefill, one
+step for decode) in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import best_of, table  # noqa: E402
+
+CONFIG = Path(__file__).parent / "configs" / "qwen3.5-0.8b-shaped.json"
+
+
+def make_checkpoint(cache: Path, layers: int) -> Path:
+    """The random-weight checkpoint (made once per layer count), with a tokenizer."""
+    from transformers import AutoTokenizer, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    target = cache / f"qwen3.5-0.8b-shaped-{layers}l"
+    if (target / "model.safetensors").is_file():
+        return target
+    config = json.loads(CONFIG.read_text())
+    config["num_hidden_layers"] = layers
+    for key in ("architectures", "model_type"):
+        config.pop(key)
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**config)).eval()
+    model.save_pretrained(target)
+    from tokenmill.loader.resolve import default_model_path  # the embedded SmolLM2 tokenizer
+
+    gguf = Path(default_model_path())
+    AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(target)
+    return target
+
+
+def prompt_ids(n: int) -> list[int]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(3, 40000, (n,), generator=gen).tolist()
+
+
+def tokenmill_times(path: Path, prompt: list[int], tokens: int) -> tuple[float, float, float]:
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.inputs import TokensPrompt
+
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=len(prompt) + tokens + 8,
+              max_num_batched_tokens=max(2048, len(prompt)), enable_prefix_caching=False)  # fmt: skip
+
+    def run(ids: list[int], n: int) -> None:
+        params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+        llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+
+    return _times(run, prompt, tokens)
+
+
+def _times(run, prompt: list[int], tokens: int) -> tuple[float, float, float]:
+    """(prefill of ``prompt``, one token after 16 prompt tokens, ``tokens`` after them)."""
+    short = prompt[:16]
+    run(prompt, 2)  # warm up
+    prefill = best_of(lambda: run(prompt, 1))
+    return prefill, best_of(lambda: run(short, 1)), best_of(lambda: run(short, tokens))
+
+
+def transformers_times(path: Path, prompt: list[int], tokens: int) -> tuple[float, float, float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    def run(ids: list[int], n: int) -> None:
+        with torch.inference_mode():
+            model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)  # fmt: skip
+
+    return _times(run, prompt, tokens)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
+    ap.add_argument("--tokens", type=int, default=32, help="output tokens of the decode run")
+    ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tokenmill-bench")
+    args = ap.parse_args()
+    start = time.perf_counter()
+    path = make_checkpoint(args.cache, args.layers)
+    prompt = prompt_ids(args.prompt)
+    rows = [["engine", "prefill tok/s", "decode tok/s"]]
+    results = {}
+    for name, fn in (("tokenmill", tokenmill_times), ("transformers", transformers_times)):
+        prefill, one, many = fn(path, prompt, args.tokens)
+        results[name] = (args.prompt / prefill, (args.tokens - 1) / (many - one))
+        rows.append([name, f"{results[name][0]:.1f}", f"{results[name][1]:.2f}"])
+    ours, theirs = results["tokenmill"], results["transformers"]
+    rows.append(["ratio", f"{ours[0] / theirs[0]:.2f}x", f"{ours[1] / theirs[1]:.2f}x"])
+    print(f"Qwen3.5-0.8B shapes, {args.layers} layers, float32, {torch.get_num_threads()} threads, "
+          f"prompt {args.prompt}, decode {args.tokens} ({time.perf_counter() - start:.0f} s)")  # fmt: skip
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()
