@@ -101,11 +101,7 @@ class GatedAttention(nn.Module):
         self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps, True, dtype, ops=ops)
         params = AttentionParams(a.num_heads, a.num_kv_heads, a.head_dim, a.head_dim**-0.5)
         self.impl = ops.backend.bind(params)
-        if self.impl.rotates:
-            raise UnsupportedModelError(
-                f"attention backend {ops.backend.name!r} fuses full rotary; Qwen3.5's partial "
-                "rotary needs the reference or native backend"
-            )
+        """Called through the unfused contract (q and k rotated here: partial rotary)."""
 
     def forward(self, rope: RopeTables, hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         t, h, kvh, d = hidden.shape[0], self.heads, self.kv_heads, self.head_dim
