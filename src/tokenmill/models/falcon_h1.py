@@ -146,7 +146,9 @@ class FalconH1ForCausalLM(CausalLM):
     def cache_specs(self) -> list[CacheSpec]:
         """N attention entries (paged K/V), then N mixer entries (state slots)."""
         full = FullAttention(self.num_kv_heads, self.head_dim, self.dtype)
-        return [full] * self.num_layers + [layer.mamba.state_spec for layer in self.layers]
+        layers: list[FalconH1Layer] = list(self.layers)  # type: ignore[arg-type]
+        specs: list[CacheSpec] = [full] * self.num_layers
+        return specs + [layer.mamba.state_spec for layer in layers]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext

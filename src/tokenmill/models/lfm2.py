@@ -124,7 +124,8 @@ class Lfm2ForCausalLM(CausalLM):
 
     def cache_specs(self) -> list[CacheSpec]:
         full = FullAttention(self.num_kv_heads, self.head_dim, self.dtype)
-        return [layer.conv.state_spec if layer.is_conv else full for layer in self.layers]
+        layers: list[Lfm2Layer] = list(self.layers)  # type: ignore[arg-type]
+        return [layer.conv.state_spec if layer.is_conv else full for layer in layers]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext

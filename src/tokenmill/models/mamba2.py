@@ -83,7 +83,8 @@ class Mamba2ForCausalLM(CausalLM):
         self.lm_head = None if tied else Linear(shape.hidden_size, self.vocab_size, False, dtype)
 
     def cache_specs(self) -> list[CacheSpec]:
-        return [layer.mixer.state_spec for layer in self.layers]
+        layers: list[Mamba2Block] = list(self.layers)  # type: ignore[arg-type]
+        return [layer.mixer.state_spec for layer in layers]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext

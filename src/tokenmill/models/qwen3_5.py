@@ -212,9 +212,8 @@ class Qwen3_5ForCausalLM(CausalLM):
     def cache_specs(self) -> list[CacheSpec]:
         """Paged K/V for the attention layers, a state slot for the DeltaNet layers."""
         full = FullAttention(self.num_kv_heads, self.head_dim, self.dtype)
-        return [
-            layer.linear_attn.state_spec if layer.is_linear else full for layer in self.model.layers
-        ]
+        layers: list[HybridLayer] = list(self.model.layers)  # type: ignore[arg-type]
+        return [layer.linear_attn.state_spec if layer.is_linear else full for layer in layers]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
