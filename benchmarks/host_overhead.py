@@ -157,6 +157,11 @@ def main() -> None:
         action="store_true",
         help="turn the prefix cache on (off by default, as gpu_suite)",
     )
+    ap.add_argument(
+        "--penalties",
+        action="store_true",
+        help="every request with frequency and presence penalties (their token counts)",
+    )
     ap.add_argument("--profile", action="store_true", help="print a cProfile of the decode steps")
     args = ap.parse_args()
 
@@ -172,6 +177,7 @@ def main() -> None:
     params = SamplingParams(
         temperature=0, max_tokens=args.out_tokens, ignore_eos=True, detokenize=False,
         output_kind=RequestOutputKind.FINAL_ONLY,
+        **({"frequency_penalty": 0.5, "presence_penalty": 0.5} if args.penalties else {}),
     )  # fmt: skip
     for p in prompts:
         engine.add_request(p, params)
@@ -187,11 +193,12 @@ def main() -> None:
 
         profiler = cProfile.Profile()
         profiler.enable()
-    steps, start = 0, time.perf_counter()
+    steps, start, cpu_start = 0, time.perf_counter(), time.process_time()
     while engine.has_unfinished():
         engine.step()
         steps += 1
     total = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start  # this process's CPU time: less noisy when shared
     if profiler is not None:
         import pstats
 
@@ -201,6 +208,7 @@ def main() -> None:
     for name, sec in phases.seconds.items():
         rows.append([name, f"{sec / steps * 1e3:.3f}", f"{sec / total:.0%}"])
     rows.append(["whole step", f"{total / steps * 1e3:.3f}", "100%"])
+    rows.append(["whole step, CPU time", f"{cpu / steps * 1e3:.3f}", f"{cpu / total:.0%}"])
     path = "padded (CUDA-graph inputs)" if args.padded else "eager inputs"
     print(
         f"{args.seqs} sequences x {args.out_tokens - 1} decode steps, {path}, null model, one thread"

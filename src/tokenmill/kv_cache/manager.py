@@ -116,8 +116,8 @@ class KVCacheManager:
 
         All or nothing: returns False, changing nothing, when too few blocks are free.
         """
-        seq = self._seq(request_id)
-        need = blocks_needed(num_tokens, self.block_size) - len(seq.table)
+        seq = self._seqs.get(request_id) or self._seq(request_id)  # (per request per step)
+        need = -(-num_tokens // self.block_size) - len(seq.table)  # blocks_needed, inlined
         if need <= 0:
             return True
         if need > self.pool.num_free:

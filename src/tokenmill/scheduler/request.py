@@ -131,14 +131,15 @@ class Request:
 
     def check_stop(self, max_model_len: int) -> RequestStatus | None:
         """Token-level stop conditions after appending a token (stop strings come later)."""
-        last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.params.min_tokens:
-            if last in self.eos_token_ids and not self.params.ignore_eos:
+        outputs, params = self.output_token_ids, self.params  # (per request per step)
+        last, num_outputs = outputs[-1], len(outputs)
+        if num_outputs >= params.min_tokens:
+            if last in self.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
-            if last in (self.params.stop_token_ids or ()):
+            if params.stop_token_ids and last in params.stop_token_ids:
                 self.stop_reason = last
                 return RequestStatus.FINISHED_STOPPED
-        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+        if num_outputs >= self.max_tokens or len(self.all_token_ids) >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -106,7 +106,7 @@ class Scheduler:
         first: list[Request] = []
         if not preempted:
             self._admit_waiting(budget, chosen, preempted, first)
-        seqs = tuple(self._scheduled(req, n) for req, n in chosen)
+        seqs = tuple([self._scheduled(req, n) for req, n in chosen])
         return SchedulerOutput(seqs, tuple(preempted), self.kv.tables, tuple(first))
 
     def _scheduled(self, req: Request, n: int) -> ScheduledSeq:

@@ -20,6 +20,7 @@ import torch
 from tokenmill.attention import AttentionMetadata
 from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.scheduler import ScheduledSeq
+from tokenmill.scheduler.request import Request
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
@@ -30,6 +31,9 @@ class StepColumns:
     pass per field, in C) so that input building, the fast paths' checks and the sampling
     rows do not each walk the objects again."""
 
+    requests: tuple[Request, ...]
+    """Each sequence's request: the rows of a decode step's sampling (the sampler's plan
+    is keyed on them) and what tells a steady batch (the same requests, in order)."""
     starts: np.ndarray
     """[B] int64 position of each sequence's first new token."""
     num_new: np.ndarray
@@ -70,6 +74,7 @@ class StepColumns:
                 if s.end - len(s.draft_token_ids) > len(s.request.all_token_ids)
             )  # fmt: skip
         return cls(
+            requests=tuple([s.request for s in seqs]),
             starts=np.array(starts_list, dtype=np.int64),
             num_new=np.array(num_new_list, dtype=np.int64),
             table_rows=rows if min(rows, default=0) >= 0 else None,

@@ -9,7 +9,7 @@ input tokens then taken on the device from this step's sampled ids (``PendingTok
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -77,6 +77,24 @@ class ModelRunnerOutput:
     prompt token start + j + 1 given everything before it."""
 
 
+@dataclass(frozen=True)
+class _Sampled:
+    """A launched step's sampled ids [R] (device), its sequences, their first rows in the
+    ids, and its columns: where the next step's placeholder tokens are read from."""
+
+    ids: torch.Tensor
+    seqs: tuple[ScheduledSeq, ...]
+    first_rows: tuple[int, ...]
+    cols: StepColumns
+
+    def steady_with(self, cols: StepColumns) -> bool:
+        """This was a decode step (one row per sequence, in order) of the same requests,
+        in the same order, as the step ``cols`` describes (a tuple comparison by
+        identity): sequence i's token in flight is then row i of ``ids``."""
+        mine = self.cols
+        return mine.one_token_each and mine.all_sample and mine.requests == cols.requests
+
+
 def allocate_kv_caches(
     model: CausalLM,
     num_blocks: int,
@@ -126,10 +144,8 @@ class ModelRunner:
         self.decode = decode
         self.staging = PinnedStaging(device)
         self.host_ids = HostIds(device)
-        self._last_sampled: tuple[torch.Tensor, tuple[ScheduledSeq, ...], tuple[int, ...]] | None
-        self._last_sampled = None
-        """The latest launched step's sampled ids [R] (device), its sequences and their
-        first rows in the ids."""
+        self._last_sampled: _Sampled | None = None
+        """The latest launched step's sampled ids (device) and where each sequence's are."""
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
@@ -146,7 +162,7 @@ class ModelRunner:
         if pinned:  # queued before the step's event, so collect's wait covers them
             lp = _copy_to_host(lp)
             prompt_lp = {r: (a, t, _to_pinned(x)) for r, (a, t, x) in prompt_lp.items()}
-        self._last_sampled = None if sampled is None else (sampled, seqs, first_rows)
+        self._last_sampled = None if sampled is None else _Sampled(sampled, seqs, first_rows, cols)
         ids = self.host_ids.copy(sampled) if sampled is not None else None
         # A step of prompt chunks samples nothing, yet may copy prompt logprobs back.
         done = record_event() if pinned and (ids is not None or prompt_lp) else None
@@ -168,7 +184,7 @@ class ModelRunner:
         return hidden, inputs.meta.query_start_loc
 
     def _sample(
-        self, rows: list[SamplingRow], sample_rows: list[int], hidden: torch.Tensor
+        self, rows: Sequence[SamplingRow], sample_rows: list[int], hidden: torch.Tensor
     ) -> tuple[torch.Tensor, LogprobsTensors | None]:
         """Logits of hidden's rows ``sample_rows`` -> (ids [R], logprobs); ``rows`` are
         their sampling states (a request, or a request with drafts appended)."""
@@ -194,13 +210,15 @@ class ModelRunner:
         waiting = (cols or StepColumns.of(seqs)).pending
         if not waiting:
             return None
-        assert self._last_sampled is not None, "a pending token without a step in flight"
-        source, sampled_seqs, first_rows = self._last_sampled
-        row_of = {  # only when needed
-            s.request.request_id: first_rows[j] for j, s in enumerate(sampled_seqs) if s.samples
+        last = self._last_sampled
+        assert last is not None, "a pending token without a step in flight"
+        if cols is not None and last.steady_with(cols):  # the same decode batch: row i = i
+            return PendingTokens(last.ids, waiting, waiting)
+        row_of = {  # the batch changed: look each one up
+            s.request.request_id: last.first_rows[j] for j, s in enumerate(last.seqs) if s.samples
         }
         rows = tuple(row_of[seqs[i].request.request_id] for i in waiting)
-        return PendingTokens(source, tuple(waiting), rows)
+        return PendingTokens(last.ids, tuple(waiting), rows)
 
     def _ctx(self, meta: AttentionMetadata, seqs: tuple[ScheduledSeq, ...] = ()) -> StepContext:
         """The step context; with state-slot layers, each sequence's slot in it."""
@@ -298,7 +316,7 @@ def _sample_rows(
     qsl: tuple[int, ...],
     pending: PendingTokens | None = None,
     cols: StepColumns | None = None,
-) -> tuple[tuple[int, ...], list[int], list[SamplingRow]]:
+) -> tuple[tuple[int, ...], list[int], Sequence[SamplingRow]]:
     """(first sampled row per sequence, the hidden rows that sample, their sampling states).
 
     A sequence samples at its last token and, with drafts, at each draft's position too
@@ -312,7 +330,7 @@ def _sample_rows(
                      if seqs[i].request.params.uses_penalties}  # fmt: skip
     if not in_flight and cols is not None and cols.one_token_each and cols.all_sample:  # decode
         b = len(seqs)
-        return tuple(range(b)), list(range(b)), [s.request for s in seqs]
+        return tuple(range(b)), list(range(b)), cols.requests
     if not in_flight and not _has_drafts(seqs):  # the common step: one row per sampler
         sampling = [i for i, s in enumerate(seqs) if s.samples]
         if len(sampling) == len(seqs):  # all of them (decode)
