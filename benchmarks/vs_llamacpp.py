@@ -2,6 +2,7 @@
 
     python benchmarks/vs_llamacpp.py [--model PATH.gguf] [--threads 2]
                                      [--quantization auto,none] [--no-server]
+    python benchmarks/vs_llamacpp.py --f16 --no-server
 
 Offline, in this process: single-stream decode tokens/s (128 tokens after a 32-token
 prompt), prefill tokens/s (32- and 200-token prompts), load time and, for tokenmill,
@@ -12,6 +13,12 @@ llama-cpp-python's server; reported as output tokens/s. Every tokenmill figure i
 also given as a ratio to llama.cpp's. Without llama-cpp-python the peer is skipped
 with a message and tokenmill's figures are printed alone.
 Default model: the embedded SmolLM2-135M-Instruct Q4_1.
+
+``--f16``: 16-bit weights on both sides. llama.cpp runs an F16 GGUF of the model (its
+tensors dequantized with the gguf package, norms kept F32, metadata copied; made once
+under ``--cache``) and tokenmill the HF folder of the same weights in bfloat16 that
+``vs_transformers.py --hf16 bf16`` makes (``quantization=auto`` keeps it in 16 bits); the
+server run is skipped.
 """
 
 from __future__ import annotations
@@ -53,6 +60,40 @@ def decode_rate(generate, prompt: list[int], n: int, repeat: int) -> float:
 def prompt_ids(n: int, seed: int, vocab: int = 20000) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab, (n,), generator=g).tolist()
+
+
+def make_f16_gguf(src: str, cache: Path) -> str:
+    """An F16 copy of the GGUF ``src``: every 2-D tensor dequantized to float16, 1-D ones
+    (norms) float32, the metadata as it was. Made once under ``cache``."""
+    import gguf
+    import numpy as np
+
+    target = cache / f"{Path(src).stem}-F16.gguf"
+    if target.is_file():
+        return str(target)
+    reader = gguf.GGUFReader(src)
+    arch = reader.get_field(gguf.Keys.General.ARCHITECTURE).contents()
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(".tmp")
+    writer = gguf.GGUFWriter(str(tmp), arch)
+    for field in reader.fields.values():
+        if field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE):
+            continue  # written below
+        if field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type)  # [..., ne0] float32
+        writer.add_tensor(t.name, values.astype(np.float16 if values.ndim > 1 else np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(target)
+    return str(target)
 
 
 # -- tokenmill -----------------------------------------------------------------------
@@ -281,6 +322,17 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--no-server", action="store_true", help="skip the 16-concurrent server run")
     ap.add_argument(
+        "--f16",
+        action="store_true",
+        help="16-bit weights: llama.cpp on an F16 GGUF, tokenmill on the bf16 HF folder",
+    )
+    ap.add_argument(
+        "--cache",
+        type=Path,
+        default=Path.home() / ".cache" / "tokenmill-bench",
+        help="where --f16 files are kept",
+    )
+    ap.add_argument(
         "--llama-extra-bufts",
         action="store_true",
         help="keep llama.cpp's extra CPU buffer types (AMX; SIGILL on some VMs)",
@@ -291,12 +343,20 @@ def main() -> None:
     threads = torch.get_num_threads()
     from tokenmill.loader import default_model_path
 
-    path = args.model or default_model_path()
+    path = peer_path = str(args.model or default_model_path())
+    if args.f16:
+        from vs_transformers import make_hf16
+
+        peer_path = make_f16_gguf(path, args.cache)
+        path = make_hf16(path, "bf16", args.cache)
+        args.no_server = True
     have_peer = importlib.util.find_spec("llama_cpp") is not None
-    print(f"model: {path}; {threads} threads", flush=True)
+    print(f"model: {path}; llama.cpp: {peer_path}; {threads} threads", flush=True)
     peer = None
     if have_peer:
-        peer = run_llama_cpp(path, threads, args.repeat, args.decode_tokens, args.llama_extra_bufts)
+        peer = run_llama_cpp(
+            peer_path, threads, args.repeat, args.decode_tokens, args.llama_extra_bufts
+        )
     else:
         print(
             "llama.cpp: skipped (llama-cpp-python is not installed; `pip install "
