@@ -100,7 +100,8 @@ def tokenmill_greedy(
 
 def make_qwen3_5_vl(path: Path, tokenizer, seed: int = 0) -> Path:
     """The same text model inside a Qwen3.5 vision-language checkpoint (a 1-block vision
-    tower that tokenmill does not load)."""
+    tower that tokenmill does not load), the output head tied at the top level as in
+    Qwen3.5-0.8B (its text_config says untied)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = dict(
@@ -110,7 +111,7 @@ def make_qwen3_5_vl(path: Path, tokenizer, seed: int = 0) -> Path:
         max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
     )  # fmt: skip
     vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64)
-    config = Qwen3_5Config(text_config=text, vision_config=vision)
+    config = Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True)
     model = Qwen3_5ForConditionalGeneration(config).eval()
     randomize(model, seed)
     model.save_pretrained(path)

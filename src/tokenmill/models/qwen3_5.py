@@ -248,5 +248,6 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     @staticmethod
     def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
         text = dict(hf_config.get("text_config") or hf_config)
-        text.setdefault("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
+        if "tie_word_embeddings" in hf_config:  # the top-level flag ties (as HF ties)
+            text["tie_word_embeddings"] = hf_config["tie_word_embeddings"]
         return text
