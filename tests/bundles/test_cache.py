@@ -70,6 +70,39 @@ def test_corrupt_bundle_is_rebuilt(tiny_llama_dir, tmp_path, caplog, damage):
     assert _events(caplog) == ["mapped"]
 
 
+def test_warm_start_reads_no_checksum_until_a_file_is_written(
+    tiny_llama_dir, tmp_path, caplog, monkeypatch
+):
+    """A verified file whose stat stamp is unchanged is not hashed again; a same-size
+    rewrite with its modification time put back still changes the status-change time,
+    so it is hashed, found corrupt and rebuilt."""
+    from tokenmill.bundles import store
+
+    config = _config(tiny_llama_dir, tmp_path)
+    load_model(config)
+    hashed: list[str] = []
+    real = store._sha256
+
+    def counting(path):
+        hashed.append(path.name)
+        return real(path)
+
+    monkeypatch.setattr(store, "_sha256", counting)
+    load_model(config)
+    assert hashed == []
+    weights = tmp_path / _key(config) / WEIGHTS
+    before = weights.stat()
+    data = bytearray(weights.read_bytes())
+    data[-100] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    caplog.set_level(logging.INFO, "tokenmill.bundles.cache")
+    load_model(config)
+    assert WEIGHTS in hashed
+    assert any("does not match its manifest" in r.getMessage() for r in caplog.records)
+    assert _events(caplog) == ["written"]
+
+
 def _age(folder, version: str) -> None:
     manifest = json.loads((folder / "manifest.json").read_text())
     manifest["tokenmill_version"] = version

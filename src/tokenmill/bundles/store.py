@@ -9,7 +9,8 @@ A bundle is a folder::
     tokenizer/           the HF tokenizer as loaded (converted from a GGUF's metadata once)
 
 Reading (``read_bundle``) checks the manifest (format and tokenmill version, then each file's
-size and checksum) and builds the model unfilled with the kernels of the cold load
+size and checksum; a checksum is skipped while the file's stat stamp shows no write since it
+was verified) and builds the model unfilled with the kernels of the cold load
 (``select_ops`` with the same inputs), then assigns the mapped tensors: no weight is read,
 converted or copied until a kernel touches it.
 """
@@ -83,7 +84,8 @@ class Manifest:
     format_version: int = FORMAT_VERSION
     tokenmill_version: str = tokenmill.__version__
     files: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Relative path -> {"size", "sha256"}."""
+    """Relative path -> {"size", "sha256", "stat"} ("stat": ``_stamp`` when the checksum
+    was last verified)."""
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
 
@@ -123,7 +125,8 @@ def write_bundle(folder: Path, key: str, loaded: Prepared, config: EngineConfig)
     manifest = Manifest(key=key, model=ckpt.path)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = str(path.relative_to(folder))
-        manifest.files[rel] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+        digest = _sha256(path)
+        manifest.files[rel] = {"size": path.stat().st_size, "sha256": digest, "stat": _stamp(path)}
     manifest.save(folder)
     return manifest
 
@@ -148,11 +151,14 @@ def check_bundle(folder: Path, pinned: bool = False) -> Manifest:
     for rel, entry in manifest.files.items():
         path = folder / rel
         size = path.stat().st_size if path.is_file() else -1
+        if size == entry["size"] and entry.get("stat") == _stamp(path):
+            continue  # unchanged since its checksum was verified: no need to read it again
         if size != entry["size"] or _sha256(path) != entry["sha256"]:
             raise CorruptBundleError(
                 f"bundle file {path} does not match its manifest (size {size}, expected "
                 f"{entry['size']}, or a different checksum)"
             )
+        entry["stat"] = _stamp(path)  # verified: saved with the manifest's last_used
     return manifest
 
 
@@ -214,6 +220,17 @@ class _ColdSource:
         from tokenmill.loader import load_checkpoint
 
         return load_checkpoint(self.path).weights(dtype, keep_quantized)
+
+
+def _stamp(path: Path) -> list[int]:
+    """What changes whenever a file's bytes are written, replaced or moved in: size,
+    modification and status-change times, inode. A file whose stamp equals the one taken
+    when its checksum matched has not been written since (the status-change time can not
+    be set back by a user), so a warm start reads none of its bytes to check it: hashing
+    a 1.5B model's weights cost about a second of every start. Bytes that decay on the
+    disk without any write are the one change this does not see."""
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
 
 
 def _sha256(path: Path) -> str:
