@@ -1,14 +1,15 @@
 """Hybrid models: tokenmill vs transformers on the same random weights, side by side.
 
     python benchmarks/hybrid.py                      # Qwen3.5-0.8B shapes (configs/), float32
-    python benchmarks/hybrid.py --layers 8 --prompt 256 --tokens 32
+    python benchmarks/hybrid.py --layers 8 --prompt 256 --tokens 32   # at least 4 layers
 
 The model has the shapes of ``configs/qwen3.5-0.8b-shaped.json`` (Gated DeltaNet and gated
 attention, 3:1; the shapes as we take them from the published Qwen3.5-0.8B config) and
 random weights, saved once under ``--cache``. Reported: prefill tokens/s (one prompt of
 ``--prompt`` tokens, one output token) and single-stream decode tokens/s (a 16-token
 prompt: the time of ``--tokens`` output tokens minus that of one, over ``--tokens - 1``),
-each for both engines in float32 and as a ratio (medians of 3 runs). The scans are the PyTorch reference (chunked for prefill, one
+each for both engines in float32 and as a ratio (medians of 3 runs, the engines taking
+turns run by run). The scans are the PyTorch reference (chunked for prefill, one
 step for decode) in both.
 """
 
@@ -16,14 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import best_of, table  # noqa: E402
+from common import table  # noqa: E402
 
 CONFIG = Path(__file__).parent / "configs" / "qwen3.5-0.8b-shaped.json"
 
@@ -54,39 +57,50 @@ def prompt_ids(n: int) -> list[int]:
     return torch.randint(3, 40000, (n,), generator=gen).tolist()
 
 
-def tokenmill_times(path: Path, prompt: list[int], tokens: int) -> tuple[float, float, float]:
+def tokenmill_runner(path: Path, longest: int) -> Callable[[list[int], int], object]:
     from tokenmill import LLM, SamplingParams
     from tokenmill.inputs import TokensPrompt
 
-    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=len(prompt) + tokens + 8,
-              max_num_batched_tokens=max(2048, len(prompt)), enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=longest,
+              max_num_batched_tokens=max(2048, longest), enable_prefix_caching=False)  # fmt: skip
 
-    def run(ids: list[int], n: int) -> None:
+    def run(ids: list[int], n: int) -> object:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        return llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
 
-    return _times(run, prompt, tokens)
-
-
-def _times(run, prompt: list[int], tokens: int) -> tuple[float, float, float]:
-    """(prefill of ``prompt``, one token after 16 prompt tokens, ``tokens`` after them)."""
-    short = prompt[:16]
-    run(prompt, 2)  # warm up
-    prefill = best_of(lambda: run(prompt, 1))
-    return prefill, best_of(lambda: run(short, 1)), best_of(lambda: run(short, tokens))
+    return run
 
 
-def transformers_times(path: Path, prompt: list[int], tokens: int) -> tuple[float, float, float]:
+def transformers_runner(path: Path, longest: int) -> Callable[[list[int], int], object]:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
-    def run(ids: list[int], n: int) -> None:
+    def run(ids: list[int], n: int) -> object:
         with torch.inference_mode():
-            model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)  # fmt: skip
+            return model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
+                                  do_sample=False, pad_token_id=0)  # fmt: skip
 
-    return _times(run, prompt, tokens)
+    return run
+
+
+def measure(runners: dict[str, Callable], prompt: list[int], tokens: int, repeat: int = 3):
+    """Per engine (prefill s, one token s, ``tokens`` tokens s), medians; the engines take
+    turns run by run, so a load change on the shared machine falls on both."""
+    short = prompt[:16]
+    cases = {"prefill": (prompt, 1), "one": (short, 1), "many": (short, tokens)}
+    for run in runners.values():
+        run(prompt, 2)  # warm up
+    times: dict[str, dict[str, list[float]]] = {n: {c: [] for c in cases} for n in runners}
+    for _ in range(repeat):
+        for case, (ids, n) in cases.items():
+            for name, run in runners.items():
+                start = time.perf_counter()
+                run(ids, n)
+                times[name][case].append(time.perf_counter() - start)
+    return {
+        name: tuple(statistics.median(by_case[c]) for c in cases) for name, by_case in times.items()
+    }
 
 
 def main() -> None:
@@ -101,10 +115,12 @@ def main() -> None:
     start = time.perf_counter()
     path = make_checkpoint(args.cache, args.layers)
     prompt = prompt_ids(args.prompt)
+    longest = len(prompt) + args.tokens + 8
+    runners = {"tokenmill": tokenmill_runner(path, longest),
+               "transformers": transformers_runner(path, longest)}  # fmt: skip
     rows = [["engine", "prefill tok/s", "decode tok/s"]]
     results = {}
-    for name, fn in (("tokenmill", tokenmill_times), ("transformers", transformers_times)):
-        prefill, one, many = fn(path, prompt, args.tokens)
+    for name, (prefill, one, many) in measure(runners, prompt, args.tokens).items():
         results[name] = (args.prompt / prefill, (args.tokens - 1) / (many - one))
         rows.append([name, f"{results[name][0]:.1f}", f"{results[name][1]:.2f}"])
     ours, theirs = results["tokenmill"], results["transformers"]

@@ -155,3 +155,18 @@ def test_language_model_of_the_vision_checkpoint(tmp_path, smollm2_hf_tokenizer)
     results = tokenmill_greedy(_llm(path), prompts, STEPS)
     hf = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     _assert_matches_hf(hf, prompts, results)
+
+
+def test_state_pool_flags():
+    """``tokenmill serve`` flags reach EngineConfig under the LLM keyword names."""
+    import argparse
+
+    from tokenmill.entrypoints.args import add_engine_flags, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(["--model", "m", "--ssm-state-cache-size", "8"])
+    options = engine_options(args)
+    assert options["ssm_state_cache_size"] == 8 and options["ssm_full_memory_ratio"] is None
+    args = parser.parse_args(["--model", "m", "--ssm-full-memory-ratio", "0.25"])
+    assert engine_options(args)["ssm_full_memory_ratio"] == 0.25
