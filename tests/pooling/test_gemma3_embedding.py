@@ -143,6 +143,7 @@ SENTENCES = [
     "ok",
     "Embeddings map text to vectors so that similar meanings land close together; "
     "this sentence is long on purpose, repeating itself to span several hundred tokens. " * 12,
+    "Past the local window of 256 tokens on either side: " + "one more word " * 250,
 ]
 
 

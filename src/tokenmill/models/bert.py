@@ -246,6 +246,32 @@ class BertForSequenceClassification(BertModel):
         return self.classifier(hidden.index_select(0, batch.starts))
 
 
+class TokenHead(nn.Module):
+    """HF's ``classifier`` linear of a token classifier (``classifier.out`` here, the name
+    the sequence classifiers' last linear loads into)."""
+
+    def __init__(self, hidden: int, num_labels: int) -> None:
+        super().__init__()
+        self.out = nn.Linear(hidden, num_labels)
+
+
+class BertForTokenClassification(BertModel):
+    """BertForTokenClassification / RobertaForTokenClassification: logits per token
+    (the ``token_classify`` task, ``LLM.reward``)."""
+
+    has_classifier = True
+    per_token = True
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        super().__init__(cfg)
+        self.num_labels = len(cfg.get("id2label") or {}) or int(cfg.get("num_labels", 2))
+        self.classifier = TokenHead(cfg["hidden_size"], self.num_labels)
+
+    def classify(self, hidden: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+        """hidden [T, H] -> logits [T, num_labels]."""
+        return self.classifier.out(hidden)
+
+
 _PREFIXES = ("bert.", "roberta.", "model.")
 _LAYER_PARTS = {
     "attention.self.query": ("qkv", "q"),

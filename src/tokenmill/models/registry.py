@@ -52,6 +52,14 @@ _POOLING_REGISTRY: dict[str, tuple[str, str]] = {
             ),
             "BertForSequenceClassification",
         ),
+        (
+            (
+                "BertForTokenClassification",
+                "RobertaForTokenClassification",
+                "XLMRobertaForTokenClassification",
+            ),
+            "BertForTokenClassification",
+        ),
     )
     for name in names
 }

@@ -31,7 +31,13 @@ from tokenmill.tokenizer.tokenizer import load_tokenizer
 Prompt = str | Sequence[int]
 """A text, or token ids to use as they are."""
 # task -> what the runner returns for it
-RUN_KIND = {"embed": "pooled", "token_embed": "tokens", "classify": "logits", "score": "logits"}
+RUN_KIND = {
+    "embed": "pooled",
+    "token_embed": "tokens",
+    "classify": "logits",
+    "score": "logits",
+    "token_classify": "token_logits",
+}
 DEFAULT_TOKEN_BUDGET = 16384
 """Padded tokens per forward pass when max_num_batched_tokens is unset (measured on 2
 CPU cores: larger batches gain nothing, smaller ones lose at short inputs)."""
@@ -186,4 +192,6 @@ def _hint(task: str) -> str:
         return "; load an embedding model, or this one with convert='embed'"
     if task == "classify":
         return "; load a *ForSequenceClassification checkpoint"
+    if task == "token_classify":
+        return "; load a *ForTokenClassification checkpoint"
     return "; score needs an embedding model or a one-label classifier (cross-encoder)"

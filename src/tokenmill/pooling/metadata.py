@@ -144,6 +144,10 @@ def _st_pooling_type(path: Path) -> str:
         "pooling_mode_weightedmean_tokens"
     ):
         raise ModelLoadError(f"{path}: mean_sqrt_len / weighted-mean pooling is not supported")
+    if conf.get("include_prompt") is False:
+        logger.warning(
+            "%s: include_prompt=false is not supported; a prompt's tokens are pooled too", path
+        )
     modes = [ours for key, ours in _ST_MODES.items() if conf.get(key)]
     if conf.get("pooling_mode"):
         modes = [

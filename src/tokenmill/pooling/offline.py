@@ -63,8 +63,8 @@ class PoolingMixin:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool = False,
     ) -> list[PoolingRequestOutput[PoolingOutput]]:
-        """Raw pooling output per prompt: ``pooling_task`` embed, token_embed, classify or
-        score (default: the model's task). ``use_tqdm`` is accepted for vLLM's signature;
+        """Raw pooling output per prompt: ``pooling_task`` embed, token_embed, classify,
+        token_classify or score (default: the model's task). ``use_tqdm`` is accepted for vLLM's signature;
         pooling shows no progress bar."""
         engine = self._pooling_engine("encode")
         task = pooling_task or engine.task
@@ -103,6 +103,24 @@ class PoolingMixin:
             ClassificationRequestOutput(rid, ClassificationOutput(t.tolist()), ids)
             for rid, t, ids in outs
         ]
+
+    def reward(
+        self,
+        prompts: PromptsIn,
+        pooling_params: PoolingParams | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[PoolingRequestOutput[PoolingOutput]]:
+        """vLLM's ``reward``: ``encode(..., pooling_task="token_classify")``, the class
+        probabilities of every token [num_tokens, num_labels] (raw logits with
+        ``PoolingParams(activation=False)``), from a ``*ForTokenClassification``."""
+        return self.encode(
+            prompts,
+            pooling_params,
+            pooling_task="token_classify",
+            truncate_prompt_tokens=truncate_prompt_tokens,
+        )
 
     def score(
         self,

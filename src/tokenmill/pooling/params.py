@@ -6,9 +6,10 @@ from dataclasses import dataclass
 
 from tokenmill.errors import InvalidRequestError
 
-POOLING_TASKS = ("embed", "classify", "score", "token_embed")
+POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
 """What ``LLM.encode(..., pooling_task=...)`` may ask: a sequence embedding, class
-probabilities, a cross-encoder score (one label, sigmoid), or per-token hidden states."""
+probabilities, a cross-encoder score (one label, sigmoid), per-token hidden states, or
+per-token class probabilities (a token classifier; ``LLM.reward``)."""
 
 
 @dataclass

@@ -20,7 +20,8 @@ from tokenmill.pooling.tokenize import Encoded
 
 @dataclass(frozen=True)
 class RunResult:
-    """Per input, in input order: a pooled vector [D], logits [C], or hidden states [L, H]."""
+    """Per input, in input order: a pooled vector [D], logits [C], hidden states [L, H],
+    or logits per token [L, C]."""
 
     tensors: list[torch.Tensor]
 
@@ -43,7 +44,8 @@ def plan_batches(lengths: Sequence[int], token_budget: int, max_seqs: int) -> li
 
 
 class PoolingRunner:
-    """Runs a pooling model over encoded inputs (``what``: pooled, logits or tokens)."""
+    """Runs a pooling model over encoded inputs (``what``: pooled, logits, tokens or
+    token_logits)."""
 
     def __init__(
         self,
@@ -82,7 +84,9 @@ class PoolingRunner:
             types = types.to(self.device) if types is not None else None
             batch = _to(batch, self.device)
         hidden = self.model(ids, batch, types)  # [T, H]
-        if what == "tokens":
+        if what in ("tokens", "token_logits"):
+            if what == "token_logits":
+                hidden = self.model.classify(hidden, batch)  # [T, C]
             return [h.float().cpu() for h in hidden.split(list(batch.seq_lens))]
         result = (
             self.model.classify(hidden, batch) if what == "logits" else self.pooler(hidden, batch)

@@ -39,6 +39,8 @@ class PoolingPlan:
     """Classifier outputs (0 for an embedding model)."""
     causal: bool = False
     """A decoder (``models/`` generative family) run as a pooling model (``causal.py``)."""
+    per_token: bool = False
+    """A token classifier (``*ForTokenClassification``): logits for every token."""
 
     @property
     def supported_tasks(self) -> tuple[str, ...]:
@@ -46,6 +48,8 @@ class PoolingPlan:
         an embedding model, the sigmoid of one logit for a one-label classifier."""
         if self.convert == "embed":
             return ("embed", "token_embed", "score")
+        if self.per_token:
+            return ("token_classify",)
         return ("classify", "score") if self.num_labels == 1 else ("classify",)
 
     @property
@@ -53,6 +57,8 @@ class PoolingPlan:
         """The task ``/v1/models`` reports: embed, score (cross-encoder) or classify."""
         if self.convert == "embed":
             return "embed"
+        if self.per_token:
+            return "token_classify"
         return "score" if self.num_labels == 1 else "classify"
 
 
@@ -113,7 +119,8 @@ def plan_pooling(config: EngineConfig) -> PoolingPlan | None:
         )
     pooler = read_pooler_config(path, checkpoint.hf_config, config.pooler_config)
     num_labels = _num_labels(checkpoint.hf_config) if convert == "classify" else 0
-    return PoolingPlan(checkpoint, arch, convert, pooler, num_labels)
+    per_token = convert == "classify" and bool(getattr(model_cls, "per_token", False))
+    return PoolingPlan(checkpoint, arch, convert, pooler, num_labels, per_token=per_token)
 
 
 def _causal_plan(
