@@ -68,6 +68,7 @@ def test_chunked_prefill(falcon_dir, hf_falcon):
     assert_matches_hf(hf_falcon, prompts, tokenmill_greedy(llm, prompts, STEPS), STEPS, ATOL)
 
 
+@pytest.mark.slow
 def test_mixer_without_its_norm(tmp_path, smollm2_hf_tokenizer):
     """``mamba_rms_norm=False``: the scan output is only gated, y * silu(z)."""
     from transformers import AutoModelForCausalLM

@@ -37,8 +37,8 @@ def test_random_arrivals_aborts_and_preemption(stress_dir):
     done: dict[str, list[int]] = {}
     aborted: set[str] = set()
     steps = 0
-    while steps < 400 and (len(requests) < 16 or engine.has_unfinished()):
-        if len(requests) < 16 and rng.random() < 0.3:
+    while steps < 400 and (len(requests) < 12 or engine.has_unfinished()):
+        if len(requests) < 12 and rng.random() < 0.3:
             prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 50))]
             n = rng.randrange(1, 20)
             params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
