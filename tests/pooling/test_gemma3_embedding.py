@@ -163,3 +163,19 @@ def test_embeddinggemma_matches_sentence_transformers(embeddinggemma_dir):
         cos = F.cosine_similarity(got, want.float(), dim=-1)
         assert cos.min() >= 0.9999, (name, cos.tolist())
     llm.close()
+
+
+@pytest.mark.parametrize("kind", ["MEAN", "MAX", "CLS", "LAST"])
+def test_bfloat16_pooling_of_a_long_sequence(kind):
+    """Mixed lengths pool through segment_reduce, which sums in the input dtype: the mean of
+    750 bfloat16 rows must be summed in float32 (EmbeddingGemma's long texts in a batch)."""
+    from tokenmill.models.bert import PackedBatch
+    from tokenmill.pooling.pooler import pool
+
+    torch.manual_seed(0)
+    hidden = torch.randn(800, 64) + 3
+    batch = PackedBatch.of([750, 50])
+    want = pool(hidden, batch, kind)
+    got = pool(hidden.bfloat16(), batch, kind)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=0.02, rtol=0.01)
