@@ -12,6 +12,7 @@ packed ``[T]`` tokens are scattered into ``[B, L_max]`` for one masked SDPA call
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ class PackedMetadata(AttentionMetadata):
     def of(batch: PackedBatch) -> PackedMetadata:
         """No slots and no block tables: nothing is written to or read from a cache."""
         lens, none = batch.lens, torch.empty(0, dtype=torch.int64, device=batch.lens.device)
-        starts = (0, *(int(n) for n in torch.tensor(batch.seq_lens).cumsum(0)))
+        starts = (0, *accumulate(batch.seq_lens))
         return PackedMetadata(none, starts, batch.seq_lens, none, 1, lens, packed=batch)
 
 
