@@ -217,3 +217,21 @@ def make_falcon_h1(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def make_qwen3_next_dense(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
+    """A 4-layer Qwen3-Next with dense MLPs (no experts), 2 value heads per key head."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    cfg = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=8,
+        max_position_embeddings=512, num_experts=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    cfg.update(overrides)
+    model = Qwen3NextForCausalLM(Qwen3NextConfig(**cfg)).eval()
+    randomize(model, seed)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

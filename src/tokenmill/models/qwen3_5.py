@@ -251,3 +251,43 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         if "tie_word_embeddings" in hf_config:  # the top-level flag ties (as HF ties)
             text["tie_word_embeddings"] = hf_config["tie_word_embeddings"]
         return text
+
+
+class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):
+    """Qwen3-Next with dense MLPs (``num_experts=0``, or every layer in ``mlp_only_layers``):
+    Qwen3.5's layers, except that the DeltaNet input projections are grouped per key head
+    (``in_proj_qkvz``: [q | k | v | z] per group, ``in_proj_ba``: [b | a] per group); they
+    are regrouped into Qwen3.5's layout as they load. Mixture-of-experts layers (every real
+    Qwen3-Next checkpoint) are refused: they need the MoE blocks of a later issue."""
+
+    def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
+                 max_positions: int | None = None, quant: Any = None,
+                 ops: Ops | None = None) -> None:  # fmt: skip
+        n, experts = int(hf_config["num_hidden_layers"]), int(hf_config.get("num_experts") or 0)
+        dense = set(hf_config.get("mlp_only_layers") or ())
+        step = int(hf_config.get("decoder_sparse_step") or 1)
+        sparse = [i for i in range(n) if experts > 0 and i not in dense and (i + 1) % step == 0]
+        if sparse:
+            raise UnsupportedModelError(
+                f"Qwen3-Next layers {sparse} are mixture-of-experts ({experts} experts), which "
+                "is not supported yet; only dense Qwen3-Next configs load"
+            )
+        super().__init__(hf_config, dtype, max_positions, quant, ops)
+
+    def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
+        s = self.config.deltanet
+        group = s.num_v_heads // s.num_k_heads
+        for name, tensor in super()._renamed(weights):
+            if name.endswith("linear_attn.in_proj_qkvz.weight"):
+                rows = tensor.view(s.num_k_heads, -1, tensor.shape[-1])  # per key-head group
+                q, k, v, z = rows.split([s.head_k_dim, s.head_k_dim, group * s.head_v_dim,
+                                         group * s.head_v_dim], dim=1)  # fmt: skip
+                flat = [x.reshape(-1, tensor.shape[-1]) for x in (q, k, v, z)]
+                yield name.replace("in_proj_qkvz", "in_proj_qkv"), torch.cat(flat[:3])
+                yield name.replace("in_proj_qkvz", "in_proj_z"), flat[3]
+            elif name.endswith("linear_attn.in_proj_ba.weight"):
+                b, a = tensor.view(s.num_k_heads, 2 * group, -1).split([group, group], dim=1)
+                yield name.replace("in_proj_ba", "in_proj_b"), b.reshape(s.num_v_heads, -1)
+                yield name.replace("in_proj_ba", "in_proj_a"), a.reshape(s.num_v_heads, -1)
+            else:
+                yield name, tensor

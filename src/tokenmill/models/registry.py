@@ -17,6 +17,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Lfm2ForCausalLM": ("tokenmill.models.lfm2", "Lfm2ForCausalLM"),
     "Mamba2ForCausalLM": ("tokenmill.models.mamba2", "Mamba2ForCausalLM"),
     "Qwen3_5ForCausalLM": ("tokenmill.models.qwen3_5", "Qwen3_5ForCausalLM"),
+    "Qwen3NextForCausalLM": ("tokenmill.models.qwen3_5", "Qwen3NextForCausalLM"),
     "Qwen3_5ForConditionalGeneration": (
         "tokenmill.models.qwen3_5",
         "Qwen3_5ForConditionalGeneration",
