@@ -229,3 +229,21 @@ def test_admission_and_metrics(minilm):
             assert 'request_refused_total{model_name="model",reason="queue_full"} 1.0' in metrics
     finally:
         srv.close(timeout=30)
+
+
+def test_engine_process_on_is_said_to_apply_to_generation_only(minilm_dir, caplog):
+    """A pooling model always runs on the server's engine thread: asking for the engine
+    process is answered with a warning, not ignored in silence."""
+    import logging
+
+    caplog.set_level(logging.WARNING, "tokenmill.entrypoints.openai.launcher")
+    llm = LLM(str(minilm_dir))  # its own engine: the server's close stops it
+    srv = OpenAIServer(
+        llm.llm_engine, ServerConfig(port=0, log_level="warning", engine_process="on")
+    ).start()
+    try:
+        srv.wait_ready(60)
+        assert httpx.get(f"{srv.url}/health", timeout=30).status_code == 200
+    finally:
+        srv.close(timeout=30)
+    assert any("applies to generation models only" in r.getMessage() for r in caplog.records)

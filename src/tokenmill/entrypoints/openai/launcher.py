@@ -180,6 +180,11 @@ class OpenAIServer:
             plan = plan_pooling(engine)  # an embedding / scoring model (pooling/)
             engine = engine if plan is None else PoolingEngine(engine, plan)
         if isinstance(engine, PoolingEngine):
+            if cfg.engine_process == "on":  # said, not silently ignored
+                logger.warning(
+                    "engine_process='on' applies to generation models only: the pooling model "
+                    "runs on its engine thread in the server process"
+                )
             self.state.llm = AsyncPoolingLLM(engine, cfg.max_queued_requests, cfg.queue_timeout)
             self._log_serving()
             return

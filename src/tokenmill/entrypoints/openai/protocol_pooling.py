@@ -134,7 +134,7 @@ class PoolingRequest(OpenAIModel):
     model: str | None = None
     input: EmbeddingInput
     task: str | None = None
-    """embed, token_embed, classify or score; default: the model's task."""
+    """embed, token_embed, classify, token_classify or score; default: the model's task."""
     encoding_format: Literal["float", "base64"] = "float"
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None
