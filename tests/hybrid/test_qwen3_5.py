@@ -67,14 +67,14 @@ def test_single_prompt_equals_transformers_generate(qwen35_dir):
 
 
 def test_batch_of_12_under_preemption(qwen35_dir, hf_model):
-    """40 blocks of 4 tokens and 5 state slots for 12 sequences of up to 72 tokens:
+    """56 blocks of 4 tokens and 4 state slots for 12 sequences of up to 72 tokens:
     requests wait for slots, are preempted (blocks and slot freed) and recomputed."""
     prompts = _prompts(12)
-    llm = _llm(qwen35_dir, num_kv_blocks=40, ssm_state_cache_size=5)
+    llm = _llm(qwen35_dir, num_kv_blocks=56, ssm_state_cache_size=4)
     results = tokenmill_greedy(llm, prompts, STEPS)
     assert llm.engine.scheduler.num_preemptions > 0
     kv = llm.engine.kv
-    assert kv.slots.num_slots == 5 and kv.slots.num_free == 5 and kv.num_free_blocks == 40
+    assert kv.slots.num_slots == 4 and kv.slots.num_free == 4 and kv.num_free_blocks == 56
     _assert_matches_hf(hf_model, prompts, results)
 
 
