@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import struct
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -247,3 +248,34 @@ def test_engine_process_on_is_said_to_apply_to_generation_only(minilm_dir, caplo
     finally:
         srv.close(timeout=30)
     assert any("applies to generation models only" in r.getMessage() for r in caplog.records)
+
+
+def test_a_client_that_leaves_has_its_queued_job_dropped(minilm_dir):
+    """A non-streaming request whose client disconnects while its job waits behind a
+    long one is dropped (counted as cancelled), never run; the server serves on."""
+    import threading
+
+    llm = LLM(str(minilm_dir))
+    srv = OpenAIServer(llm.llm_engine, ServerConfig(port=0, log_level="warning")).start()
+    try:
+        srv.wait_ready(60)
+        stats = srv.state.llm.stats
+        long = ["a long sentence about many things " * 30] * 32  # seconds of work here
+        first = threading.Thread(
+            target=lambda: httpx.post(f"{srv.url}/v1/embeddings", json={"input": long}, timeout=300)
+        )
+        first.start()
+        deadline = time.monotonic() + 60
+        while srv.state.llm.num_live == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the long job is in
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{srv.url}/v1/embeddings", json={"input": ["short"]}, timeout=0.3)
+        first.join(300)
+        deadline = time.monotonic() + 30
+        while stats.cancelled == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats.cancelled == 1 and stats.completed == 1
+        ok = httpx.post(f"{srv.url}/v1/embeddings", json={"input": ["again"]}, timeout=60)
+        assert ok.status_code == 200 and stats.completed == 2
+    finally:
+        srv.close(timeout=30)

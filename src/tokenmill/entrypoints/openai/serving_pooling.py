@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill.entrypoints.openai.errors import APIError, bad_request
@@ -39,6 +39,7 @@ from tokenmill.entrypoints.openai.protocol_pooling import (
     ScoreRequest,
     ScoreResponse,
 )
+from tokenmill.entrypoints.openai.serving_common import unless_disconnected
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.errors import InvalidRequestError
 from tokenmill.pooling.engine import Prompt
@@ -118,35 +119,41 @@ class PoolingHandler:
         return items
 
     async def pool(
-        self, llm: AsyncPoolingLLM, prompts: Sequence[Prompt], params: PoolingParams, task: str
+        self,
+        llm: AsyncPoolingLLM,
+        prompts: Sequence[Prompt],
+        params: PoolingParams,
+        task: str,
+        http: Request,
     ) -> tuple[list[torch.Tensor], list[Encoded]]:
-        """Tokenize off the loop, run on the engine thread, finish: (tensors, inputs)."""
+        """Tokenize off the loop, run on the engine thread, finish: (tensors, inputs). A
+        client that disconnects first has its job dropped (``unless_disconnected``)."""
         encoded = await off_loop(self.state, llm.engine.prepare, prompts, params, task)
-        raw = await llm.run(encoded, task)
+        raw = await unless_disconnected(http, llm.run(encoded, task))
         return [llm.engine.finish(r, params, task) for r in raw], encoded
 
     # -- routes -----------------------------------------------------------------------------
-    async def embeddings(self, req: EmbeddingRequest) -> EmbeddingResponse:
+    async def embeddings(self, req: EmbeddingRequest, http: Request) -> EmbeddingResponse:
         llm = self.llm("/v1/embeddings", req.model)
         params = _params(
             truncate_prompt_tokens=req.truncate_prompt_tokens,
             dimensions=req.dimensions,
             normalize=req.normalize,
         )
-        vecs, encoded = await self.pool(llm, self.prompts(req.input), params, "embed")
+        vecs, encoded = await self.pool(llm, self.prompts(req.input), params, "embed", http)
         data = [
             EmbeddingData(index=i, embedding=_encode_vector(v, req.encoding_format))
             for i, v in enumerate(vecs)
         ]
         return EmbeddingResponse(model=self.state.model_name, data=data, usage=_usage(encoded))
 
-    async def score(self, req: ScoreRequest) -> ScoreResponse:
+    async def score(self, req: ScoreRequest, http: Request) -> ScoreResponse:
         first = req.text_1 if req.text_1 is not None else req.queries
         second = req.text_2 if req.text_2 is not None else req.documents
         if first is None or second is None:
             raise bad_request("send 'text_1' and 'text_2' (or 'queries' and 'documents')")
         scores, tokens = await self.scores(
-            "/score", req.model, first, second, req.truncate_prompt_tokens
+            "/score", req.model, first, second, req.truncate_prompt_tokens, http
         )
         data = [ScoreData(index=i, score=s) for i, s in enumerate(scores)]
         return ScoreResponse(
@@ -155,11 +162,11 @@ class PoolingHandler:
             usage=PoolingUsage(prompt_tokens=tokens, total_tokens=tokens),
         )
 
-    async def rerank(self, req: RerankRequest) -> RerankResponse:
+    async def rerank(self, req: RerankRequest, http: Request) -> RerankResponse:
         if req.top_n is not None and req.top_n < 0:
             raise bad_request(f"top_n must be >= 0, got {req.top_n}", "top_n")
         scores, tokens = await self.scores(
-            "/rerank", req.model, req.query, req.documents, req.truncate_prompt_tokens
+            "/rerank", req.model, req.query, req.documents, req.truncate_prompt_tokens, http
         )
         order = sorted(range(len(scores)), key=lambda i: -scores[i])[: req.top_n or None]
         results = [
@@ -181,6 +188,7 @@ class PoolingHandler:
         first: str | list[str],
         second: str | list[str],
         truncate: int | None,
+        http: Request,
     ) -> tuple[list[float], int]:
         llm = self.llm(route, model)
         check_unicode([first, second], "documents")
@@ -191,15 +199,15 @@ class PoolingHandler:
         encoded, task, combine = await off_loop(
             self.state, score_plan, llm.engine, firsts, seconds, truncate
         )
-        scores = combine(await llm.run(encoded, task))
+        scores = combine(await unless_disconnected(http, llm.run(encoded, task)))
         return scores, sum(len(e.token_ids) for e in encoded)
 
-    async def classify(self, req: ClassifyRequest) -> ClassifyResponse:
+    async def classify(self, req: ClassifyRequest, http: Request) -> ClassifyResponse:
         llm = self.llm("/classify", req.model)
         params = _params(
             truncate_prompt_tokens=req.truncate_prompt_tokens, activation=req.activation
         )
-        probs, encoded = await self.pool(llm, self.prompts(req.input), params, "classify")
+        probs, encoded = await self.pool(llm, self.prompts(req.input), params, "classify", http)
         labels = llm.engine.plan.checkpoint.hf_config.get("id2label") or {}
         data = []
         for i, p in enumerate(probs):
@@ -208,7 +216,7 @@ class PoolingHandler:
             data.append(ClassifyData(index=i, label=label, probs=p.tolist(), num_classes=len(p)))
         return ClassifyResponse(model=self.state.model_name, data=data, usage=_usage(encoded))
 
-    async def pooling(self, req: PoolingRequest) -> PoolingResponse:
+    async def pooling(self, req: PoolingRequest, http: Request) -> PoolingResponse:
         llm = self.llm("/pooling", req.model)
         task = req.task or llm.engine.task
         if task not in POOLING_TASKS:
@@ -216,7 +224,7 @@ class PoolingHandler:
                 f"task={task!r} is unknown; use one of {', '.join(POOLING_TASKS)}", "task"
             )
         params = _params(truncate_prompt_tokens=req.truncate_prompt_tokens, normalize=req.normalize)
-        outs, encoded = await self.pool(llm, self.prompts(req.input), params, task)
+        outs, encoded = await self.pool(llm, self.prompts(req.input), params, task, http)
         data = [
             PoolingData(
                 index=i,
