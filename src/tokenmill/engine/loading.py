@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -9,6 +10,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.errors import InvalidRequestError
+from tokenmill.kv_cache.spec import FullAttention, bytes_per_block
 from tokenmill.layers.ops import select_ops
 from tokenmill.loader import Checkpoint, load_checkpoint
 from tokenmill.models import resolve_model_class
@@ -32,9 +34,12 @@ class LoadedModel:
 
 
 def model_context_limit(hf_config: dict) -> int:
-    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
-        if hf_config.get(key):
-            return int(hf_config[key])
+    """The checkpoint's own context length; a multimodal config keeps it in its
+    ``text_config`` (Qwen3.5's vision checkpoints)."""
+    for config in (hf_config, hf_config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+            if config.get(key):
+                return int(config[key])
     return 2048
 
 
@@ -116,11 +121,16 @@ def kv_cache_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
 
 
 def _kv_blocks(config: EngineConfig, m: CausalLM, dtype: torch.dtype, max_model_len: int) -> int:
-    elem = torch.tensor([], dtype=dtype).element_size()
-    block_bytes = 2 * m.num_layers * config.block_size * m.num_kv_heads * m.head_dim * elem
+    # What one block costs over the paged layers the model declares (a hybrid's recurrent
+    # layers hold no blocks), its K/V in ``dtype``.
+    specs = [dataclasses.replace(s, dtype=dtype) if isinstance(s, FullAttention) else s
+             for s in m.cache_specs()]  # fmt: skip
+    block_bytes = bytes_per_block(specs, config.block_size)
     one_seq = -(-max_model_len // config.block_size)
     if config.num_kv_blocks is not None:
         blocks = config.num_kv_blocks
+    elif block_bytes == 0:  # no paged layer (a pure state-space model): blocks cost nothing
+        return one_seq * config.max_num_seqs
     elif config.kv_cache_memory_bytes is not None:
         blocks = config.kv_cache_memory_bytes // block_bytes
     else:
