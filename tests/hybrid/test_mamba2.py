@@ -71,3 +71,19 @@ def test_without_attention_the_ratio_gives_max_num_seqs(mamba2_dir):
     assert llm.engine.kv.slots.num_slots == 6
     with pytest.raises(InvalidRequestError, match="recurrent state can not roll back"):
         hybrid_llm(mamba2_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_default_time_step_limit_survives_config_json(tmp_path, smollm2_hf_tokenizer):
+    """transformers saves Mamba2's default (0, inf) as {"__float__": "Infinity"}: the folder
+    loads, and decodes as transformers does."""
+    import json
+
+    path = make_mamba2(tmp_path / "inf", smollm2_hf_tokenizer, time_step_limit=(0.0, float("inf")))
+    assert "__float__" in (path / "config.json").read_text()
+    assert json.loads((path / "config.json").read_text())["time_step_limit"][1] == {
+        "__float__": "Infinity"
+    }
+    prompt = [5, 17, 99, 3, 250, 8]
+    (tokens, _), = tokenmill_greedy(hybrid_llm(path), [prompt], 8)  # fmt: skip
+    (expected, _), = hf_greedy(path, [prompt], 8)  # fmt: skip
+    assert tokens == expected

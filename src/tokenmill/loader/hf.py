@@ -65,7 +65,23 @@ def _read_json(path: Path, *, what: str, required: bool) -> dict[str, Any]:
         raise ModelLoadError(f"{path} is not valid JSON ({e}); restore the file") from e
     if not isinstance(data, dict):
         raise ModelLoadError(f"{path} must hold a JSON object, not {type(data).__name__}")
-    return data
+    return _special_floats(data)
+
+
+_SPECIAL_FLOATS = {"Infinity": float("inf"), "-Infinity": float("-inf"), "NaN": float("nan")}
+
+
+def _special_floats(value: Any) -> Any:
+    """transformers writes the floats JSON has no literal for as ``{"__float__": "Infinity"}``
+    (Mamba2's default ``time_step_limit`` is (0, inf)); read them back as floats."""
+    if isinstance(value, dict):
+        tag = value.get("__float__") if len(value) == 1 else None
+        if isinstance(tag, str) and tag in _SPECIAL_FLOATS:
+            return _SPECIAL_FLOATS[tag]
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
 
 
 def _weight_files(folder: Path) -> tuple[Path, ...]:
