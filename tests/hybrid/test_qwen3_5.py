@@ -110,8 +110,7 @@ def test_cache_specs_follow_layer_types(qwen35_dir):
 
 
 def test_unknown_layer_type_is_refused(qwen35_dir):
-    """(transformers' config class resets a bad ``layer_types`` to its default pattern when
-    the loader reads config.json, so the model's own check is exercised directly.)"""
+    """The model's own check of ``layer_types``, directly (an unknown kind, a wrong count)."""
     import json
 
     from tokenmill.models.qwen3_5 import Qwen3_5ForCausalLM
@@ -123,6 +122,21 @@ def test_unknown_layer_type_is_refused(qwen35_dir):
     config["layer_types"] = ["linear_attention"] * 2 + ["full_attention"]
     with torch.device("meta"), pytest.raises(UnsupportedModelError, match="3 entries"):
         Qwen3_5ForCausalLM(config, torch.float32)
+
+
+def test_unknown_layer_type_in_config_json_is_refused_at_load(qwen35_dir, tmp_path):
+    """The loader keeps config.json's ``layer_types`` as written (transformers' config class
+    would put its default pattern in its place): LLM refuses the bad entry by name."""
+    import json
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(qwen35_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["layer_types"][1] = "mamba"
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="unknown .'mamba'."):
+        _llm(bad)
 
 
 def test_state_pool_options(qwen35_dir):

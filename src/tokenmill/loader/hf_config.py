@@ -54,7 +54,16 @@ def _through_transformers(raw: dict[str, Any]) -> dict[str, Any]:
         return dict(raw)
     if raw.get("architectures"):
         config["architectures"] = list(raw["architectures"])
+    for key in _KEPT_AS_WRITTEN:  # a config class may replace a bad value by its default
+        if key in raw:
+            config[key] = raw[key]
     return config
+
+
+_KEPT_AS_WRITTEN = ("layer_types",)
+"""Keys taken from config.json as written: transformers' Qwen3.5 config silently swaps a
+``layer_types`` with an unknown entry for its default pattern, which would run another
+model than the checkpoint's; the model's own check names the bad entry instead."""
 
 
 def _add_rope_aliases(config: dict[str, Any]) -> None:
