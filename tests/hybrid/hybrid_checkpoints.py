@@ -9,6 +9,8 @@ import torch
 
 VOCAB = 4096
 """The first ids of the SmolLM2 tokenizer: a small output head keeps the tests fast."""
+EOS = 2
+"""The eos id of every config here (and of the SmolLM2 tokenizer)."""
 
 
 def randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> None:
@@ -78,7 +80,9 @@ def hf_teacher_forced(
     ids = torch.tensor([prompt + tokens])
     logits = model(ids).logits[0, len(prompt) - 1 : -1].float()  # [n, vocab]
     logprobs = torch.log_softmax(logits, -1)
-    return logits.argmax(-1).tolist(), logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
+    choice = logits.clone()
+    choice[:, EOS] = float("-inf")  # banned, as min_tokens bans it in ``tokenmill_greedy``
+    return choice.argmax(-1).tolist(), logprobs[torch.arange(len(tokens)), torch.tensor(tokens)]
 
 
 def tokenmill_greedy(
@@ -88,7 +92,10 @@ def tokenmill_greedy(
     from tokenmill import SamplingParams
     from tokenmill.inputs import TokensPrompt
 
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
+    # min_tokens: EOS is banned as transformers' min_new_tokens bans it in ``hf_greedy``.
+    params = SamplingParams(
+        temperature=0, max_tokens=steps, min_tokens=steps, ignore_eos=True, logprobs=1
+    )
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
     results = []
     for out in outs:
@@ -132,9 +139,10 @@ def make_mamba2(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     cfg.update(overrides)
     model = Mamba2ForCausalLM(Mamba2Config(**cfg)).eval()
     randomize(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)  # seeded: the global RNG depends on what ran
     with torch.no_grad():
         for layer in model.backbone.layers:
-            layer.mixer.D.normal_()
+            layer.mixer.D.normal_(generator=gen)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -208,12 +216,13 @@ def make_falcon_h1(path: Path, tokenizer, seed: int = 0, **overrides) -> Path:
     cfg.update(overrides)
     model = FalconH1ForCausalLM(FalconH1Config(**cfg)).eval()
     randomize(model, seed)
+    gen = torch.Generator().manual_seed(seed + 1)  # seeded: the global RNG depends on what ran
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:  # Llama-style norms (x * w): around 1, not 0
                 p.add_(1.0)
             elif name.endswith(".D"):
-                p.normal_()
+                p.normal_(generator=gen)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
