@@ -163,12 +163,6 @@ def main() -> None:
         default=Path.home() / ".cache" / "tokenmill-bench",
         help="where --hf16 folders are kept",
     )
-    ap.add_argument(
-        "--threading",
-        choices=("openmp", "pool"),
-        default="openmp",
-        help="how tokenmill's native kernels share out their loops (native.set_threading)",
-    )
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--prefill-len", type=int, default=256)
     ap.add_argument("--concurrency", type=int, default=32)
@@ -176,10 +170,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from tokenmill import native
     from tokenmill.loader import default_model_path
-
-    native.set_threading(args.threading)
 
     path = str(args.model or default_model_path())
     if args.hf16:
@@ -193,10 +184,7 @@ def main() -> None:
     bw = copy_bandwidth()
     results = {d: run_tokenmill(path, d, args, varied, n_out, bw) for d in args.dtypes.split(",")}
 
-    print(
-        f"model: {path}; torch threads {torch.get_num_threads()}; kernels' threading "
-        f"{args.threading}"
-    )
+    print(f"model: {path}; torch threads {torch.get_num_threads()}")
     print(
         f"copy bandwidth (read + write) {bw / 1e9:.1f} GB/s; ratios vs transformers {next(iter(peers))}"
     )
