@@ -1,8 +1,7 @@
-"""The native kernels' parallel loops (``kernels/pool.c``), in both ``native.set_threading``
-modes (OpenMP regions, the kernels' own pool): every parallel kernel gives the same bits
-with 1, 2 or 3 threads (each piece computes the same values whoever runs it), also when two
-Python threads call at once (the pool: one runs inline) and in a forked child (the pool's
-helpers are started again)."""
+"""The native kernels' thread pool (``kernels/pool.c``): every parallel kernel gives the same
+bits with 1, 2 or 3 threads (each piece computes the same values whoever runs it), also
+when two Python threads call at once (one runs inline) and in a forked child (the helpers
+are started again)."""
 
 from __future__ import annotations
 
@@ -19,20 +18,11 @@ from tokenmill.native import dense16
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable here")
 
 
-@pytest.fixture(params=native.THREADING)
-def threads(request) -> Iterator[Callable[[int], None]]:
-    """torch.set_num_threads, with the kernels in the mode of the parameter."""
-    before, kind = torch.get_num_threads(), native.threading_kind()
-    native.set_threading(request.param)
+@pytest.fixture
+def threads() -> Iterator[Callable[[int], None]]:
+    before = torch.get_num_threads()
     yield torch.set_num_threads
     torch.set_num_threads(before)
-    native.set_threading(kind)
-
-
-def test_threading_kinds() -> None:
-    assert native.threading_kind() == "openmp"  # the default
-    with pytest.raises(ValueError, match="expected one of openmp, pool"):
-        native.set_threading("tbb")
 
 
 def _dense16(m: int, n: int, k: int, kernel: str) -> Callable[[], torch.Tensor]:
@@ -161,8 +151,6 @@ def test_two_callers_at_once(threads) -> None:
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
 def test_forked_child_restarts_the_helpers(threads) -> None:
-    if native.threading_kind() == "openmp":
-        pytest.skip("libgomp's threads do not survive a fork (the same before the pool)")
     threads(2)
     run = _dense16(8, 2000, 576, "bf16-fma")
     expected = run()  # the parent's helpers are running now

@@ -9,9 +9,9 @@
 The C files are compiled together with the system C compiler (``cc -O3 -march=native
 -fopenmp``, about two seconds) the first time they are needed and cached under
 ``$TOKENMILL_CACHE_DIR/kernels``, keyed by the sources and the CPU's feature flags. The
-kernels' loops run in OpenMP regions on PyTorch's own threads (the runtime it loaded), or,
-after ``set_threading("pool")``, on a small pool of their own (``kernels/pool.c``) that
-never waits for a thread other processes keep off its core. Without a compiler, or on a CPU without AVX512-VNNI, ``available()`` is False
+kernels' loops run on their own small pool (``kernels/pool.c``: as many threads as
+``torch.set_num_threads``, and no barrier that waits for a thread other processes keep off
+its core, which OpenMP regions do). Without a compiler, or on a CPU without AVX512-VNNI, ``available()`` is False
 and the layers use PyTorch's own kernels.
 """
 
@@ -93,9 +93,6 @@ def _library() -> ctypes.CDLL | None:
                                      ptr, f32, i64, ptr, ptr, i64]  # fmt: skip
     lib.decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ctypes.POINTER(StepArgs)]
     lib.dense16_gemm.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, ptr]
-    lib.pool_set_mode.argtypes = [ctypes.c_int]
-    lib.pool_mode.argtypes = []
-    lib.pool_mode.restype = ctypes.c_int
     lib.dense16_has_bf16.argtypes = []
     lib.dense16_has_bf16.restype = ctypes.c_int
     for fn in (
@@ -146,31 +143,6 @@ class StepArgs(ctypes.Structure):
 def decode_layer(desc: ctypes.Structure, step: ctypes.Structure) -> None:
     """Run one decoder layer (see kernels/decoder_layer.c) on ``step``'s buffers in place."""
     _library().decode_layer(ctypes.byref(desc), ctypes.byref(step))
-
-
-THREADING = ("openmp", "pool")
-"""How the kernels share out their loops (``set_threading``)."""
-
-
-def set_threading(kind: str) -> None:
-    """``openmp`` (the default): OpenMP regions on PyTorch's threads, fastest when the cores
-    are the process's own. ``pool``: the kernels' own helper threads (``kernels/pool.c``);
-    the caller never waits for a helper that is off its core, so a machine whose cores
-    other processes share costs a step that core's share instead of a stall per loop
-    (measured 2-5x faster at load average 4-8 on 2 cores), but on a quiet machine its
-    helpers compete with PyTorch's OpenMP threads, which spin ~10 ms after each op
-    (0.6x prefill, 0.7x decode). Process-wide, like ``torch.set_num_threads``."""
-    if kind not in THREADING:
-        raise ValueError(f"threading={kind!r}: expected one of {', '.join(THREADING)}")
-    lib = _library()
-    if lib is not None:
-        lib.pool_set_mode(THREADING.index(kind))
-
-
-def threading_kind() -> str:
-    """The current ``set_threading`` choice."""
-    lib = _library()
-    return THREADING[lib.pool_mode()] if lib is not None else "openmp"
 
 
 def available() -> bool:

@@ -1,24 +1,23 @@
-/* pool_for: the native kernels' parallel loops, in OpenMP regions (the default) or on a
- * pool of their own without a barrier on late threads (pool_set_mode(1); Python:
- * native.set_threading("pool")).
+/* pool_for: the native kernels' parallel loops, without a barrier on late threads.
  *
- * Why a pool: an OpenMP region ends at a barrier that waits for every thread of the team,
- * and a descheduled thread holds it for a scheduler time slice (~4 ms here). On a machine
- * whose cores other processes also use, a decode step of ~150 regions of 10-300 us ran 5x
- * slower with 2 threads than with 1 (SmolLM2 bf16, 32 sequences, load average 4-5 on 2
- * cores). In the pool the calling thread publishes a job of `chunks` pieces and takes
- * pieces itself; helper threads take pieces when they are running. The caller waits only
- * for pieces a helper has already taken (it sleeps on a futex after a short spin, so its
- * core can run the helper or whoever else waits), never for a helper that has not started.
+ * Why not `#pragma omp parallel for`: an OpenMP region ends at a barrier that waits for
+ * every thread of the team, and a static schedule gives each thread a fixed share. On a
+ * machine whose cores other processes also use, one of the two threads is often off its
+ * core for a scheduler time slice (~4 ms here), and every region then waits for it: a
+ * decode step of ~150 regions of 10-300 us each ran 5x slower with 2 threads than with 1
+ * (SmolLM2 bf16, 32 sequences, load average 4-5 on 2 cores).
  *
- * Why not by default: PyTorch's OpenMP threads spin for ~10 ms after each PyTorch op (libgomp's
- * default wait policy), and on a quiet machine a helper then shares a core with a spinning
- * one: prefill 0.6x, decode 0.7x of the OpenMP regions (which run on those same threads).
+ * Here the calling thread publishes a job of `chunks` pieces and takes pieces itself; helper
+ * threads take pieces when they are running. The caller waits only for pieces a helper has
+ * already taken (it sleeps on a futex after a short spin, so its core can run the helper or
+ * whoever else waits), never for a helper that has not started. On a quiet machine the
+ * helpers spin between jobs and join within a microsecond or so.
  *
- * Either way each piece computes the same values whichever thread runs it, so results do
- * not depend on the thread count or the mode. Threads: omp_get_max_threads() of the
- * calling thread (what torch.set_num_threads sets). The pool runs one job at a time: a
- * call made while another thread's job runs (or from inside a piece) runs inline.
+ * Each piece computes the same values whichever thread runs it, so results do not depend
+ * on the thread count. Threads: omp_get_max_threads() of the calling thread (what
+ * torch.set_num_threads sets), so the kernels keep using as many cores as PyTorch does.
+ * One job at a time: a call made while another thread's job runs (or from inside a piece)
+ * runs its loop inline.
  */
 #include <immintrin.h>
 #include <linux/futex.h>
@@ -138,21 +137,6 @@ static void start_helpers(int wanted) {
     pthread_mutex_unlock(&P.grow);
 }
 
-static _Atomic int use_pool; /* 0: OpenMP regions (the default), 1: this pool */
-
-void pool_set_mode(int pool) { atomic_store(&use_pool, pool); }
-
-int pool_mode(void) { return atomic_load(&use_pool); }
-
-/* The same pieces in an OpenMP region, a static share per thread as before the pool:
- * PyTorch's own worker threads run them, which spin for ~10 ms after each PyTorch op; a
- * helper of ours would compete with them for the core (on a quiet machine the pool was
- * 0.6x on prefill, 0.7x on decode). */
-static void omp_pieces(int64_t n, int64_t grain, int64_t pieces, pool_fn fn, void *ctx) {
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < pieces; p++) fn(ctx, p * grain, (p + 1) * grain < n ? (p + 1) * grain : n);
-}
-
 /* fn(ctx, lo, hi) over [0, n) in pieces of at least `grain` items (a few microseconds of
  * work each: a piece costs two atomic operations on lines the other cores share). */
 void pool_for(int64_t n, int64_t grain, pool_fn fn, void *ctx) {
@@ -164,15 +148,7 @@ void pool_for(int64_t n, int64_t grain, pool_fn fn, void *ctx) {
     if ((n + grain - 1) / grain > want) grain = (n + want - 1) / want;
     while ((n + grain - 1) / grain > MAX_CHUNKS) grain *= 2;
     const int64_t pieces = (n + grain - 1) / grain;
-    if (threads <= 1 || pieces <= 1 || inside_piece) {
-        fn(ctx, 0, n);
-        return;
-    }
-    if (!atomic_load_explicit(&use_pool, memory_order_relaxed)) {
-        omp_pieces(n, grain, pieces, fn, ctx);
-        return;
-    }
-    if (pthread_mutex_trylock(&P.run) != 0) {
+    if (threads <= 1 || pieces <= 1 || inside_piece || pthread_mutex_trylock(&P.run) != 0) {
         fn(ctx, 0, n);
         return;
     }
