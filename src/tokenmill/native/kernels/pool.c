@@ -35,8 +35,8 @@ typedef void (*pool_fn)(void *ctx, int64_t lo, int64_t hi);
 
 #define MAX_HELPERS 63
 #define MAX_CHUNKS ((1 << 20) - 1)
-#define HELPER_SPIN_CYCLES 130000ull /* ~50 us (2.6 GHz TSC) idle before a helper sleeps */
-#define CALLER_SPIN_CYCLES 80000ull  /* ~30 us before the caller sleeps on a taken piece */
+#define HELPER_SPIN_CYCLES 400000ull /* ~100 us idle before a helper sleeps */
+#define CALLER_SPIN_CYCLES 100000ull /* ~30 us before the caller sleeps on a taken piece */
 
 /* claim word: generation (24 bits) | next piece (20) | pieces (20); a piece is taken by a
  * compare-and-swap that also checks the generation, so a slow helper never takes a piece
