@@ -9,9 +9,8 @@
 The C files are compiled together with the system C compiler (``cc -O3 -march=native
 -fopenmp``, about two seconds) the first time they are needed and cached under
 ``$TOKENMILL_CACHE_DIR/kernels``, keyed by the sources and the CPU's feature flags. The
-kernels' loops run on their own small pool (``kernels/pool.c``: as many threads as
-``torch.set_num_threads``, and no barrier that waits for a thread other processes keep off
-its core, which OpenMP regions do). Without a compiler, or on a CPU without AVX512-VNNI, ``available()`` is False
+library links the OpenMP runtime PyTorch has already loaded, so it shares PyTorch's
+threads. Without a compiler, or on a CPU without AVX512-VNNI, ``available()`` is False
 and the layers use PyTorch's own kernels.
 """
 

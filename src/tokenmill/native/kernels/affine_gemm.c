@@ -13,8 +13,8 @@
  *   then scales[16] and offsets[16] as float16 (64 bytes).
  * so one 64-byte load feeds vpdpbusd for 16 rows at once, each lane a row.
  *
- * Threads: pool_for over tiles (pool.c: as many threads as torch.set_num_threads says, no
- * barrier on a thread that other processes keep off its core).
+ * Threads: OpenMP over tiles, the runtime PyTorch itself loaded (same libgomp), so
+ * torch.set_num_threads applies and no second thread pool competes for the cores.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -25,7 +25,6 @@
 #define TILE 16
 #define MBLOCK 4
 #define PREFETCH 2048
-#define PIECE_WORK 512
 
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
     uint32_t u;
@@ -143,65 +142,35 @@ static void tile_dispatch(const uint8_t *w, int bits, int64_t groups, int mb, co
     }
 }
 
-typedef void (*pool_fn)(void *ctx, int64_t lo, int64_t hi);
-void pool_for(int64_t n, int64_t grain, pool_fn fn, void *ctx); /* pool.c */
-
-typedef struct {
-    const void *x;
-    _Bool x_bf16, y_bf16;
-    int64_t M, K, N, groups, tile_bytes;
-    const uint8_t *w;
-    int bits;
-    void *y;
-    int8_t *qx;
-    float *dx, *sx;
-} Affine;
-
-static void quantize_rows(void *ctx, int64_t lo, int64_t hi) {
-    const Affine *a = ctx;
-    const int64_t xsize = a->x_bf16 ? 2 : 4;
-    for (int64_t m = lo; m < hi; m++)
-        quantize_row((const char *)a->x + m * a->K * xsize, a->x_bf16, a->K,
-                     a->qx + 2 * m * a->K, a->dx + m * a->groups, a->sx + m * a->groups);
-}
-
-/* Tiles [lo, hi), tile-major: a tile's weights come from memory once and serve every
- * token from L1. */
-static void tile_range(void *ctx, int64_t lo, int64_t hi) {
-    const Affine *a = ctx;
-    const int64_t M = a->M, K = a->K, N = a->N, groups = a->groups;
-    const int64_t mblocks = (M + MBLOCK - 1) / MBLOCK;
-    for (int64_t t = lo; t < hi; t++) {
-        for (int64_t mbi = 0; mbi < mblocks; mbi++) {
-            int64_t m0 = mbi * MBLOCK;
-            int mb = (int)(M - m0 < MBLOCK ? M - m0 : MBLOCK);
-            float out[MBLOCK * TILE];
-            tile_dispatch(a->w + t * a->tile_bytes, a->bits, groups, mb, a->qx + 2 * m0 * K,
-                          a->dx + m0 * groups, a->sx + m0 * groups, K, out);
-            for (int m = 0; m < mb; m++) {
-                if (a->y_bf16) {
-                    uint16_t *dst = (uint16_t *)a->y + (m0 + m) * N + t * TILE;
-                    for (int r = 0; r < TILE; r++) dst[r] = f32_to_bf16(out[m * TILE + r]);
-                } else {
-                    memcpy((float *)a->y + (m0 + m) * N + t * TILE, out + m * TILE, TILE * 4);
-                }
-            }
-        }
-    }
-}
-
 /* x [M, K] (float32 or bfloat16), w tiles [N / 16][K / 32][...], y [M, N] (float32 or bfloat16).
  * work: 2 * M * K int8 + 2 * M * K / 32 floats of scratch. */
 void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
                  int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx) {
-    Affine a = {.x = x, .x_bf16 = x_bf16, .y_bf16 = y_bf16, .M = M, .K = K, .N = N,
-                .groups = K / GROUP, .w = w, .bits = bits, .y = y, .qx = qx, .dx = dx, .sx = sx};
-    a.tile_bytes = a.groups * ((bits == 4 ? 4 : 8) * 64 + 64);
-    if (M * K > 8192)
-        pool_for(M, 1, quantize_rows, &a);
-    else
-        quantize_rows(&a, 0, M);
-    /* a piece: >= PIECE_WORK groups x 4-token blocks (~4 us), at least one tile */
-    const int64_t work = a.groups * ((M + MBLOCK - 1) / MBLOCK);
-    pool_for(N / TILE, (PIECE_WORK + work - 1) / work, tile_range, &a);
+    const int64_t groups = K / GROUP, tiles = N / TILE;
+    const int64_t tile_bytes = groups * ((bits == 4 ? 4 : 8) * 64 + 64);
+    const int64_t xsize = x_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (M * K > 8192)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row((const char *)x + m * K * xsize, x_bf16, K, qx + 2 * m * K, dx + m * groups,
+                     sx + m * groups);
+    const int64_t mblocks = (M + MBLOCK - 1) / MBLOCK;
+    /* tile-major: a tile's weights come from memory once and serve every token from L1 */
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t mbi = 0; mbi < mblocks; mbi++) {
+            int64_t m0 = mbi * MBLOCK;
+            int mb = (int)(M - m0 < MBLOCK ? M - m0 : MBLOCK);
+            float out[MBLOCK * TILE];
+            tile_dispatch(w + t * tile_bytes, bits, groups, mb, qx + 2 * m0 * K, dx + m0 * groups,
+                          sx + m0 * groups, K, out);
+            for (int m = 0; m < mb; m++) {
+                if (y_bf16) {
+                    uint16_t *dst = (uint16_t *)y + (m0 + m) * N + t * TILE;
+                    for (int r = 0; r < TILE; r++) dst[r] = f32_to_bf16(out[m * TILE + r]);
+                } else {
+                    memcpy((float *)y + (m0 + m) * N + t * TILE, out + m * TILE, TILE * 4);
+                }
+            }
+        }
+    }
 }

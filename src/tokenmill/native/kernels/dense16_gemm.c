@@ -18,8 +18,8 @@
  *
  * Blocking: 2 tiles (32 rows) x up to 4 tokens per register block, with separate
  * accumulators per term (hi/lo, even/odd input) so the FMA chains stay short. Tile pairs
- * are shared out by pool_for (pool.c: no barrier on a late thread); a pair's weights are
- * read from memory once and serve every token from cache.
+ * are split across OpenMP threads (the runtime PyTorch loaded); a pair's weights are read
+ * from memory once and serve every token from cache.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -29,7 +29,6 @@
 #define TILE 16
 #define MBLOCK 4
 #define PREFETCH 1024
-#define PIECE_WORK 1024
 
 enum { DENSE16_BF16_DP = 0, DENSE16_BF16_FMA = 1, DENSE16_FP16_FMA = 2 };
 
@@ -171,73 +170,43 @@ static void prepare_row(int kernel, const float *x, int64_t K, int64_t K2, float
 #endif
 }
 
-typedef void (*pool_fn)(void *ctx, int64_t lo, int64_t hi);
-void pool_for(int64_t n, int64_t grain, pool_fn fn, void *ctx); /* pool.c */
-
-typedef struct {
-    int kernel;
-    const float *x;
-    int64_t M, K, K2, N, tiles, tile_elems, row;
-    const uint16_t *w;
-    float *xf;
-    uint16_t *hi, *lo;
-    const void *xs, *xs_lo;
-    float *y;
-} Gemm;
-
-static void prepare_rows(void *ctx, int64_t lo, int64_t hi) {
-    const Gemm *g = ctx;
-    for (int64_t m = lo; m < hi; m++)
-        prepare_row(g->kernel, g->x + m * g->K, g->K, g->K2, g->xf + m * g->row,
-                    g->hi + m * g->row, g->lo + m * g->row);
-}
-
-/* Tile pairs [lo, hi) for every token: a pair's weights are read from memory once. */
-static void pair_range(void *ctx, int64_t lo, int64_t hi) {
-    const Gemm *g = ctx;
-    const int dp = g->kernel == DENSE16_BF16_DP;
-    const int64_t K2 = g->K2, N = g->N, M = g->M, mblocks = (M + MBLOCK - 1) / MBLOCK;
-    for (int64_t p = lo; p < hi; p++) {
-        const int tb = 2 * p + 1 < g->tiles ? 2 : 1;
-        const uint16_t *wp = g->w + 2 * p * g->tile_elems;
+/* x [M, K] float32 (row stride K), w [ceil(N / 16)] tiles, y [M, N] float32. */
+void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int kernel, int64_t N,
+                  float *y) {
+    const int64_t K2 = (K + 1) / 2, tiles = (N + TILE - 1) / TILE, tile_elems = K2 * 32;
+    const int64_t row = 2 * K2; /* values per token in the scratch */
+    const int dp = kernel == DENSE16_BF16_DP;
+    char *buf = scratch_for((size_t)M * row * 4 + 64); /* 2 x bf16 or 1 x float32 each */
+    float *xf = (float *)buf;
+    uint16_t *hi = (uint16_t *)buf, *lo = hi + M * row;
+    const void *xs = dp ? (const void *)hi : (const void *)xf;
+    const void *xs_lo = lo;
+    if (!dp && K == row) {
+        xs = x; /* already in the kernel's form */
+    } else {
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+        for (int64_t m = 0; m < M; m++)
+            prepare_row(kernel, x + m * K, K, K2, xf + m * row, hi + m * row, lo + m * row);
+    }
+    const int64_t pairs = (tiles + 1) / 2, mblocks = (M + MBLOCK - 1) / MBLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < pairs; p++) {
+        const int tb = 2 * p + 1 < tiles ? 2 : 1;
+        const uint16_t *wp = w + 2 * p * tile_elems;
         for (int64_t mbi = 0; mbi < mblocks; mbi++) {
             const int64_t m0 = mbi * MBLOCK;
             const int mb = (int)(M - m0 < MBLOCK ? M - m0 : MBLOCK);
             float out[2 * MBLOCK * TILE];
-            const void *xs = dp ? (const void *)((const int32_t *)g->xs + m0 * K2)
-                                : (const void *)((const float *)g->xs + m0 * g->row);
-            block_dispatch(g->kernel, wp, g->tile_elems, tb, mb, xs,
-                           (const void *)((const int32_t *)g->xs_lo + m0 * K2), K2, out);
+            const int64_t xoff = m0 * (dp ? K2 : row); /* int32 pairs (dp) or floats */
+            block_dispatch(kernel, wp, tile_elems, tb, mb,
+                           dp ? (const void *)((const int32_t *)xs + xoff) : (const void *)((const float *)xs + xoff),
+                           (const void *)((const int32_t *)xs_lo + m0 * K2), K2, out);
             for (int t = 0; t < tb; t++) {
                 const int64_t n0 = (2 * p + t) * TILE;
                 const int64_t cols = N - n0 < TILE ? N - n0 : TILE;
                 for (int m = 0; m < mb; m++)
-                    memcpy(g->y + (m0 + m) * N + n0, out + (t * MBLOCK + m) * TILE,
-                           cols * sizeof(float));
+                    memcpy(y + (m0 + m) * N + n0, out + (t * MBLOCK + m) * TILE, cols * sizeof(float));
             }
         }
     }
-}
-
-/* x [M, K] float32 (row stride K), w [ceil(N / 16)] tiles, y [M, N] float32. */
-void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int kernel, int64_t N,
-                  float *y) {
-    Gemm g = {.kernel = kernel, .x = x, .M = M, .K = K, .K2 = (K + 1) / 2, .N = N, .w = w, .y = y};
-    g.tiles = (N + TILE - 1) / TILE, g.tile_elems = g.K2 * 32;
-    g.row = 2 * g.K2; /* values per token in the scratch */
-    const int dp = kernel == DENSE16_BF16_DP;
-    char *buf = scratch_for((size_t)M * g.row * 4 + 64); /* 2 x bf16 or 1 x float32 each */
-    g.xf = (float *)buf;
-    g.hi = (uint16_t *)buf, g.lo = g.hi + M * g.row;
-    g.xs = dp ? (const void *)g.hi : (const void *)g.xf;
-    g.xs_lo = g.lo;
-    if (!dp && K == g.row)
-        g.xs = x; /* already in the kernel's form */
-    else if (M * K > 65536)
-        pool_for(M, 1, prepare_rows, &g);
-    else
-        prepare_rows(&g, 0, M);
-    /* a piece: >= PIECE_WORK input pairs x 4-token blocks (~4 us), at least one tile pair */
-    const int64_t work = g.K2 * ((M + MBLOCK - 1) / MBLOCK);
-    pool_for((g.tiles + 1) / 2, (PIECE_WORK + work - 1) / work, pair_range, &g);
 }
