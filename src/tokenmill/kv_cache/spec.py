@@ -161,7 +161,7 @@ LAZY_ZEROS_BYTES = 1 << 20
 def zeros(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zeroed tensor. On CPU a big one is an anonymous memory map: the OS hands out
     zero-filled pages on first touch, so allocating a multi-GB KV cache costs nothing at
-    start-up (``torch.zeros`` writes every byte: ~0.9 s for SmolLM2's 3 GB default
+    start-up (``torch.zeros`` writes every byte: ~0.9 s for SmolLM2's 1 GiB default
     cache here) and pages no request reaches are never resident. The tensor keeps the
     map alive; the pages go back to the OS when it is freed."""
     device = torch.device(device)
