@@ -20,10 +20,10 @@ from tokenmill.attention import StepContext
 from tokenmill.errors import UnsupportedModelError
 from tokenmill.kv_cache.spec import CacheSpec, FullAttention
 from tokenmill.layers.attention import Attention, AttentionSpec
-from tokenmill.layers.linear import Linear, VocabEmbedding
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.ops import Ops, select_ops
+from tokenmill.layers.ops import Ops
 from tokenmill.layers.recurrent.mamba2 import (
     GroupedGatedRMSNorm,
     Mamba2Mixer,
@@ -34,6 +34,7 @@ from tokenmill.layers.recurrent.plan import StatePlan
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
 from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ArchConfig
+from tokenmill.models.trunk import init_trunk
 from tokenmill.models.weights import load_weights
 
 
@@ -125,16 +126,7 @@ class FalconH1ForCausalLM(CausalLM):
         self.scales = weight_scales(hf_config, shape)
         self.embedding_multiplier = float(hf_config.get("embedding_multiplier", 1.0))
         self.lm_head_multiplier = float(hf_config.get("lm_head_multiplier", 1.0))
-        self.dtype, self.ops = dtype, ops or select_ops(torch.get_default_device(), dtype)
-        self.num_layers, self.num_kv_heads, self.head_dim = (
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.vocab_size = cfg.vocab_size
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        positions = max_positions or cfg.max_position_embeddings
-        self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope, dtype, self.ops)
+        init_trunk(self, cfg, dtype, ops, max_positions)
         self.layers = nn.ModuleList(
             FalconH1Layer(cfg, hf_config, shape, i, self.rotary, self.ops, dtype)
             for i in range(cfg.num_layers)

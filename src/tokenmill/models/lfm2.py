@@ -19,15 +19,16 @@ from tokenmill.attention import StepContext
 from tokenmill.errors import UnsupportedModelError
 from tokenmill.kv_cache.spec import CacheSpec, FullAttention
 from tokenmill.layers.attention import Attention, AttentionSpec
-from tokenmill.layers.linear import Linear, VocabEmbedding
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.ops import Ops, select_ops
+from tokenmill.layers.ops import Ops
 from tokenmill.layers.recurrent.plan import StatePlan
 from tokenmill.layers.recurrent.short_conv import ShortConv
 from tokenmill.layers.rotary import RopeTables, RotaryEmbedding
 from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ArchConfig
+from tokenmill.models.trunk import init_trunk
 from tokenmill.models.weights import load_weights
 
 CONV, FULL = "conv", "full_attention"
@@ -104,16 +105,7 @@ class Lfm2ForCausalLM(CausalLM):
         d = {"rms_norm_eps": hf_config.get("norm_eps", 1e-5), **hf_config}
         cfg = ArchConfig.from_hf(d)
         self.types = layer_types(d, cfg.num_layers)
-        self.dtype, self.ops = dtype, ops or select_ops(torch.get_default_device(), dtype)
-        self.num_layers, self.num_kv_heads, self.head_dim = (
-            cfg.num_layers,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
-        self.vocab_size = cfg.vocab_size
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        positions = max_positions or cfg.max_position_embeddings
-        self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope, dtype, self.ops)
+        init_trunk(self, cfg, dtype, ops, max_positions)
         self.layers = nn.ModuleList(
             Lfm2Layer(cfg, d, kind, i, self.rotary, self.ops, dtype)
             for i, kind in enumerate(self.types)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.sampling.logits_processors import upload
+
 
 @dataclass
 class _Entry:
@@ -133,6 +135,4 @@ class PenaltyHistories:
 
 
 def _long(values: Sequence[int], like: torch.Tensor) -> torch.Tensor:
-    from tokenmill.sampling.logits_processors import upload
-
     return upload(values, torch.int64, like.device)

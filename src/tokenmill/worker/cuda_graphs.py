@@ -181,25 +181,22 @@ class PaddedDecode:
         block-table columns the step uses go up: with max_model_len 131072 the full
         [256, 8192] tables would be 16.8 MB a step."""
         b, bs = len(seqs), self.block_size
-        used = 0  # block-table columns in use (a decoding sequence holds >= 1 block)
-        if b:
-            cols = cols or StepColumns.of(seqs)
-            used = cols.width
+        cols = (cols or StepColumns.of(seqs)) if b else None  # none: capture's padding only
+        used = cols.width if cols is not None else 0  # block-table columns in use
         k = len(pending.seqs) if pending is not None else 0
         sizes = [*self._head_sizes(n), b * used, k, k]
         host = self.staging.host(packed_numel(sizes))
         ids, pos, slots, lens, qsl, flat_tables, token_rows, src_rows = sections(host, sizes)
         for part in (ids, pos, lens):
             part[b:] = 0  # padding rows: token 0 at position 0, context 0
-        if b:
-            assert cols is not None and cols.decode_ids is not None
+        table = flat_tables.reshape(b, used)
+        if cols is not None:
+            assert cols.decode_ids is not None, "one token per sequence"
             ids[:b] = cols.decode_ids
             pos[:b] = cols.starts
+            fill_block_tables(seqs, tables, table, cols.table_rows)
         lens[:b] = pos[:b] + 1
         qsl[:] = np.arange(n + 1)
-        table = flat_tables.reshape(b, used)
-        if b:
-            fill_block_tables(seqs, tables, table, cols.table_rows if cols else None)
         slots[:b] = table[np.arange(b), pos[:b] // bs] * bs + pos[:b] % bs
         slots[b:] = PAD_SLOT
         if pending is not None:
