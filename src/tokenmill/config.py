@@ -11,6 +11,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.structured_output.backend import BACKEND_CHOICES
 
 if TYPE_CHECKING:
+    from tokenmill.distributed.config import ParallelConfig
     from tokenmill.spec_decode.config import SpeculativeConfig
 
 DTYPES: dict[str, torch.dtype] = {
@@ -142,6 +143,17 @@ class EngineConfig:
     removed after a new one is written until the rest fit."""
     clear_engine_cache: bool = False
     """Remove every bundle of ``cache_dir`` not open in a process before loading."""
+    # -- scale-out (``distributed/``, ``docs/scale_out.md``) ---------------------------------
+    tensor_parallel_size: int = 1
+    """Ranks (processes, one device each) that split every layer of a decoder model: heads,
+    MLP columns and vocabulary; the driver (this process) is rank 0."""
+    pipeline_parallel_size: int = 1
+    """Stages that split the layers (not built yet: only 1)."""
+    distributed_executor_backend: str | None = None
+    """How tensor-parallel ranks run: mp (processes of this machine; the default) or ray
+    (not built for tensor parallelism yet)."""
+    parallel: ParallelConfig = field(init=False, compare=False, repr=False)
+    """The resolved scale-out options (from the fields above)."""
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -204,6 +216,13 @@ class EngineConfig:
             self.num_speculative_tokens, tree,
         )  # fmt: skip
         object.__setattr__(self, "speculative", speculative)  # derived once, here
+        from tokenmill.distributed.config import ParallelConfig
+
+        parallel = ParallelConfig(
+            self.tensor_parallel_size, self.pipeline_parallel_size,
+            self.distributed_executor_backend or "mp",
+        )  # fmt: skip
+        object.__setattr__(self, "parallel", parallel)
 
     def _check_state_pool(self) -> None:
         ratio = self.ssm_full_memory_ratio

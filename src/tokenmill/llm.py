@@ -71,6 +71,7 @@ class LLM(PoolingMixin, SpeechMixin):
         if engine is not None:
             for rid in engine.live_request_ids():
                 engine.abort(rid)
+            engine.executor.shutdown()  # tensor-parallel workers exit
 
     shutdown = close
 

@@ -47,20 +47,6 @@ TASKS: dict[str, dict[str, str]] = {
 
 COMPAT_OPTIONS: tuple[CompatOption, ...] = (
     CompatOption(
-        "tensor_parallel_size",
-        1,
-        int,
-        "tensor parallelism is not implemented yet: only 1 (one device per engine)",
-        only=(1,),
-    ),
-    CompatOption(
-        "pipeline_parallel_size",
-        1,
-        int,
-        "pipeline parallelism is not implemented yet: only 1",
-        only=(1,),
-    ),
-    CompatOption(
         "data_parallel_size",
         1,
         int,
@@ -109,9 +95,6 @@ COMPAT_OPTIONS: tuple[CompatOption, ...] = (
         "no-op: CUDA graphs capture decode steps, whatever the context length",
     ),
     CompatOption("disable_custom_all_reduce", False, None, "no-op: one device, no all-reduce"),
-    CompatOption(
-        "distributed_executor_backend", None, str, "no-op: the engine runs in one process"
-    ),
     CompatOption(
         "download_dir", None, str, "no-op: models are local paths (there is no model hub download)"
     ),

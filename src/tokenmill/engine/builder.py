@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from tokenmill.structured_output.hook import StructuredOutputHook
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.threads import configure_threads
 from tokenmill.worker.model_runner import ModelRunner, allocate_kv_caches, make_runner
+
+if TYPE_CHECKING:
+    from tokenmill.distributed.launch import Ranks
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,8 @@ def build_engine(
     config: EngineConfig, loaded: LoadedModel | None = None, hooks: Sequence[RequestHook] = ()
 ) -> EngineParts:
     configure_threads()  # before loading: repacking quantized weights uses the pool
-    loaded = loaded or load_model(config)
+    ranks = _start_ranks(config, loaded)  # tensor parallel: the workers load meanwhile
+    loaded = loaded or load_model(config, None if ranks is None else ranks.shard)
     num_blocks = kv_cache_blocks(config, loaded)
     specs = loaded.model.cache_specs()
     check_target_cache(config.speculative, specs)  # a recurrent state can not roll back
@@ -71,6 +76,8 @@ def build_engine(
         ),
         kv,
     )
+    if ranks is not None:  # the workers allocate the same blocks; the model broadcasts
+        loaded = ranks.drive(loaded, num_blocks, num_slots)
     caches = allocate_kv_caches(
         loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device,
         num_slots=num_slots,
@@ -93,5 +100,24 @@ def build_engine(
         target = TargetParts(config, loaded, runner, kv)
         all_hooks = (*all_hooks, build_draft_hook(config.speculative, target, budget))
     return EngineParts(
-        loaded, kv, scheduler, structured, all_hooks, runner, UniProcExecutor(runner)
+        loaded, kv, scheduler, structured, all_hooks, runner, _executor(runner, ranks)
     )
+
+
+def _start_ranks(config: EngineConfig, loaded: LoadedModel | None) -> Ranks | None:
+    """Tensor parallelism's worker processes and process group; None on one device."""
+    if config.parallel.world_size == 1:
+        return None
+    if loaded is not None:
+        raise ValueError("a loaded model can not be tensor-parallel: each rank loads its shard")
+    from tokenmill.distributed.launch import start_ranks
+
+    return start_ranks(config)
+
+
+def _executor(runner: ModelRunner, ranks: Ranks | None) -> Executor:
+    if ranks is None:
+        return UniProcExecutor(runner)
+    from tokenmill.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(runner, ranks)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
 from tokenmill.quant.plan import auto_dtype, build_plan, resolve_quantization, stored_float_dtype
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
+
+if TYPE_CHECKING:
+    from tokenmill.distributed.shard import TPShard
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +59,14 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
     return config.max_model_len
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
+def load_model(config: EngineConfig, shard: TPShard | None = None) -> LoadedModel:
     """The ready model of ``config``: from its prepared bundle when ``prepare_bundle`` is on
-    (``tokenmill.bundles``; a bundle folder passed as the model is always one), else built."""
+    (``tokenmill.bundles``; a bundle folder passed as the model is always one), else built.
+    ``shard``: build and load only this tensor-parallel rank's part (never from a bundle)."""
     from tokenmill.bundles.cache import BundleCache, is_bundle
+
+    if shard is not None:
+        return _build_model(config, shard)
 
     if is_bundle(config.model):
         return LoadedModel(*BundleCache.for_config(config).load_pinned(config))
@@ -68,7 +76,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     return _build_model(config)
 
 
-def _build_model(config: EngineConfig) -> LoadedModel:
+def _build_model(config: EngineConfig, shard: TPShard | None = None) -> LoadedModel:
     from tokenmill.bundles.phases import Phases
 
     phases = Phases()
@@ -100,10 +108,14 @@ def _build_model(config: EngineConfig) -> LoadedModel:
     with phases("weights"):
         with torch.device(device):  # parameters are created in place: no second copy
             kwargs = {"quant": plan} if plan else {}
-            model = model_cls(ckpt.hf_config, dtype, max_positions=max_model_len, ops=ops, **kwargs)
+            hf = ckpt.hf_config if shard is None else shard.local_hf_config(ckpt.hf_config)
+            model = model_cls(hf, dtype, max_positions=max_model_len, ops=ops, **kwargs)
+        if shard is not None:
+            shard.adopt(model)  # its partial layers sum / gather over the ranks
         # too small a KV cache fails before the read
         _kv_blocks(config, model, dtype, max_model_len)
-        model.load_weights(ckpt.weights(dtype, keep_quantized=plan is not None))
+        weights = ckpt.weights(dtype, keep_quantized=plan is not None)
+        model.load_weights(weights if shard is None else shard.weights(weights))
         model.eval()
     phases.log(f"model ready (cold load of {ckpt.path})")
     return LoadedModel(ckpt, model, tokenizer, max_model_len, dtype, device, quantization)

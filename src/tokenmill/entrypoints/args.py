@@ -263,6 +263,29 @@ ENGINE_FLAGS = (
         False,
         action="store_true",
     ),
+    Flag(
+        "--tensor-parallel-size",
+        "tensor_parallel_size",
+        int,
+        "processes (one device each) that split every layer of the model; this one is rank 0",
+        1,
+        aliases=("-tp",),
+    ),
+    Flag(
+        "--pipeline-parallel-size",
+        "pipeline_parallel_size",
+        int,
+        "stages that split the layers (not built yet: only 1)",
+        1,
+        aliases=("-pp",),
+    ),
+    Flag(
+        "--distributed-executor-backend",
+        "distributed_executor_backend",
+        str,
+        "how tensor-parallel ranks run: mp (worker processes of this machine) or ray",
+        choices=("mp", "ray"),
+    ),
 )
 GENERATION_CONFIG_HELP = (
     "default sampling parameters: auto (the checkpoint's "
@@ -453,11 +476,7 @@ def compat_flags() -> tuple[Flag, ...]:
     """vLLM's engine flags that tokenmill accepts (``tokenmill.vllm_compat``)."""
     from tokenmill.vllm_compat import COMPAT_OPTIONS
 
-    aliases = {
-        "tensor_parallel_size": ("-tp",),
-        "pipeline_parallel_size": ("-pp",),
-        "data_parallel_size": ("-dp",),
-    }
+    aliases = {"data_parallel_size": ("-dp",)}
     return tuple(
         Flag(
             "--" + o.name.replace("_", "-"),

@@ -1,0 +1,72 @@
+"""How one engine is spread over processes: tensor / pipeline parallel sizes, the backend.
+
+Validated twice: the sizes themselves when ``EngineConfig`` is built, and against the
+checkpoint's shapes (``check_shapes``) before any worker starts or any weight is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.errors import InvalidRequestError
+
+EXECUTOR_BACKENDS = ("mp", "ray")
+"""``distributed_executor_backend`` values: worker processes of this machine, or Ray actors."""
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    """Ranks that split every layer's heads, MLP columns and vocabulary."""
+    pipeline_parallel_size: int = 1
+    """Stages that split the layers (not built yet: only 1)."""
+    distributed_executor_backend: str = "mp"
+    """How the workers run: mp (processes of this machine, torch.distributed over gloo
+    on CPU, NCCL on CUDA) or ray (not built for tensor parallelism yet)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise InvalidRequestError(
+                f"distributed_executor_backend={self.distributed_executor_backend!r} is "
+                f"unknown; use one of {', '.join(EXECUTOR_BACKENDS)}"
+            )
+        if self.pipeline_parallel_size > 1:
+            raise InvalidRequestError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism "
+                "is not built yet; use tensor_parallel_size to split a model over processes"
+            )
+        if self.distributed_executor_backend == "ray" and self.world_size > 1:
+            raise InvalidRequestError(
+                "distributed_executor_backend='ray' is not built for tensor parallelism yet; "
+                "use 'mp' (worker processes on this machine)"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def check_shapes(hf_config: dict, tp: int, model_name: str) -> None:
+    """Raise ``InvalidRequestError`` when ``tp`` ranks can not split this architecture:
+    query heads, MLP width must divide; KV heads must divide or be divided by ``tp``
+    (fewer KV heads than ranks: each is replicated on ``tp / kv_heads`` ranks)."""
+    from tokenmill.models.config import ArchConfig
+
+    cfg = ArchConfig.from_hf(hf_config)
+    kv = cfg.num_kv_heads
+    problems = []
+    if cfg.num_heads % tp:
+        problems.append(f"num_attention_heads={cfg.num_heads} is not divisible by {tp}")
+    if (kv % tp) if kv >= tp else (tp % kv):
+        problems.append(f"num_key_value_heads={kv} neither divides nor is divisible by {tp}")
+    if cfg.intermediate_size % tp:
+        problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by {tp}")
+    if problems:
+        raise InvalidRequestError(
+            f"tensor_parallel_size={tp} can not split {model_name}: {'; '.join(problems)}. "
+            "Use a size that divides the head counts"
+        )

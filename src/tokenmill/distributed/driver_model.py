@@ -1,0 +1,49 @@
+"""The model as the driver's runner sees it under tensor parallelism (rank 0's shard).
+
+``ModelRunner`` calls ``forward`` and ``compute_logits`` as on one device; each call here
+first broadcasts what the workers need to make the same call on their shards (their
+collectives meet this rank's inside the layers), then runs rank 0's shard. Everything
+else (cache specs, sizes, ops) is rank 0's local model's: every rank's KV cache has the
+same blocks, each holding that rank's KV heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from tokenmill.attention import StepContext
+from tokenmill.distributed.group import RankGroup
+from tokenmill.distributed.messages import Forward, Logits
+from tokenmill.kv_cache.spec import CacheSpec
+from tokenmill.models.base import CausalLM
+
+
+class TensorParallelDriver(CausalLM):
+    def __init__(self, local: CausalLM, group: RankGroup) -> None:
+        super().__init__()
+        self.local = local
+        self.group = group
+        self.num_layers, self.num_kv_heads = local.num_layers, local.num_kv_heads
+        self.head_dim, self.vocab_size = local.head_dim, local.vocab_size
+        self.dtype, self.ops = local.dtype, local.ops
+
+    def cache_specs(self) -> list[CacheSpec]:
+        return self.local.cache_specs()
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
+    ) -> torch.Tensor:
+        assert ctx.state is None, "state-slot layers are not tensor-parallel"
+        self.group.broadcast(
+            Forward(input_ids, positions, ctx.attn, ctx.adapter_ids, ctx.input_embeds)
+        )
+        return self.local(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.group.broadcast(Logits(hidden))
+        return self.local.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        raise TypeError("a tensor-parallel model loads on each rank (distributed/shard.py)")

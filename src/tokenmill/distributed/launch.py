@@ -1,0 +1,167 @@
+"""Starting an engine's tensor-parallel ranks: checks, worker processes, the driver's rank.
+
+``start_ranks(config)`` checks the sizes against the checkpoint (before any process
+starts), spawns ranks 1.. as processes (they begin loading their shards at once), and
+joins the process group as rank 0. ``Ranks.drive`` then tells the workers the KV cache
+size the driver chose and wraps the driver's shard (``TensorParallelDriver``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import socket
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.distributed.config import check_shapes
+from tokenmill.distributed.driver_model import TensorParallelDriver
+from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks
+from tokenmill.distributed.messages import Ready, Stop
+from tokenmill.distributed.shard import TPShard
+from tokenmill.distributed.worker import WorkerArgs, worker_main
+from tokenmill.engine.loading import LoadedModel
+from tokenmill.errors import EngineDeadError, UnsupportedModelError
+from tokenmill.loader import load_checkpoint
+from tokenmill.models import resolve_model_class
+from tokenmill.models.config import ArchConfig
+from tokenmill.models.decoder import DecoderForCausalLM
+from tokenmill.threads import configure_threads
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT = 600.0
+"""Seconds a worker may take to import and load its shard."""
+
+
+class WorkerDiedError(EngineDeadError):
+    """A tensor-parallel worker process ended; the engine can run no more steps."""
+
+
+@dataclass
+class Workers:
+    """Ranks 1.. as processes, each with a pipe for its startup reports."""
+
+    procs: list[BaseProcess]
+    pipes: list[Connection]
+
+    def wait(self, timeout: float = STARTUP_TIMEOUT) -> None:
+        """Wait for one ``Ready`` from every worker; raise on an error report or an exit."""
+        deadline = time.monotonic() + timeout
+        for proc, pipe in zip(self.procs, self.pipes):
+            while not pipe.poll(0.1):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    raise WorkerDiedError(self.describe(proc, "did not start"))
+            report: Ready = pipe.recv()
+            if report.error is not None:
+                raise WorkerDiedError(f"tensor-parallel rank {report.rank} failed to load:\n"
+                                      f"{report.error}")  # fmt: skip
+
+    def dead(self) -> str | None:
+        """Why the workers can not run steps (the first that exited), or None."""
+        for proc in self.procs:
+            if not proc.is_alive():
+                return self.describe(proc, "exited")
+        return None
+
+    def wait_exit(self, timeout: float) -> str | None:
+        """``dead()`` once a worker is seen to exit within ``timeout`` seconds, else None."""
+        deadline = time.monotonic() + timeout
+        while (dead := self.dead()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return dead
+
+    def describe(self, proc: BaseProcess, what: str) -> str:
+        rank = self.procs.index(proc) + 1
+        return (
+            f"tensor-parallel worker rank {rank} (pid {proc.pid}) {what} "
+            f"(exit code {proc.exitcode}); the engine can not run steps any more, restart it"
+        )
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for proc in self.procs:
+            proc.join(timeout)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+
+
+@dataclass
+class Ranks:
+    """The driver's view of its engine's ranks."""
+
+    group: RankGroup
+    shard: TPShard
+    workers: Workers
+
+    def drive(self, loaded: LoadedModel, num_blocks: int, num_slots: int) -> LoadedModel:
+        """Give the workers the KV cache size; ``loaded`` with the driver's model."""
+        self.workers.wait()
+        self.group.broadcast((num_blocks, num_slots))
+        return dataclasses.replace(loaded, model=TensorParallelDriver(loaded.model, self.group))
+
+    def stop(self, kill: bool = False) -> None:
+        """Stop the workers and leave the group: a ``Stop`` broadcast, or (``kill``: the
+        ranks are out of step, a worker may wait in a collective) kill them."""
+        if not kill and self.workers.dead() is None:
+            try:
+                self.group.broadcast(Stop())
+            except RuntimeError:
+                logger.warning("stopping tensor-parallel workers: broadcast failed")
+                kill = True
+        self.workers.stop(timeout=0 if kill else 10.0)
+        leave_ranks()
+
+
+def check_parallel_model(config: EngineConfig, tp: int) -> ArchConfig:
+    """The checkpoint's architecture when ``tp`` ranks can split it, else a ValueError."""
+    ckpt = load_checkpoint(config.model)
+    model_cls = resolve_model_class(ckpt.hf_config.get("architectures"))
+    if not issubclass(model_cls, DecoderForCausalLM):
+        raise UnsupportedModelError(
+            f"tensor_parallel_size={tp}: {model_cls.__name__} is not tensor-parallel yet (the "
+            "decoder families are: Llama, Qwen2, Qwen3, Mistral, Gemma3); use 1"
+        )
+    check_shapes(ckpt.hf_config, tp, model_cls.__name__)
+    return ArchConfig.from_hf(ckpt.hf_config)
+
+
+def start_ranks(config: EngineConfig) -> Ranks:
+    """Check, spawn ranks 1..tp-1, join as rank 0. Each rank gets usable CPUs / tp threads."""
+    tp = config.parallel.tensor_parallel_size
+    cfg = check_parallel_model(config, tp)
+    threads = max(1, configure_threads() // tp)
+    torch.set_num_threads(threads)
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    ctx = mp.get_context("spawn")
+    procs: list[BaseProcess] = []
+    pipes: list[Connection] = []
+    for rank in range(1, tp):
+        ours, theirs = ctx.Pipe(duplex=False)
+        args = WorkerArgs(config, rank, tp, address, threads)
+        proc = ctx.Process(target=worker_main, args=(args, theirs), daemon=True,
+                           name=f"tokenmill-tp{rank}")  # fmt: skip
+        proc.start()
+        procs.append(proc)
+        pipes.append(ours)
+    workers = Workers(procs, pipes)
+    try:
+        workers.wait()  # imported: they are about to join
+        group = init_ranks(0, tp, address, config.torch_device())
+    except BaseException:
+        workers.stop(timeout=0)
+        raise
+    logger.info("tensor parallel: %d ranks, %d CPU threads each", tp, threads)
+    return Ranks(group, TPShard(cfg, group), workers)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

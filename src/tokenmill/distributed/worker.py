@@ -1,0 +1,97 @@
+"""A tensor-parallel worker process (ranks 1..): load its shard, then run what the driver
+broadcasts until told to stop.
+
+The worker never schedules or samples: per step it receives the step's model inputs
+(``messages.Forward``), runs its shard over them with its own KV caches (the layers'
+collectives meet the other ranks'), then takes part in each ``Logits`` call. A worker
+that fails exits; its closed sockets fail the driver's next collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from tokenmill.attention import StepContext
+from tokenmill.config import EngineConfig
+from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks
+from tokenmill.distributed.messages import Forward, Logits, Ready, Stop
+from tokenmill.distributed.shard import TPShard
+from tokenmill.engine.loading import load_model
+from tokenmill.loader import load_checkpoint
+from tokenmill.models.base import CausalLM
+from tokenmill.models.config import ArchConfig
+from tokenmill.worker.model_runner import allocate_kv_caches
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerArgs:
+    config: EngineConfig
+    rank: int
+    size: int
+    address: str
+    """tcp://host:port of the process group's rendezvous (the driver's)."""
+    num_threads: int
+
+
+def device_of(config: EngineConfig, rank: int) -> torch.device:
+    """Rank r's device: cuda:r (of the visible devices) on CUDA, else the CPU."""
+    device = config.torch_device()
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def load_shard(config: EngineConfig, group: RankGroup):
+    """This rank's part of the model (``engine/loading.load_model`` with its shard)."""
+    cfg = ArchConfig.from_hf(load_checkpoint(config.model).hf_config)
+    return load_model(config, TPShard(cfg, group))
+
+
+def worker_main(args: WorkerArgs, conn: Connection) -> None:
+    """The process's entry point (multiprocessing ``spawn``)."""
+    torch.set_num_threads(args.num_threads)
+    config = args.config
+    device = device_of(config, args.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        config = dataclasses.replace(config, device=str(device))
+    try:
+        conn.send(Ready(args.rank))  # imported: the driver may join the group now
+        group = init_ranks(args.rank, args.size, args.address, device)
+        loaded = load_shard(config, group)
+    except Exception:
+        conn.send(Ready(args.rank, traceback.format_exc()))
+        return
+    conn.send(Ready(args.rank))
+    sizes = group.broadcast()  # (num_blocks, num_slots) the driver chose
+    assert isinstance(sizes, tuple)
+    num_blocks, num_slots = sizes
+    caches = allocate_kv_caches(
+        loaded.model, num_blocks, config.block_size, loaded.dtype, device, num_slots=num_slots
+    )
+    try:
+        serve_steps(loaded.model, caches, group)
+    finally:
+        leave_ranks()
+
+
+def serve_steps(model: CausalLM, caches: list[torch.Tensor | None], group: RankGroup) -> None:
+    """Run the driver's broadcasts until ``Stop``."""
+    handlers: dict[type, Callable[[Any], object]] = {
+        Forward: lambda m: model(
+            m.input_ids,
+            m.positions,
+            StepContext(m.attn, caches, None, None, m.adapter_ids, m.input_embeds),
+        ),  # fmt: skip
+        Logits: lambda m: model.compute_logits(m.hidden),
+    }
+    with torch.inference_mode():
+        while not isinstance(msg := group.broadcast(), Stop):
+            handlers[type(msg)](msg)

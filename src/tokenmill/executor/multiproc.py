@@ -1,0 +1,56 @@
+"""Tensor parallelism on worker processes (``distributed_executor_backend="mp"``).
+
+The driver's ``ModelRunner`` runs rank 0's shard through ``TensorParallelDriver``, which
+broadcasts each step's model inputs to the workers (``distributed/``); scheduling and
+sampling stay here. A worker that dies fails the step in flight (its collective raises)
+and every later one at once, with an error that names the worker.
+"""
+
+from __future__ import annotations
+
+from tokenmill.distributed.launch import Ranks, WorkerDiedError
+from tokenmill.executor.base import Executor
+from tokenmill.scheduler import SchedulerOutput
+from tokenmill.worker.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, runner: ModelRunner, ranks: Ranks) -> None:
+        self.runner = runner
+        self.ranks = ranks
+        self._dead: str | None = None
+        self._stopped = False
+
+    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+        self._check()
+        try:
+            return self.runner.launch(sched)
+        except Exception as e:
+            raise self._died(e) from e
+
+    def collect(self, handle: LaunchedStep) -> ModelRunnerOutput:
+        self._check()
+        return self.runner.collect(handle)
+
+    def shutdown(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self.ranks.stop(kill=self._dead is not None)
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise WorkerDiedError(self._dead)
+        if self._stopped:
+            raise WorkerDiedError("the engine's tensor-parallel workers were shut down")
+
+    def _died(self, error: Exception) -> Exception:
+        """Any failed step leaves the ranks out of step (the workers may wait in a
+        collective the driver left): the workers are stopped and every later step fails at
+        once. The message names a worker that exited (the usual cause), else the error."""
+        dead = self.ranks.workers.wait_exit(timeout=2.0)
+        self._dead = dead or (
+            f"a tensor-parallel step failed ({type(error).__name__}: {error}); the ranks are "
+            "out of step and the engine can not run steps any more, restart it"
+        )
+        self.shutdown()
+        return WorkerDiedError(self._dead)
