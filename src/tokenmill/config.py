@@ -119,6 +119,17 @@ class EngineConfig:
     """Tree verification: not built yet, refused when set."""
     speculative: SpeculativeConfig | None = field(init=False, default=None, compare=False)
     """The resolved speculative config (from the fields above), None when off."""
+    # -- multimodal input (``multimodal/``) ----------------------------------------------
+    limit_mm_per_prompt: dict[str, Any] | None = None
+    """Most media items per prompt by modality, e.g. {"image": 4} (vLLM's name); default
+    8 images (video and audio are not taken yet)."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Image-processor options for every request (min_pixels / max_pixels, top level or in
+    images_kwargs); a request's own ``mm_processor_kwargs`` override them."""
+    mm_encoder_cache_bytes: int = 256 << 20
+    """Byte budget of the encoder cache (media embeddings by content hash, shared)."""
+    allowed_local_media_path: str | None = None
+    """``file://`` image URLs in chat messages must resolve inside this folder; None: off."""
     # -- pooling models (``pooling/``) -----------------------------------------------------
     runner: str = "auto"
     """generate, pooling (embed / score / classify, ``tokenmill.pooling``), or auto:
@@ -177,6 +188,11 @@ class EngineConfig:
             if value is not None:
                 _check_positive(name, value)
         self._check_state_pool()
+        from tokenmill.multimodal.options import parse_limits, parse_processor_kwargs
+
+        parse_limits(self.limit_mm_per_prompt)
+        parse_processor_kwargs(self.mm_processor_kwargs)
+        _check_positive("mm_encoder_cache_bytes", self.mm_encoder_cache_bytes)
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise InvalidRequestError(
                 f"async_scheduling={self.async_scheduling!r} is unknown; use one of "

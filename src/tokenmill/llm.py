@@ -16,6 +16,7 @@ from tokenmill.engine.prompts import (
     request_options,
 )
 from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.multimodal.prompt import attach_media, chat_media, multimodal_metrics
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling.offline import PoolingMixin
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, generation_defaults
@@ -121,6 +122,13 @@ class LLM(PoolingMixin, SpeechMixin):
         requests, queue latency avg/max (seconds), and queued / running sequences now."""
         return self._live_engine().stats.scheduling_metrics()
 
+    def get_multimodal_metrics(self) -> dict[str, float | int]:
+        """Media counters: items processed, preprocessing seconds, encoder runs, encoder
+        cache hits, encoder seconds, cache entries and bytes ({} for a text-only model)."""
+        engine = self._live_engine()
+        runner = getattr(engine.executor, "runner", None)  # in-process runs only
+        return multimodal_metrics(engine.mm_processor, getattr(runner, "mm", None))
+
     # -- serving ------------------------------------------------------------------------
     def serve(self, host: str = "127.0.0.1", port: int = 8000, **server_options: Any) -> None:
         """Serve this model over the OpenAI-compatible HTTP API (what ``tokenmill serve``
@@ -164,6 +172,7 @@ class LLM(PoolingMixin, SpeechMixin):
         engine = self._live_engine()
         items = normalize_prompts(prompts, self.tokenizer)
         options = request_options(prompts, priority)
+        items, options = attach_media(engine.mm_processor, self.config, prompts, items, options)
         params = params_per_prompt(sampling_params, len(items), self.get_default_sampling_params)
         ids = []
         try:
@@ -198,6 +207,7 @@ class LLM(PoolingMixin, SpeechMixin):
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
+            conv, media = chat_media(conv, self.config)  # image parts -> images
             ids = self.tokenizer.apply_chat_template(
                 [with_tool_arguments(m) for m in conv],
                 chat_template=chat_template,
@@ -207,7 +217,7 @@ class LLM(PoolingMixin, SpeechMixin):
                 **(chat_template_kwargs or {}),
             )
             text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            prompts.append({"prompt_token_ids": ids, "prompt": text})
+            prompts.append({"prompt_token_ids": ids, "prompt": text, **media})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def generate_stream(

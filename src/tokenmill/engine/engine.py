@@ -23,6 +23,7 @@ from tokenmill.engine.validation import check_params, check_prompt, resolve_max_
 from tokenmill.errors import InvalidRequestError
 from tokenmill.executor import UniProcExecutor
 from tokenmill.metrics.stats import EngineStats
+from tokenmill.multimodal.prompt import build_processor
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import make_generator
 from tokenmill.sampling_params import SamplingParams
@@ -63,6 +64,8 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer, self.stats.on_request_finished)
         self.overlap = config.overlaps_steps()
         """Asynchronous scheduling: launch step N+1 before waiting for step N."""
+        self.mm_processor = build_processor(config, self.loaded.model, self.loaded.checkpoint.path)
+        """Media -> placeholder runs at the boundary (``multimodal/``); None: text only."""
 
     @property
     def runner(self) -> ModelRunner:

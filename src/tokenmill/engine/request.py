@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from tokenmill.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from tokenmill.multimodal.inputs import MultiModalInputs
     from tokenmill.scheduler.request import Request
 
 
@@ -23,6 +24,8 @@ class RequestOptions:
     """Read KV cached by earlier requests."""
     cache_generated_tokens: bool = True
     """Also cache the KV of the generated tokens (multi-turn reuse), not only the prompt."""
+    multimodal: MultiModalInputs | None = None
+    """The prompt's processed media (``multimodal/processing.py``); None: text only."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
@@ -38,3 +41,8 @@ class RequestOptions:
         req.cache_key = self.cache_salt.encode() if self.cache_salt else b""
         req.reuse_context = self.reuse_context
         req.cache_generated_tokens = self.cache_generated_tokens
+        if self.multimodal is not None:
+            from tokenmill.multimodal.prefix_keys import media_block_keys
+
+            req.mm_inputs = self.multimodal
+            req.cache_key = media_block_keys(req.cache_key, self.multimodal)

@@ -36,6 +36,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.kv_cache.block_pool import BlockPool
 from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.kv_cache.manager import KVCacheManager, PrefixCacheStats
+from tokenmill.kv_cache.prefix import BlockKey
 from tokenmill.kv_cache.spec import (
     CacheSpec,
     FullAttention,
@@ -186,7 +187,7 @@ class KVCacheCoordinator:
 
     # -- what the scheduler does -----------------------------------------------------------
     def get_computed_blocks(
-        self, request_id: str, token_ids: list[int], extra_key: bytes = b"", reuse: bool = True
+        self, request_id: str, token_ids: list[int], extra_key: BlockKey = b"", reuse: bool = True
     ) -> int:
         """The reusable prefix, the minimum over groups: 0 while a group can not reuse one."""
         reuse = reuse and self.reuse_prefix
@@ -203,7 +204,7 @@ class KVCacheCoordinator:
         return True
 
     def commit(
-        self, request_id: str, token_ids: list[int], num_computed: int, extra_key: bytes = b""
+        self, request_id: str, token_ids: list[int], num_computed: int, extra_key: BlockKey = b""
     ) -> None:
         if self.reuse_prefix:  # otherwise nobody could ever reuse what is committed
             self.paged.commit(request_id, token_ids, num_computed, extra_key)

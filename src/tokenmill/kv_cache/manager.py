@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.kv_cache.block_pool import BlockPool, CachedBlock
 from tokenmill.kv_cache.block_table import BlockTableArray
-from tokenmill.kv_cache.prefix import extend_hashes
+from tokenmill.kv_cache.prefix import BlockKey, extend_hashes
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -75,7 +75,7 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def get_computed_blocks(
-        self, request_id: str, token_ids: list[int], extra_key: bytes = b"", reuse: bool = True
+        self, request_id: str, token_ids: list[int], extra_key: BlockKey = b"", reuse: bool = True
     ) -> int:
         """Take the longest cached prefix of ``token_ids`` for a request that holds no blocks.
 
@@ -128,7 +128,7 @@ class KVCacheManager:
         return True
 
     def commit(
-        self, request_id: str, token_ids: list[int], num_computed: int, extra_key: bytes = b""
+        self, request_id: str, token_ids: list[int], num_computed: int, extra_key: BlockKey = b""
     ) -> None:
         """Make the request's full, computed blocks findable for later requests.
 

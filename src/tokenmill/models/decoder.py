@@ -256,13 +256,16 @@ class DecoderForCausalLM(CausalLM):
         self.config = cfg
         self.dtype = dtype
         self.ops = ops or select_ops(torch.get_default_device(), dtype, quant)
+    decoder_model_cls: type[DecoderModel] = DecoderModel
+    """The trunk class (Qwen-VL's swaps in one with multimodal rotary positions)."""
+
         """The kernels and attention backend of every layer, chosen once here."""
         self.spec = self.decoder_spec(cfg)
         self.num_layers = cfg.num_layers
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
         self.vocab_size = cfg.vocab_size
-        self.model = DecoderModel(
+        self.model = self.decoder_model_cls(
             cfg, self.spec, dtype, max_positions or cfg.max_position_embeddings, quant, self.ops
         )
         self.lm_head: Linear | None = (

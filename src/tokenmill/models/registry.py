@@ -23,6 +23,14 @@ _REGISTRY: dict[str, tuple[str, str]] = {
         "Qwen3_5ForConditionalGeneration",
     ),
 }
+    "Qwen2VLForConditionalGeneration": (
+        "tokenmill.models.qwen2_vl",
+        "Qwen2VLForConditionalGeneration",
+    ),
+    "Qwen2_5_VLForConditionalGeneration": (
+        "tokenmill.models.qwen2_vl",
+        "Qwen2_5_VLForConditionalGeneration",
+    ),
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_REGISTRY))
 

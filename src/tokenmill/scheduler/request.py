@@ -9,9 +9,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenmill.kv_cache.prefix import BlockKey
 from tokenmill.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenmill.multimodal.inputs import MultiModalInputs
     from tokenmill.structured_output.state import StructuredRequest
 
 
@@ -63,7 +65,7 @@ class Request:
     """When the latest output tokens arrived (inter-token latency)."""
     priority: int = 0
     """Lower runs first; FCFS within a priority."""
-    cache_key: bytes = b""
+    cache_key: BlockKey = b""
     """Extra prefix-cache key (tenant salt): blocks are shared only between equal keys."""
     reuse_context: bool = True
     """Read cached KV of earlier requests (False: compute the whole prompt)."""
@@ -87,6 +89,9 @@ class Request:
     num_drafts_in_flight: int = 0
     """Draft tokens of the step in flight: until it returns, how many tokens it yields is
     unknown, so the request is not scheduled again (no overlap with drafts)."""
+    mm_inputs: MultiModalInputs | None = None
+    """The prompt's media (placeholder runs, processed items, M-RoPE positions); the
+    runner's multimodal step reads it (``multimodal/step.py``). None: text only."""
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

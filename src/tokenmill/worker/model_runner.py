@@ -21,6 +21,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.kv_cache.spec import FullAttention, allocate_caches
 from tokenmill.models.base import CausalLM
 from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
+from tokenmill.multimodal.step import MultiModalStep, multimodal_step
 from tokenmill.sampling.in_flight import InFlightRow
 from tokenmill.sampling.logits_processors import upload
 from tokenmill.sampling.sampler import RowState, SamplingRow
@@ -151,6 +152,8 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the step's forward pass and sampling on the device and the copy of the
         sampled ids back; returns without waiting (on CUDA) for any of it."""
+        self.mm: MultiModalStep | None = None
+        """Encoder outputs and M-RoPE positions of steps with media; None: text-only model."""
         seqs = sched.seqs
         cols = StepColumns.of(seqs)  # the sequences as columns, read once per step
         pending = self._pending_tokens(seqs, cols)
@@ -180,7 +183,11 @@ class ModelRunner:
                 return hidden, tuple(range(len(seqs) + 1))
             return hidden, tuple(accumulate(cols.num_new.tolist(), initial=0))
         inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending, cols)
-        hidden = self.model(inputs.input_ids, inputs.positions, self._ctx(inputs.meta, seqs))
+        ctx, positions = self._ctx(inputs.meta, seqs), inputs.positions
+        if self.mm is not None:  # a model with a media encoder (multimodal/step.py)
+            positions, embeds = self.mm.prepare(seqs, inputs.meta.query_start_loc, positions)
+            ctx = dataclasses.replace(ctx, input_embeds=embeds)
+        hidden = self.model(inputs.input_ids, positions, ctx)
         return hidden, inputs.meta.query_start_loc
 
     def _sample(
@@ -265,7 +272,8 @@ def make_runner(
     fast paths carry no state slots)."""
     backend = model.ops.backend
     decode: FastPath | None = cpu_fast_path(model, kv_caches, config.block_size, device)
-    if state_slot is not None:
+    mm = multimodal_step(model, config.mm_encoder_cache_bytes)
+    if state_slot is not None or mm is not None:  # fast paths: no slots, 1-D positions
         decode = None
     elif wants_cuda_graphs(device, backend, config.enforce_eager):
         graphs = PaddedDecode(

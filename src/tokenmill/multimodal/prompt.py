@@ -1,0 +1,95 @@
+"""Offline prompts with media: ``{"prompt": ..., "multi_modal_data": {...},
+"mm_processor_kwargs": {...}}`` -> placeholder-expanded ids and ``RequestOptions``."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.request import RequestOptions
+from tokenmill.errors import InvalidRequestError
+from tokenmill.multimodal.model import multimodal_info
+from tokenmill.multimodal.options import parse_limits, parse_processor_kwargs
+from tokenmill.multimodal.processing import QwenVLProcessor, load_image_processor
+
+
+def build_processor(config: EngineConfig, model: Any, folder: Any) -> QwenVLProcessor | None:
+    """The media processor of a model with an encoder (None: text only)."""
+    info = multimodal_info(model)
+    if info is None:
+        return None
+    return QwenVLProcessor(
+        info,
+        load_image_processor(folder),
+        parse_processor_kwargs(config.mm_processor_kwargs),
+        parse_limits(config.limit_mm_per_prompt),
+    )
+
+
+def model_name(config: EngineConfig) -> str:
+    return config.served_model_name or str(config.model)
+
+
+def attach_media(
+    processor: QwenVLProcessor | None,
+    config: EngineConfig,
+    prompts: Any,
+    items: list[tuple[str | None, list[int]]],
+    options: list[RequestOptions],
+) -> tuple[list[tuple[str | None, list[int]]], list[RequestOptions]]:
+    """Process the media of dict prompts that carry ``multi_modal_data``; other prompts
+    pass through unchanged (a text-only batch costs one dict lookup per prompt)."""
+    seq: Sequence[Any] = prompts if isinstance(prompts, list) else [prompts]
+    if len(seq) != len(items):  # a single token-id list prompt
+        seq = [prompts]
+    out_items, out_opts = list(items), list(options)
+    for k, p in enumerate(seq):
+        if not isinstance(p, dict) or not (
+            p.get("multi_modal_data") or p.get("mm_processor_kwargs")
+        ):
+            continue
+        if processor is None:
+            raise InvalidRequestError(
+                f"model {model_name(config)!r} has no vision or audio encoder: it takes text "
+                "only, so multi_modal_data (and image parts) can not be used with it"
+            )
+        data = p.get("multi_modal_data") or {}
+        if not isinstance(data, dict):
+            raise InvalidRequestError("multi_modal_data must be a dict like {'image': image}")
+        opts = parse_processor_kwargs(p.get("mm_processor_kwargs"))
+        ids, mm = processor.process(items[k][1], data, opts)
+        out_items[k] = (items[k][0], ids)
+        out_opts[k] = dataclasses.replace(options[k], multimodal=mm)
+    return out_items, out_opts
+
+
+def chat_media(messages: list[dict], config: EngineConfig) -> tuple[list[dict], dict[str, Any]]:
+    """(messages for the template, extra prompt keys): ``{"multi_modal_data": {"image":
+    [...]}}`` when the conversation has image parts, else {}."""
+    from tokenmill.multimodal.chat import extract_images, has_media
+    from tokenmill.multimodal.media import MediaPolicy
+
+    if not has_media(messages):
+        return messages, {}
+    policy = MediaPolicy(allowed_local_media_path=config.allowed_local_media_path)
+    messages, images = extract_images(messages, policy)
+    return messages, {"multi_modal_data": {"image": images}}
+
+
+def multimodal_metrics(processor: QwenVLProcessor | None, step: Any) -> dict[str, float | int]:
+    """Encoder and preprocessing counters (``LLM.get_multimodal_metrics``)."""
+    out: dict[str, float | int] = {}
+    if processor is not None:
+        out["mm_preprocess_seconds"] = processor.preprocess_seconds
+        out["mm_items_processed"] = processor.items_processed
+    if step is not None:
+        s = step.stats
+        out.update(
+            mm_items_encoded_or_cached=s.items, mm_encoder_runs=s.encoder_runs,
+            mm_encoder_cache_hits=s.cache_hits, mm_encoder_seconds=s.encoder_seconds,
+            mm_encoder_cache_evictions=s.evictions, mm_encoder_cache_entries=len(step.cache),
+            mm_encoder_cache_bytes=step.cache.used,
+        )  # fmt: skip
+    return out

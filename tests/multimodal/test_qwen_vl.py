@@ -1,0 +1,136 @@
+"""Qwen2.5-VL / Qwen2-VL with images against transformers on random weights.
+
+A 2-layer checkpoint with a 2-block vision tower (window attention in block 0, full in
+block 1) and the real Qwen2.5-VL image-processor settings: the processor's outputs must
+equal transformers' (pixel values, grids, placeholder runs), and the engine's 32 greedy
+tokens must equal transformers' ``generate`` for the same image(s), alone, batched with
+text-only requests, and with chunked prefill cutting an image's placeholder run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from qwen_vl_checkpoints import (
+    IMAGE_PAD,
+    hf_generate,
+    hf_processor,
+    make_qwen_vl,
+    random_image,
+)
+
+from tokenmill import LLM, SamplingParams
+
+STEPS = 32
+USER = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def images():
+    return [random_image(84, 56, 1), random_image(140, 112, 2), random_image(60, 200, 3)]
+
+
+def _llm(path, **options) -> LLM:
+    options = {"max_model_len": 512, "num_kv_blocks": 512, "block_size": 4, **options}
+    return LLM(str(path), dtype="float32", device="cpu", check_kv_integrity=True, **options)
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=STEPS, min_tokens=STEPS, ignore_eos=True)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_processor_outputs_equal_transformers(ckpt, images):
+    llm = _llm(ckpt)
+    proc = llm.llm_engine.mm_processor
+    prompt = USER.format(IMG + "a" + IMG + "b")
+    ref = hf_processor(ckpt)(text=[prompt], images=images[:2], return_tensors="pt")
+    ids, mm = proc.process(llm.tokenizer.encode(prompt), {"image": images[:2]}, proc.defaults)
+    assert ids == ref["input_ids"][0].tolist()
+    pixels = torch.cat([it.pixel_values for it in mm.items])
+    torch.testing.assert_close(pixels, ref["pixel_values"], rtol=0, atol=0)
+    assert [list(it.grid_thw) for it in mm.items] == ref["image_grid_thw"].tolist()
+    assert [r.length for r in mm.ranges] == [it.num_tokens for it in mm.items]
+    assert all(ids[r.offset : r.end] == [IMAGE_PAD] * r.length for r in mm.ranges)
+
+
+def test_processor_kwargs_resize_like_transformers(ckpt, images):
+    llm = _llm(ckpt, mm_processor_kwargs={"max_pixels": 56 * 56})
+    proc = llm.llm_engine.mm_processor
+    prompt = USER.format(IMG)
+    ids, mm = proc.process(llm.tokenizer.encode(prompt), {"image": images[1]}, proc.defaults)
+    hp = hf_processor(ckpt)
+    ref = hp(text=[prompt], images=[images[1]], images_kwargs={"size": {"shortest_edge": 3136, "longest_edge": 56 * 56}}, return_tensors="pt")  # fmt: skip
+    assert [list(mm.items[0].grid_thw)] == ref["image_grid_thw"].tolist() == [[1, 2, 4]]
+    assert ids == ref["input_ids"][0].tolist()
+
+
+def test_one_image_greedy_equals_transformers(ckpt, images):
+    prompt = USER.format(IMG + "Describe the picture.")
+    ref = hf_generate(ckpt, prompt, [images[0]], STEPS)
+    llm = _llm(ckpt)
+    out = llm.generate(
+        {"prompt": prompt, "multi_modal_data": {"image": images[0]}}, _greedy(), use_tqdm=False
+    )
+    assert _tokens(out) == [ref]
+
+
+def test_batch_with_text_only_requests(ckpt, images):
+    cases = [
+        (USER.format(IMG + "one"), [images[0]]),
+        (USER.format("only text here"), []),
+        (USER.format("two " + IMG + " and " + IMG + " end"), [images[1], images[2]]),
+        (USER.format("more text, a longer one this time"), []),
+    ]
+    refs = [hf_generate(ckpt, p, imgs, STEPS) for p, imgs in cases]
+    llm = _llm(ckpt)
+    prompts = [
+        {"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in cases
+    ]
+    assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == refs
+
+
+def test_chunked_prefill_splits_the_placeholder_run(ckpt, images):
+    prompt = USER.format("look: " + IMG + " now")
+    ref = hf_generate(ckpt, prompt, [images[1]], STEPS)
+    llm = _llm(ckpt, long_prefill_token_threshold=7, max_num_batched_tokens=16)
+    prompts = [{"prompt": prompt, "multi_modal_data": {"image": images[1]}}, USER.format("text")]
+    out = llm.generate(prompts, _greedy(), use_tqdm=False)
+    assert _tokens(out)[0] == ref
+    assert _tokens(out)[1] == hf_generate(ckpt, USER.format("text"), [], STEPS)
+
+
+def test_qwen2_vl(tmp_path, images):
+    path = make_qwen_vl(tmp_path, seed=3, generation="2")
+    prompt = USER.format(IMG + "What is it?")
+    ref = hf_generate(path, prompt, [images[1]], STEPS)
+    out = _llm(path).generate(
+        {"prompt": prompt, "multi_modal_data": {"image": images[1]}}, _greedy(), use_tqdm=False
+    )
+    assert _tokens(out) == [ref]
+
+
+def test_chat_image_url_equals_generate(ckpt, images):
+    import base64
+    import io
+
+    buf = io.BytesIO()
+    images[0].save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    messages = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "What?"}]}]  # fmt: skip
+    llm = _llm(ckpt)
+    chat = llm.chat(messages, _greedy(), use_tqdm=False)
+    rendered = hf_processor(ckpt).apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    assert _tokens(chat) == [hf_generate(ckpt, rendered, [images[0]], STEPS)]
