@@ -282,7 +282,7 @@ def make_runner(
         with torch.inference_mode():
             graphs.capture_all()
         decode = graphs
-    return ModelRunner(
+    runner = ModelRunner(
         model, kv_caches, config.block_size, device, sampler, backend, decode, state_slot
     )
 
@@ -299,6 +299,8 @@ def _entries(lp, token_ids: list[int]) -> list[TokenLogprobs]:
             lp.top_logprobs.tolist(),
         )
     ]
+    runner.mm = mm
+    return runner
 
 
 def _to_pinned(lp: LogprobsTensors) -> LogprobsTensors:
