@@ -136,6 +136,11 @@ def start_ranks(config: EngineConfig) -> Ranks:
     """Check, spawn ranks 1..tp-1, join as rank 0. Each rank gets usable CPUs / tp threads."""
     tp = config.parallel.tensor_parallel_size
     cfg = check_parallel_model(config, tp)
+    if mp.current_process().daemon:
+        raise ValueError(
+            f"tensor_parallel_size={tp} starts worker processes, which a daemonic process "
+            "(the server's --engine-process on) can not have; use --engine-process off"
+        )
     threads = max(1, configure_threads() // tp)
     torch.set_num_threads(threads)
     address = f"tcp://127.0.0.1:{_free_port()}"

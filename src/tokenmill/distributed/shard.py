@@ -172,9 +172,9 @@ def _cols(t: Weight, start: int, length: int) -> Weight:
     block, type_size = GGML_QUANT_SIZES[t.qtype]
     if start % block or length % block:
         raise UnsupportedModelError(
-            f"a {t.qtype.name} tensor of shape {t.shape} can not be split at column {start} "
-            f"(its blocks hold {block} columns): use a tensor_parallel_size whose shards "
-            "are whole blocks, or a float checkpoint"
+            f"a {t.qtype.name} tensor of shape {t.shape} can not be split into column shards "
+            f"of {length} (its blocks hold {block} columns): use a tensor_parallel_size whose "
+            "shards are whole blocks, or a float checkpoint"
         )
     raw = t.raw[:, start // block * type_size : (start + length) // block * type_size]
     return GgufBlocks(np.ascontiguousarray(raw), t.qtype, (t.shape[0], length))

@@ -56,6 +56,20 @@ def build_engine(
 ) -> EngineParts:
     configure_threads()  # before loading: repacking quantized weights uses the pool
     ranks = _start_ranks(config, loaded)  # tensor parallel: the workers load meanwhile
+    try:
+        return _assemble(config, loaded, hooks, ranks)
+    except BaseException:
+        if ranks is not None:  # workers would wait for a driver that is gone
+            ranks.stop(kill=True)
+        raise
+
+
+def _assemble(
+    config: EngineConfig,
+    loaded: LoadedModel | None,
+    hooks: Sequence[RequestHook],
+    ranks: Ranks | None,
+) -> EngineParts:
     loaded = loaded or load_model(config, None if ranks is None else ranks.shard)
     num_blocks = kv_cache_blocks(config, loaded)
     specs = loaded.model.cache_specs()
