@@ -203,11 +203,11 @@ class LLM(PoolingMixin, SpeechMixin):
     ) -> list[RequestOutput]:
         """Render each conversation with the chat template, then generate. Each output's
         ``prompt`` is the rendered conversation."""
-        self._live_engine()  # a closed LLM, or one holding a Whisper model, says so here
+        engine = self._live_engine()  # a closed LLM, or one holding Whisper, says so here
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
-            conv, media = chat_media(conv, self.config)  # image parts -> images
+            conv, media = chat_media(conv, self.config, engine.mm_processor)  # image parts
             ids = self.tokenizer.apply_chat_template(
                 [with_tool_arguments(m) for m in conv],
                 chat_template=chat_template,

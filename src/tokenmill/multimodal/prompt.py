@@ -32,6 +32,13 @@ def model_name(config: EngineConfig) -> str:
     return config.served_model_name or str(config.model)
 
 
+def no_encoder_error(config: EngineConfig) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"model {model_name(config)!r} has no vision or audio encoder: it takes text only, "
+        "so multi_modal_data and media content parts can not be used with it"
+    )
+
+
 def attach_media(
     processor: QwenVLProcessor | None,
     config: EngineConfig,
@@ -51,10 +58,7 @@ def attach_media(
         ):
             continue
         if processor is None:
-            raise InvalidRequestError(
-                f"model {model_name(config)!r} has no vision or audio encoder: it takes text "
-                "only, so multi_modal_data (and image parts) can not be used with it"
-            )
+            raise no_encoder_error(config)
         data = p.get("multi_modal_data") or {}
         if not isinstance(data, dict):
             raise InvalidRequestError("multi_modal_data must be a dict like {'image': image}")
@@ -65,7 +69,9 @@ def attach_media(
     return out_items, out_opts
 
 
-def chat_media(messages: list[dict], config: EngineConfig) -> tuple[list[dict], dict[str, Any]]:
+def chat_media(
+    messages: list[dict], config: EngineConfig, processor: QwenVLProcessor | None
+) -> tuple[list[dict], dict[str, Any]]:
     """(messages for the template, extra prompt keys): ``{"multi_modal_data": {"image":
     [...]}}`` when the conversation has image parts, else {}."""
     from tokenmill.multimodal.chat import extract_images, has_media
@@ -73,6 +79,8 @@ def chat_media(messages: list[dict], config: EngineConfig) -> tuple[list[dict], 
 
     if not has_media(messages):
         return messages, {}
+    if processor is None:
+        raise no_encoder_error(config)
     policy = MediaPolicy(allowed_local_media_path=config.allowed_local_media_path)
     messages, images = extract_images(messages, policy)
     return messages, {"multi_modal_data": {"image": images}}

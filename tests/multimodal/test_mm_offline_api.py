@@ -1,0 +1,86 @@
+"""The offline multimodal API's checks: every bad input is a ValueError that says what
+to change, raised before anything is queued."""
+
+from __future__ import annotations
+
+import pytest
+from qwen_vl_checkpoints import make_qwen_vl, random_image
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import InvalidRequestError
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_qwen_vl(tmp_path_factory.mktemp("qwen2_5_vl_api"), seed=2)
+    return LLM(str(path), dtype="float32", device="cpu", max_model_len=512, num_kv_blocks=256,
+               block_size=4, limit_mm_per_prompt={"image": 2})  # fmt: skip
+
+
+def _gen(llm, prompt, **extra):
+    return llm.generate({"prompt": prompt, **extra}, SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_text_model_refuses_media_naming_it(tiny_llama_dir):
+    text_llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", num_kv_blocks=64)
+    with pytest.raises(ValueError, match=str(tiny_llama_dir)):
+        _gen(text_llm, "hi", multi_modal_data={"image": random_image(28, 28, 0)})
+    msg = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]  # fmt: skip
+    with pytest.raises(ValueError, match="no vision or audio encoder"):
+        text_llm.chat(msg, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"max_pixels": 10_000, "images_kwargs": {"max_pixels": 20_000}}, "both at the top level"),
+        ({"min_pixels": 50_000, "max_pixels": 10_000}, "larger than max_pixels"),
+        ({"max_pixels": -1}, "positive integer"),
+        ({"fps": 2}, "unknown option"),
+        ({"images_kwargs": 3}, "must be a dict"),
+    ],
+)
+def test_bad_mm_processor_kwargs(llm, kwargs, match):
+    with pytest.raises(InvalidRequestError, match=match):
+        _gen(
+            llm,
+            IMG,
+            multi_modal_data={"image": random_image(28, 28, 0)},
+            mm_processor_kwargs=kwargs,
+        )
+
+
+def test_mm_processor_kwargs_per_request_and_per_llm(llm):
+    img = random_image(280, 280, 1)
+    big = _gen(llm, IMG, multi_modal_data={"image": img})
+    small = _gen(llm, IMG, multi_modal_data={"image": img},
+                 mm_processor_kwargs={"images_kwargs": {"max_pixels": 56 * 56}})  # fmt: skip
+    assert (
+        len(big[0].prompt_token_ids) == 3 + 100 - 1 and len(small[0].prompt_token_ids) == 3 + 4 - 1
+    )
+    with pytest.raises(ValueError, match="both at the top level"):
+        LLM(None, mm_processor_kwargs={"min_pixels": 1, "images_kwargs": {"min_pixels": 2}})
+
+
+def test_limit_mm_per_prompt(llm):
+    imgs = [random_image(28, 28, i) for i in range(3)]
+    with pytest.raises(InvalidRequestError, match="at most 2 allowed"):
+        _gen(llm, IMG * 3, multi_modal_data={"image": imgs})
+    with pytest.raises(ValueError, match="unknown modality"):
+        LLM(None, limit_mm_per_prompt={"smell": 1})
+
+
+def test_placeholder_count_must_match(llm):
+    with pytest.raises(InvalidRequestError, match="1 image placeholder"):
+        _gen(llm, IMG, multi_modal_data={"image": [random_image(28, 28, 0)] * 2})
+    with pytest.raises(InvalidRequestError, match="not supported by this model yet"):
+        _gen(llm, IMG, multi_modal_data={"audio": (b"", 16000)})
+
+
+def test_bad_images(llm):
+    with pytest.raises(InvalidRequestError, match="not an image"):
+        _gen(llm, IMG, multi_modal_data={"image": b"definitely not a png"})
+    with pytest.raises(InvalidRequestError, match="PIL image"):
+        _gen(llm, IMG, multi_modal_data={"image": 42})
