@@ -37,3 +37,18 @@ def test_blocks_wider_than_a_shard_are_refused(tmp_path, tokenizer_dir):
     path = write_gguf(tmp_path / "k.gguf", synthetic_tensors([Q.Q4_K]))
     with pytest.raises(Exception, match="Q4_K tensor .* column shards of 128"):
         _tokens(path, tokenizer_dir, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["auto", "float32"], ids=["q4_1_kept", "dequantized"])
+def test_smollm2_tp3_equals_tp1(smollm2_gguf, dtype):
+    # 9 query heads, 3 KV heads, MLP 1536: 3 ranks split them (2 can not, test_tp_failures)
+    chat = [[{"role": "user", "content": "What is the capital of France?"}],
+            [{"role": "user", "content": "Write a haiku about rain."}]]  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+
+    def tokens(**options):
+        with LLM(str(smollm2_gguf), max_model_len=256, dtype=dtype, **options) as llm:
+            return [o.outputs[0].token_ids for o in llm.chat(chat, greedy, use_tqdm=False)]
+
+    assert tokens(tensor_parallel_size=3) == tokens()
