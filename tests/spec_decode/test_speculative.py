@@ -206,7 +206,8 @@ def test_adaptive_cap_and_cost_curve(smollm2_gguf, plain):
     "options, message",
     [
         ({"speculative_config": {"method": "medusa"}}, "unknown"),
-        ({"speculative_config": {"method": "eagle3", "model": "x"}}, "not built yet"),
+        ({"speculative_config": {"method": "eagle3"}}, "EAGLE-3 head's folder"),
+        ({"speculative_config": {"method": "ngram", "model": "x"}}, "takes no 'model'"),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, "num_spec"),
         (
             {

@@ -35,6 +35,9 @@ class AttentionSpec:
     sliding_window: int | None = None
     softcap: float | None = None
     """tanh soft-capping of attention scores."""
+    input_size: int | None = None
+    """Width of the q/k/v projections' input when it is not ``hidden_size`` (an EAGLE-3
+    head attends over [embedding | feature], 2 x hidden)."""
 
 
 class Attention(nn.Module):
@@ -64,12 +67,13 @@ class Attention(nn.Module):
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         qkv_sizes = [self.q_size, self.kv_size, self.kv_size]
+        in_size = spec.input_size or spec.hidden_size
         self.qkv_proj = PackedLinear(
-            spec.hidden_size,
+            in_size,
             qkv_sizes,
             spec.qkv_bias,
             dtype,
-            linear_method(quant, f"{prefix}.qkv_proj", qkv_sizes, spec.hidden_size),
+            linear_method(quant, f"{prefix}.qkv_proj", qkv_sizes, in_size),
         )
         self.o_proj = Linear(
             self.q_size,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -170,6 +170,13 @@ def _norm(
     return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset, dtype, exact, ops)
 
 
+class AuxTap(Protocol):
+    """Takes the residual stream in front of each layer (``hidden + residual``; the
+    embeddings in front of the first): ``spec_decode.features.FeatureTap``."""
+
+    def capture(self, layer: int, hidden: torch.Tensor, residual: torch.Tensor | None) -> None: ...
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm: input_ids [T] -> hidden [T, hidden]."""
 
@@ -205,6 +212,9 @@ class DecoderModel(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.norm = _norm(cfg, spec, dtype, quant, ops)
+        self.aux_tap: AuxTap | None = None
+        """Set by a speculative head that reads the residual stream in front of some layers
+        (EAGLE-3, ``spec_decode/features.py``); None: nothing is captured."""
 
     def embed(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """input_ids [T] -> [T, hidden]: the table rows (scaled for Gemma), with the step's
@@ -227,7 +237,10 @@ class DecoderModel(nn.Module):
         hidden = self.embed(input_ids, ctx)  # [T, hidden]
         rope = self.rope_tables(positions)
         residual: torch.Tensor | None = None
-        for layer in self.layers:
+        tap = self.aux_tap
+        for i, layer in enumerate(self.layers):
+            if tap is not None:
+                tap.capture(i, hidden, residual)
             hidden, residual = layer(rope, hidden, residual, ctx)
         if residual is None:
             return self.norm(hidden)
@@ -243,6 +256,9 @@ class DecoderForCausalLM(CausalLM):
     ``quant`` says how each linear stores its weight (default: dense in ``dtype``).
     """
 
+    decoder_model_cls: type[DecoderModel] = DecoderModel
+    """The trunk class (Qwen-VL's swaps in one with multimodal rotary positions)."""
+
     def __init__(
         self,
         hf_config: dict[str, Any],
@@ -256,9 +272,6 @@ class DecoderForCausalLM(CausalLM):
         self.config = cfg
         self.dtype = dtype
         self.ops = ops or select_ops(torch.get_default_device(), dtype, quant)
-    decoder_model_cls: type[DecoderModel] = DecoderModel
-    """The trunk class (Qwen-VL's swaps in one with multimodal rotary positions)."""
-
         """The kernels and attention backend of every layer, chosen once here."""
         self.spec = self.decoder_spec(cfg)
         self.num_layers = cfg.num_layers

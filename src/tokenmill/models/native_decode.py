@@ -96,7 +96,10 @@ class NativeDecode:
             seq_lens=meta.seq_lens_tensor.data_ptr(),
             **{name: t.data_ptr() for name, t in buffers.items()},
         )  # fmt: skip
-        for desc in self._layer_descs(ctx.kv_caches):
+        tap = self.model.aux_tap
+        for i, desc in enumerate(self._layer_descs(ctx.kv_caches)):
+            if tap is not None:  # the stream in front of layer i (after layer 0 has run)
+                tap.capture(i, hidden, None if step.first_layer else residual)
             native.decode_layer(desc, step)
             step.first_layer = 0
         return hidden, residual

@@ -10,6 +10,7 @@ from tokenmill.errors import UnsupportedModelError
 _REGISTRY: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("tokenmill.models.qwen2", "Qwen2ForCausalLM"),
+    "MiMoForCausalLM": ("tokenmill.models.mimo", "MiMoForCausalLM"),
     "Qwen3ForCausalLM": ("tokenmill.models.qwen3", "Qwen3ForCausalLM"),
     "MistralForCausalLM": ("tokenmill.models.mistral", "MistralForCausalLM"),
     "Gemma3ForCausalLM": ("tokenmill.models.gemma3", "Gemma3ForCausalLM"),
@@ -22,7 +23,6 @@ _REGISTRY: dict[str, tuple[str, str]] = {
         "tokenmill.models.qwen3_5",
         "Qwen3_5ForConditionalGeneration",
     ),
-}
     "Qwen2VLForConditionalGeneration": (
         "tokenmill.models.qwen2_vl",
         "Qwen2VLForConditionalGeneration",
@@ -31,6 +31,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
         "tokenmill.models.qwen2_vl",
         "Qwen2_5_VLForConditionalGeneration",
     ),
+}
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_REGISTRY))
 

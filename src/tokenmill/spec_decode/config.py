@@ -17,8 +17,6 @@ from tokenmill.errors import InvalidRequestError
 
 METHODS = ("ngram", "suffix", "draft_model", "eagle3", "mtp")
 """vLLM's method names; ``[ngram]`` / ``prompt_lookup`` are accepted as ngram."""
-BUILT = ("ngram", "suffix", "draft_model")
-"""The methods this build runs; the others are refused with a clear error."""
 _ALIASES = {"[ngram]": "ngram", "prompt_lookup": "ngram", "draft": "draft_model"}
 MAX_SPECULATIVE_TOKENS = 16
 TREE_FIELDS = ("draft_top_k", "draft_step", "verify_tree_size", "max_verify_tree_size")
@@ -27,14 +25,16 @@ TREE_FIELDS = ("draft_top_k", "draft_step", "verify_tree_size", "max_verify_tree
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
-    """ngram (prompt lookup), suffix (suffix decoding), draft_model; eagle3 and mtp are
-    named by vLLM and refused here (no heads are built yet)."""
+    """ngram (prompt lookup), suffix (suffix decoding), draft_model (a smaller model),
+    eagle3 (an EAGLE-3 head folder in ``model``), mtp (the target checkpoint's own
+    multi-token-prediction layers)."""
     num_speculative_tokens: int = 5
     """Most draft tokens verified per request per step; the engine chooses fewer (or
     none) per step where more would not pay (``spec_decode/adaptive.py``)."""
     model: str | None = None
     """draft_model: the draft checkpoint (HF folder or GGUF); its vocabulary must map every
-    token to the same id as the target's."""
+    token to the same id as the target's. eagle3: the head's folder (config.json and its
+    weights). mtp: another copy of the target checkpoint (default: the target's own)."""
     prompt_lookup_min: int = 2
     """ngram: shortest suffix of the request's tokens to look up."""
     prompt_lookup_max: int = 5
@@ -85,6 +85,10 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise InvalidRequestError(
                 "speculative_config: method 'draft_model' needs 'model' (the draft checkpoint)"
+            )
+        if self.method == "eagle3" and not self.model:
+            raise InvalidRequestError(
+                "speculative_config: method 'eagle3' needs 'model' (the EAGLE-3 head's folder)"
             )
         if self.method in ("ngram", "suffix") and self.model:
             raise InvalidRequestError(
@@ -163,11 +167,6 @@ def _from_dict(raw: dict[str, Any]) -> SpeculativeConfig:
     if method not in METHODS:
         raise InvalidRequestError(
             f"speculative_config: method {method!r} is unknown; use one of {', '.join(METHODS)}"
-        )
-    if method not in BUILT:
-        raise InvalidRequestError(
-            f"speculative_config: method {method!r} is not built yet (no {method} head "
-            f"loader); use one of {', '.join(BUILT)}"
         )
     known = {f.name for f in fields(SpeculativeConfig)} - {"method"}
     unknown = sorted(set(raw) - known)

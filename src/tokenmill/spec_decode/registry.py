@@ -48,10 +48,18 @@ def _draft_model(spec: SpeculativeConfig, target: TargetParts) -> Proposer:
     return DraftModelProposer.build(spec, target)
 
 
+def _head(spec: SpeculativeConfig, target: TargetParts) -> Proposer:
+    from tokenmill.spec_decode.head_proposer import build_head_proposer
+
+    return build_head_proposer(spec, target)
+
+
 PROPOSERS: dict[str, Callable[[SpeculativeConfig, TargetParts], Proposer]] = {
     "ngram": _ngram,
     "suffix": _suffix,
     "draft_model": _draft_model,
+    "eagle3": _head,
+    "mtp": _head,
 }
 
 
@@ -62,6 +70,7 @@ def build_draft_hook(spec: SpeculativeConfig, target: TargetParts, budget: int) 
     from tokenmill.spec_decode.adaptive import CostCurve
     from tokenmill.spec_decode.calibrate import measure_cost_curve
     from tokenmill.spec_decode.draft_model import DraftModelProposer
+    from tokenmill.spec_decode.head_proposer import HeadProposer
 
     proposer = PROPOSERS[spec.method](spec, target)
     k = spec.num_speculative_tokens
@@ -71,4 +80,8 @@ def build_draft_hook(spec: SpeculativeConfig, target: TargetParts, budget: int) 
         curve = measure_cost_curve(target.runner, target.kv, k, budget, seqs)
         if isinstance(proposer, DraftModelProposer):  # its one-token steps cost too
             proposal = measure_cost_curve(proposer.runner, proposer.kv, 0, budget, seqs)
+        elif isinstance(proposer, HeadProposer):
+            proposal = proposer.measure_step_cost(seqs)
+    if isinstance(proposer, HeadProposer):  # features from now on (not the scratch steps')
+        proposer.attach()
     return DraftHook(proposer, k, DraftLength(k, curve, spec.adaptive, proposal))

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Protocol
 
 import torch
 
@@ -20,8 +21,8 @@ from tokenmill.attention.backends import REFERENCE, AttentionBackend
 from tokenmill.config import EngineConfig
 from tokenmill.kv_cache.spec import FullAttention, allocate_caches
 from tokenmill.models.base import CausalLM
-from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
 from tokenmill.multimodal.step import MultiModalStep, multimodal_step
+from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
 from tokenmill.sampling.in_flight import InFlightRow
 from tokenmill.sampling.logits_processors import upload
 from tokenmill.sampling.sampler import RowState, SamplingRow
@@ -36,6 +37,14 @@ from tokenmill.worker.inputs import (
     build_step_inputs,
     record_event,
 )
+
+
+class FeatureSink(Protocol):
+    def record(
+        self, seqs: Sequence[ScheduledSeq], query_start_loc: Sequence[int], hidden: torch.Tensor
+    ) -> None:
+        """The step's sequences, their row offsets, its final hidden states [T, hidden]."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -143,21 +152,26 @@ class ModelRunner:
         self.sampler = sampler
         self.backend = backend or REFERENCE
         self.decode = decode
+        self.mm: MultiModalStep | None = None
+        """Encoder outputs and M-RoPE positions of steps with media; None: text-only model."""
         self.staging = PinnedStaging(device)
         self.host_ids = HostIds(device)
         self._last_sampled: _Sampled | None = None
         """The latest launched step's sampled ids (device) and where each sequence's are."""
+        self.tap: FeatureSink | None = None
+        """Set by a speculative head's proposer (EAGLE-3, MTP): handed every step's
+        features (``spec_decode/features.FeatureTap``); None: nothing is kept."""
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the step's forward pass and sampling on the device and the copy of the
         sampled ids back; returns without waiting (on CUDA) for any of it."""
-        self.mm: MultiModalStep | None = None
-        """Encoder outputs and M-RoPE positions of steps with media; None: text-only model."""
         seqs = sched.seqs
         cols = StepColumns.of(seqs)  # the sequences as columns, read once per step
         pending = self._pending_tokens(seqs, cols)
         hidden, qsl = self._forward(sched, pending, cols)
+        if self.tap is not None:  # a speculative head reads the target's features
+            self.tap.record(seqs, qsl, hidden)
         first_rows, sample_rows, rows = _sample_rows(seqs, qsl, pending, cols)
         sampled, lp = self._sample(rows, sample_rows, hidden) if rows else (None, None)
         prompt_lp = self._prompt_logprobs(seqs, qsl, hidden)
@@ -285,6 +299,8 @@ def make_runner(
     runner = ModelRunner(
         model, kv_caches, config.block_size, device, sampler, backend, decode, state_slot
     )
+    runner.mm = mm
+    return runner
 
 
 def _entries(lp, token_ids: list[int]) -> list[TokenLogprobs]:
@@ -299,8 +315,6 @@ def _entries(lp, token_ids: list[int]) -> list[TokenLogprobs]:
             lp.top_logprobs.tolist(),
         )
     ]
-    runner.mm = mm
-    return runner
 
 
 def _to_pinned(lp: LogprobsTensors) -> LogprobsTensors:
