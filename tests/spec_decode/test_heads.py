@@ -5,6 +5,8 @@ decoding whatever the head proposes; bad heads are clear errors."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from head_models import eagle3_reference, make_eagle3_head, make_mimo, mtp_reference
@@ -189,3 +191,32 @@ def test_bad_heads_are_clear_errors(tmp_path, target_dir, eagle_dir, smollm2_hf_
     save_file(weights, str(wide / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="past the target's vocabulary"):
         LLM(str(target_dir), speculative_config=eagle(wide), **OPTS)
+
+
+def test_heads_with_grammar_abort_and_async(target_dir, eagle_dir, plain, smollm2_hf_tokenizer):
+    """A regex grammar cuts the head's drafts to what it allows; asynchronous scheduling
+    gives the same output; an abort mid-speculation returns every block and the head
+    forgets the request."""
+    from tokenmill.sampling_params import StructuredOutputsParams
+
+    guided = SamplingParams(temperature=0, max_tokens=12,
+                            structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))  # fmt: skip
+    prompts = PROMPTS[:2]
+    want_guided = run(plain, guided, prompts)
+    want = run(plain)
+    with LLM(str(target_dir), speculative_config=eagle(eagle_dir), async_scheduling="on",
+             **OPTS) as llm:  # fmt: skip
+        assert run(llm, guided, prompts) == want_guided
+        texts = [smollm2_hf_tokenizer.decode(t) for t in want_guided]
+        assert all(re.fullmatch("[a-z ]+", text) for text in texts), texts
+        assert run(llm) == want
+        engine = llm.engine
+        rid = engine.add_request(PROMPTS[3], SamplingParams(temperature=0, max_tokens=60))
+        for _ in range(6):
+            engine.step()
+        assert hook(llm).stats.num_drafts > 0
+        engine.abort(rid)
+        while engine.has_unfinished():
+            engine.step()
+        assert engine.kv.num_free_blocks == engine.kv.num_blocks
+        assert not hook(llm).proposer._seqs and not hook(llm).proposer.tap.runs
