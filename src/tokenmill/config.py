@@ -130,6 +130,14 @@ class EngineConfig:
     """Byte budget of the encoder cache (media embeddings by content hash, shared)."""
     allowed_local_media_path: str | None = None
     """``file://`` image URLs in chat messages must resolve inside this folder; None: off."""
+    allow_media_fetch: bool = True
+    """Fetch http(s) image URLs of chat messages (False: refused with a clear error)."""
+    media_max_bytes: int = 20 << 20
+    """Largest encoded media item (data URL, file or download)."""
+    media_fetch_timeout: float = 10.0
+    """Seconds one http(s) media fetch may take."""
+    media_max_pixels: int = 64 << 20
+    """Largest decoded image (width x height) accepted, before any resize."""
     # -- pooling models (``pooling/``) -----------------------------------------------------
     runner: str = "auto"
     """generate, pooling (embed / score / classify, ``tokenmill.pooling``), or auto:
@@ -192,7 +200,12 @@ class EngineConfig:
 
         parse_limits(self.limit_mm_per_prompt)
         parse_processor_kwargs(self.mm_processor_kwargs)
-        _check_positive("mm_encoder_cache_bytes", self.mm_encoder_cache_bytes)
+        for name in ("mm_encoder_cache_bytes", "media_max_bytes", "media_max_pixels"):
+            _check_positive(name, getattr(self, name))
+        if not self.media_fetch_timeout > 0:
+            raise InvalidRequestError(
+                f"media_fetch_timeout must be > 0, got {self.media_fetch_timeout!r}"
+            )
         if self.async_scheduling not in ASYNC_SCHEDULING:
             raise InvalidRequestError(
                 f"async_scheduling={self.async_scheduling!r} is unknown; use one of "

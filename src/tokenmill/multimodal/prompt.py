@@ -10,6 +10,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import RequestOptions
 from tokenmill.errors import InvalidRequestError
+from tokenmill.multimodal.media import MediaPolicy
 from tokenmill.multimodal.model import multimodal_info
 from tokenmill.multimodal.options import parse_limits, parse_processor_kwargs
 from tokenmill.multimodal.processing import QwenVLProcessor, load_image_processor
@@ -25,6 +26,7 @@ def build_processor(config: EngineConfig, model: Any, folder: Any) -> QwenVLProc
         load_image_processor(folder),
         parse_processor_kwargs(config.mm_processor_kwargs),
         parse_limits(config.limit_mm_per_prompt),
+        config.media_max_pixels,
     )
 
 
@@ -75,14 +77,12 @@ def chat_media(
     """(messages for the template, extra prompt keys): ``{"multi_modal_data": {"image":
     [...]}}`` when the conversation has image parts, else {}."""
     from tokenmill.multimodal.chat import extract_images, has_media
-    from tokenmill.multimodal.media import MediaPolicy
 
     if not has_media(messages):
         return messages, {}
     if processor is None:
         raise no_encoder_error(config)
-    policy = MediaPolicy(allowed_local_media_path=config.allowed_local_media_path)
-    messages, images = extract_images(messages, policy)
+    messages, images = extract_images(messages, media_policy(config))
     return messages, {"multi_modal_data": {"image": images}}
 
 
@@ -101,3 +101,14 @@ def multimodal_metrics(processor: QwenVLProcessor | None, step: Any) -> dict[str
             mm_encoder_cache_bytes=step.cache.used,
         )  # fmt: skip
     return out
+
+
+def media_policy(config: EngineConfig) -> MediaPolicy:
+    """Where chat media may come from, from the engine options."""
+    return MediaPolicy(
+        allowed_local_media_path=config.allowed_local_media_path,
+        allow_http=config.allow_media_fetch,
+        max_bytes=config.media_max_bytes,
+        timeout=config.media_fetch_timeout,
+        max_pixels=config.media_max_pixels,
+    )

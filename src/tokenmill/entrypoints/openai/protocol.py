@@ -92,7 +92,6 @@ _SAMPLING_REFUSED = {
         "logits processors are per-request callables of the Python API (SamplingParams), "
         "not named in a request body"
     ),
-    "mm_processor_kwargs": Refused("this server takes text only"),
 }
 """vLLM's extra fields that change results and are not honoured here."""
 
@@ -183,6 +182,8 @@ class ChatCompletionRequest(SamplingRequest):
     }
 
     messages: list[dict[str, Any]]
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Image-processor options of this request (vLLM's field): min_pixels, max_pixels."""
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
@@ -214,6 +215,7 @@ class CompletionRequest(SamplingRequest):
     refused: ClassVar[dict[str, Refused]] = {
         **_SAMPLING_REFUSED,
         "return_token_ids": Refused("token ids are not returned"),
+        "mm_processor_kwargs": Refused("completions take text only (send images to chat)"),
     }
 
     prompt: PromptField

@@ -45,6 +45,8 @@ from tokenmill.entrypoints.openai.structured import (
     tool_setup,
     with_tool_arguments,
 )
+from tokenmill.multimodal.inputs import MultiModalInputs
+from tokenmill.multimodal.server import chat_media_of, is_media_message, with_media
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
@@ -59,6 +61,7 @@ class PreparedChat:
     parser: ChatOutputParser
     top_n: int | None
     echo: str
+    multimodal: MultiModalInputs | None = None
 
 
 class ChatHandler:
@@ -92,7 +95,8 @@ class ChatHandler:
         tools = tool_setup(
             req, self.state.config.tool_call_parser, req.chat_template or self.state.chat_template
         )
-        conversation = [with_tool_arguments(_flatten(i, m)) for i, m in enumerate(req.messages)]
+        media = chat_media_of(llm.engine, req.messages, req.mm_processor_kwargs)  # image parts
+        conversation = [with_tool_arguments(_flatten(i, m)) for i, m in enumerate(media.messages)]
         prompt_ids = render_chat(
             self.state,
             tokenizer,
@@ -105,6 +109,7 @@ class ChatHandler:
             tools=req.tools,
             **template_kwargs(req),
         )
+        prompt_ids, multimodal = media.attach(prompt_ids)
         reasoning_cls = llm.engine.structured.reasoning_parser
         reasoning = reasoning_cls.for_prompt(tokenizer, prompt_ids) if reasoning_cls else None
         parser = ChatOutputParser(
@@ -128,6 +133,7 @@ class ChatHandler:
             parser,
             top_n,
             _echo_text(req, conversation),
+            multimodal,
         )
 
     async def start(
@@ -137,8 +143,9 @@ class ChatHandler:
         llm = self.state.require_llm()
         log_request(self.state.config, prep.rid, prep.prompt_ids, prep.params, self.state.tokenizer)
         add = llm.add_request(
-            prep.prompt_ids, prep.params, prep.rid, options=to_request_options(req)
-        )
+            prep.prompt_ids, prep.params, prep.rid,
+            options=with_media(to_request_options(req), prep.multimodal),
+        )  # fmt: skip
         stream = await unless_disconnected(raw, add)
         try:
             first = await unless_disconnected(raw, anext(stream))
@@ -168,6 +175,8 @@ def _top_logprobs(req: ChatCompletionRequest) -> int | None:
 def _flatten(i: int, message: Any) -> Any:
     """Content given as a list of text parts becomes one string (templates expect text)."""
     if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    if is_media_message(message):  # Qwen-VL's template reads the parts
         return message
     texts = []
     for j, part in enumerate(message["content"]):

@@ -1,0 +1,65 @@
+"""Chat requests with media on the OpenAI server: image parts -> images at the boundary.
+
+``serving_chat`` calls ``chat_media_of`` before rendering (image parts become
+``{"type": "image"}`` for the template, their images are loaded under the engine's media
+policy) and ``ChatMedia.attach`` after (placeholder runs, the request's media inputs).
+Every bad input is an ``InvalidRequestError``: the server answers 400 with an OpenAI
+error object and keeps serving.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.engine.request import RequestOptions
+from tokenmill.multimodal.chat import extract_images, has_media
+from tokenmill.multimodal.inputs import MultiModalInputs
+from tokenmill.multimodal.options import parse_processor_kwargs
+from tokenmill.multimodal.processing import QwenVLProcessor
+from tokenmill.multimodal.prompt import media_policy, no_encoder_error
+
+
+@dataclass(frozen=True)
+class ChatMedia:
+    messages: list[dict[str, Any]]
+    images: list[Any]
+    processor: QwenVLProcessor | None
+    kwargs: Mapping[str, Any] | None
+
+    def attach(self, prompt_ids: list[int]) -> tuple[list[int], MultiModalInputs | None]:
+        """Rendered ids -> (ids with placeholder runs, media inputs); unchanged without media."""
+        if self.processor is None or not self.images:
+            return prompt_ids, None
+        opts = parse_processor_kwargs(self.kwargs)
+        return self.processor.process(prompt_ids, {"image": self.images}, opts)
+
+
+def chat_media_of(
+    engine: Any, messages: list[dict[str, Any]], kwargs: Mapping[str, Any] | None
+) -> ChatMedia:
+    """Load the images of a chat request (the engine's processor and media policy)."""
+    processor = getattr(engine, "mm_processor", None)
+    if not has_media(messages):
+        if kwargs and processor is None:
+            raise no_encoder_error(engine.config)
+        return ChatMedia(messages, [], processor, kwargs)
+    if processor is None:
+        raise no_encoder_error(engine.config)
+    parse_processor_kwargs(kwargs)  # bad options fail before any media is fetched
+    stripped, images = extract_images(messages, media_policy(engine.config))
+    return ChatMedia(stripped, images, processor, kwargs)
+
+
+def is_media_message(message: Any) -> bool:
+    """A message whose content list holds image parts (the template reads the list)."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    return isinstance(content, list) and any(
+        isinstance(p, Mapping) and p.get("type") == "image" for p in content
+    )
+
+
+def with_media(options: RequestOptions, mm: MultiModalInputs | None) -> RequestOptions:
+    return options if mm is None else dataclasses.replace(options, multimodal=mm)
