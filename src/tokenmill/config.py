@@ -167,7 +167,8 @@ class EngineConfig:
     """Ranks (processes, one device each) that split every layer of a decoder model: heads,
     MLP columns and vocabulary; the driver (this process) is rank 0."""
     pipeline_parallel_size: int = 1
-    """Stages that split the layers (not built yet: only 1)."""
+    """Stages that split the layers (each a process; the last, with the sampler, is this
+    one). Not together with tensor_parallel_size yet."""
     distributed_executor_backend: str | None = None
     """How tensor-parallel ranks run: mp (processes of this machine; the default) or ray
     (not built for tensor parallelism yet)."""

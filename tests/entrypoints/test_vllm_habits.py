@@ -72,7 +72,6 @@ def test_a_vllm_style_script_runs(tiny_llama_dir):
 @pytest.mark.parametrize(
     "option",
     [
-        {"pipeline_parallel_size": 2},
         {"kv_cache_dtype": "fp8"},
         {"enable_lora": True},
     ],

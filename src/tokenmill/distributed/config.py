@@ -19,10 +19,10 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Ranks that split every layer's heads, MLP columns and vocabulary."""
     pipeline_parallel_size: int = 1
-    """Stages that split the layers (not built yet: only 1)."""
+    """Stages that split the layers (the last one, with the sampler, is the driver)."""
     distributed_executor_backend: str = "mp"
     """How the workers run: mp (processes of this machine, torch.distributed over gloo
-    on CPU, NCCL on CUDA) or ray (not built for tensor parallelism yet)."""
+    on CPU, NCCL on CUDA) or ray (not built for tensor or pipeline parallelism yet)."""
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -34,15 +34,15 @@ class ParallelConfig:
                 f"distributed_executor_backend={self.distributed_executor_backend!r} is "
                 f"unknown; use one of {', '.join(EXECUTOR_BACKENDS)}"
             )
-        if self.pipeline_parallel_size > 1:
+        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise InvalidRequestError(
-                f"pipeline_parallel_size={self.pipeline_parallel_size}: pipeline parallelism "
-                "is not built yet; use tensor_parallel_size to split a model over processes"
+                f"tensor_parallel_size={self.tensor_parallel_size} with pipeline_parallel_size="
+                f"{self.pipeline_parallel_size}: combining both is not built yet; use one"
             )
         if self.distributed_executor_backend == "ray" and self.world_size > 1:
             raise InvalidRequestError(
-                "distributed_executor_backend='ray' is not built for tensor parallelism yet; "
-                "use 'mp' (worker processes on this machine)"
+                "distributed_executor_backend='ray' is not built for tensor or pipeline "
+                "parallelism yet; use 'mp' (worker processes on this machine)"
             )
 
     @property

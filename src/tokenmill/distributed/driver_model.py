@@ -1,4 +1,5 @@
-"""The model as the driver's runner sees it under tensor parallelism (rank 0's shard).
+"""The model as the driver's runner sees it: rank 0's tensor-parallel shard, or the last
+pipeline stage.
 
 ``ModelRunner`` calls ``forward`` and ``compute_logits`` as on one device; each call here
 first broadcasts what the workers need to make the same call on their shards (their
@@ -10,6 +11,7 @@ same blocks, each holding that rank's KV heads.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,8 +21,13 @@ from tokenmill.distributed.messages import Forward, Logits
 from tokenmill.kv_cache.spec import CacheSpec
 from tokenmill.models.base import CausalLM
 
+if TYPE_CHECKING:
+    from tokenmill.distributed.stages import PPStage
 
-class TensorParallelDriver(CausalLM):
+
+class _Driver(CausalLM):
+    """Rank 0's local model with the runner's interface."""
+
     def __init__(self, local: CausalLM, group: RankGroup) -> None:
         super().__init__()
         self.local = local
@@ -31,6 +38,13 @@ class TensorParallelDriver(CausalLM):
 
     def cache_specs(self) -> list[CacheSpec]:
         return self.local.cache_specs()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        raise TypeError("a distributed model loads on each rank (distributed/shard.py)")
+
+
+class TensorParallelDriver(_Driver):
+    """Each call broadcast first: the workers make it on their shards."""
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
@@ -45,5 +59,24 @@ class TensorParallelDriver(CausalLM):
         self.group.broadcast(Logits(hidden))
         return self.local.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        raise TypeError("a tensor-parallel model loads on each rank (distributed/shard.py)")
+
+class PipelineDriver(_Driver):
+    """The last stage: the step's inputs go to every stage, its layers run on what the
+    stage before sends; the head and the sampler are local (no logits leave the rank)."""
+
+    def __init__(self, local: CausalLM, stage: PPStage) -> None:
+        super().__init__(local, stage.group)
+        self.stage = stage
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
+    ) -> torch.Tensor:
+        assert ctx.state is None, "state-slot layers are not pipeline-parallel"
+        step = Forward(input_ids, positions, ctx.attn, ctx.adapter_ids, ctx.input_embeds)
+        self.group.broadcast(step)
+        hidden = self.stage.run(self.local, step, ctx.kv_caches)
+        assert hidden is not None
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.local.compute_logits(hidden)

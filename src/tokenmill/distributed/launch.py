@@ -21,11 +21,11 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.config import check_shapes
-from tokenmill.distributed.driver_model import TensorParallelDriver
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks
 from tokenmill.distributed.messages import Ready, Stop
-from tokenmill.distributed.shard import TPShard
-from tokenmill.distributed.worker import WorkerArgs, worker_main
+from tokenmill.distributed.part import ModelPart
+from tokenmill.distributed.stages import split_layers
+from tokenmill.distributed.worker import WorkerArgs, model_part, worker_main
 from tokenmill.engine.loading import LoadedModel
 from tokenmill.errors import EngineDeadError, UnsupportedModelError
 from tokenmill.loader import load_checkpoint
@@ -41,7 +41,8 @@ STARTUP_TIMEOUT = 600.0
 
 
 class WorkerDiedError(EngineDeadError):
-    """A tensor-parallel worker process ended; the engine can run no more steps."""
+    """A worker process (a tensor-parallel rank, a pipeline stage) ended; the engine can
+    run no more steps."""
 
 
 @dataclass
@@ -60,7 +61,7 @@ class Workers:
                     raise WorkerDiedError(self.describe(proc, "did not start"))
             report: Ready = pipe.recv()
             if report.error is not None:
-                raise WorkerDiedError(f"tensor-parallel rank {report.rank} failed to load:\n"
+                raise WorkerDiedError(f"worker rank {report.rank} failed to load:\n"
                                       f"{report.error}")  # fmt: skip
 
     def dead(self) -> str | None:
@@ -80,7 +81,7 @@ class Workers:
     def describe(self, proc: BaseProcess, what: str) -> str:
         rank = self.procs.index(proc) + 1
         return (
-            f"tensor-parallel worker rank {rank} (pid {proc.pid}) {what} "
+            f"worker rank {rank} (pid {proc.pid}) {what} "
             f"(exit code {proc.exitcode}); the engine can not run steps any more, restart it"
         )
 
@@ -97,14 +98,14 @@ class Ranks:
     """The driver's view of its engine's ranks."""
 
     group: RankGroup
-    shard: TPShard
+    shard: ModelPart
     workers: Workers
 
     def drive(self, loaded: LoadedModel, num_blocks: int, num_slots: int) -> LoadedModel:
         """Give the workers the KV cache size; ``loaded`` with the driver's model."""
         self.workers.wait()
         self.group.broadcast((num_blocks, num_slots))
-        return dataclasses.replace(loaded, model=TensorParallelDriver(loaded.model, self.group))
+        return dataclasses.replace(loaded, model=self.shard.driver(loaded.model))
 
     def stop(self, kill: bool = False) -> None:
         """Stop the workers and leave the group: a ``Stop`` broadcast, or (``kill``: the
@@ -119,27 +120,29 @@ class Ranks:
         leave_ranks()
 
 
-def check_parallel_model(config: EngineConfig, tp: int) -> ArchConfig:
-    """The checkpoint's architecture when ``tp`` ranks can split it, else a ValueError."""
+def check_parallel_model(config: EngineConfig) -> None:
+    """Raise a ValueError unless the checkpoint's model splits as ``config.parallel`` says."""
+    parallel = config.parallel
     ckpt = load_checkpoint(config.model)
     model_cls = resolve_model_class(ckpt.hf_config.get("architectures"))
     if not issubclass(model_cls, DecoderForCausalLM):
         raise UnsupportedModelError(
-            f"tensor_parallel_size={tp}: {model_cls.__name__} is not tensor-parallel yet (the "
-            "decoder families are: Llama, Qwen2, Qwen3, Mistral, Gemma3); use 1"
+            f"{model_cls.__name__} can not be split over processes yet (tensor and pipeline "
+            "parallelism cover the decoder families: Llama, Qwen2, Qwen3, Mistral, Gemma3)"
         )
-    check_shapes(ckpt.hf_config, tp, model_cls.__name__)
-    return ArchConfig.from_hf(ckpt.hf_config)
+    if parallel.tensor_parallel_size > 1:
+        check_shapes(ckpt.hf_config, parallel.tensor_parallel_size, model_cls.__name__)
+    split_layers(ArchConfig.from_hf(ckpt.hf_config).num_layers, parallel.pipeline_parallel_size)
 
 
 def start_ranks(config: EngineConfig) -> Ranks:
-    """Check, spawn ranks 1..tp-1, join as rank 0. Each rank gets usable CPUs / tp threads."""
-    tp = config.parallel.tensor_parallel_size
-    cfg = check_parallel_model(config, tp)
+    """Check, spawn ranks 1.., join as rank 0. Each rank gets usable CPUs / ranks threads."""
+    check_parallel_model(config)
+    tp = config.parallel.world_size
     if mp.current_process().daemon:
         raise ValueError(
-            f"tensor_parallel_size={tp} starts worker processes, which a daemonic process "
-            "(the server's --engine-process on) can not have; use --engine-process off"
+            f"{tp} ranks means worker processes, which a daemonic process (the server's "
+            "--engine-process on) can not have; use --engine-process off"
         )
     threads = max(1, configure_threads() // tp)
     torch.set_num_threads(threads)
@@ -151,7 +154,7 @@ def start_ranks(config: EngineConfig) -> Ranks:
         ours, theirs = ctx.Pipe(duplex=False)
         args = WorkerArgs(config, rank, tp, address, threads)
         proc = ctx.Process(target=worker_main, args=(args, theirs), daemon=True,
-                           name=f"tokenmill-tp{rank}")  # fmt: skip
+                           name=f"tokenmill-rank{rank}")  # fmt: skip
         proc.start()
         procs.append(proc)
         pipes.append(ours)
@@ -162,8 +165,8 @@ def start_ranks(config: EngineConfig) -> Ranks:
     except BaseException:
         workers.stop(timeout=0)
         raise
-    logger.info("tensor parallel: %d ranks, %d CPU threads each", tp, threads)
-    return Ranks(group, TPShard(cfg, group), workers)
+    logger.info("%s: %d ranks, %d CPU threads each", config.parallel, tp, threads)
+    return Ranks(group, model_part(config, group), workers)
 
 
 def _free_port() -> int:

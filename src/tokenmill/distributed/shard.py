@@ -11,7 +11,7 @@ by ``layers/parallel.py``, and the checkpoint stream narrowed tensor by tensor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,10 +20,13 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from torch import nn
 
+from tokenmill.attention import StepContext
 from tokenmill.distributed.group import RankGroup
+from tokenmill.distributed.messages import Forward, Logits
 from tokenmill.errors import UnsupportedModelError
 from tokenmill.layers.linear import Linear, VocabEmbedding
 from tokenmill.layers.parallel import RowParallelLinear, VocabParallelEmbedding, VocabParallelHead
+from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ArchConfig
 from tokenmill.quant.gguf_blocks import GgufBlocks
 
@@ -96,6 +99,25 @@ class TPShard:
             elif isinstance(module, VocabEmbedding):
                 VocabParallelEmbedding.adopt(module, group, self.cfg.vocab_size)
         model.vocab_size = self.cfg.vocab_size  # type: ignore[assignment]  # the sampler's
+
+    def stored_types(self, types: Mapping[str, Any]) -> Mapping[str, Any]:
+        return types  # the same names: every rank has every layer
+
+    def driver(self, local: CausalLM) -> CausalLM:
+        from tokenmill.distributed.driver_model import TensorParallelDriver
+
+        return TensorParallelDriver(local, self.group)
+
+    def handlers(self, model: CausalLM, caches: list) -> dict[type, Callable[[Any], object]]:
+        """What a worker does with each broadcast: the same call on its shard."""
+        return {
+            Forward: lambda m: model(
+                m.input_ids,
+                m.positions,
+                StepContext(m.attn, caches, None, None, m.adapter_ids, m.input_embeds),
+            ),  # fmt: skip
+            Logits: lambda m: model.compute_logits(m.hidden),
+        }
 
     def weights(self, stream: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
         """The checkpoint stream narrowed to this rank's rows / columns (views where the

@@ -12,20 +12,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
-from tokenmill.attention import StepContext
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks
-from tokenmill.distributed.messages import Forward, Logits, Ready, Stop
+from tokenmill.distributed.messages import Ready, Stop
+from tokenmill.distributed.part import ModelPart
 from tokenmill.distributed.shard import TPShard
+from tokenmill.distributed.stages import PPStage
 from tokenmill.engine.loading import load_model
 from tokenmill.loader import load_checkpoint
-from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ArchConfig
 from tokenmill.worker.model_runner import allocate_kv_caches
 
@@ -48,10 +48,12 @@ def device_of(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def load_shard(config: EngineConfig, group: RankGroup):
-    """This rank's part of the model (``engine/loading.load_model`` with its shard)."""
+def model_part(config: EngineConfig, group: RankGroup) -> ModelPart:
+    """This rank's part of the checkpoint's model: a tensor-parallel shard or a stage."""
     cfg = ArchConfig.from_hf(load_checkpoint(config.model).hf_config)
-    return load_model(config, TPShard(cfg, group))
+    if config.parallel.pipeline_parallel_size > 1:
+        return PPStage(cfg, group)
+    return TPShard(cfg, group)
 
 
 def worker_main(args: WorkerArgs, conn: Connection) -> None:
@@ -65,7 +67,8 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
     try:
         conn.send(Ready(args.rank))  # imported: the driver may join the group now
         group = init_ranks(args.rank, args.size, args.address, device)
-        loaded = load_shard(config, group)
+        part = model_part(config, group)
+        loaded = load_model(config, part)
     except Exception:
         conn.send(Ready(args.rank, traceback.format_exc()))
         return
@@ -77,21 +80,13 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         loaded.model, num_blocks, config.block_size, loaded.dtype, device, num_slots=num_slots
     )
     try:
-        serve_steps(loaded.model, caches, group)
+        serve_steps(part.handlers(loaded.model, caches), group)
     finally:
         leave_ranks()
 
 
-def serve_steps(model: CausalLM, caches: list[torch.Tensor | None], group: RankGroup) -> None:
+def serve_steps(handlers: Mapping[type, Callable[[Any], object]], group: RankGroup) -> None:
     """Run the driver's broadcasts until ``Stop``."""
-    handlers: dict[type, Callable[[Any], object]] = {
-        Forward: lambda m: model(
-            m.input_ids,
-            m.positions,
-            StepContext(m.attn, caches, None, None, m.adapter_ids, m.input_embeds),
-        ),  # fmt: skip
-        Logits: lambda m: model.compute_logits(m.hidden),
-    }
     with torch.inference_mode():
         while not isinstance(msg := group.broadcast(), Stop):
             handlers[type(msg)](msg)

@@ -20,7 +20,7 @@ from tokenmill.quant.plan import auto_dtype, build_plan, resolve_quantization, s
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
-    from tokenmill.distributed.shard import TPShard
+    from tokenmill.distributed.part import ModelPart
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +59,11 @@ def resolve_max_model_len(config: EngineConfig, hf_config: dict) -> int:
     return config.max_model_len
 
 
-def load_model(config: EngineConfig, shard: TPShard | None = None) -> LoadedModel:
+def load_model(config: EngineConfig, shard: ModelPart | None = None) -> LoadedModel:
     """The ready model of ``config``: from its prepared bundle when ``prepare_bundle`` is on
     (``tokenmill.bundles``; a bundle folder passed as the model is always one), else built.
-    ``shard``: build and load only this tensor-parallel rank's part (never from a bundle)."""
+    ``shard``: build and load only this rank's part: a tensor-parallel shard or a pipeline
+    stage (``tokenmill.distributed``; never from a bundle)."""
     from tokenmill.bundles.cache import BundleCache, is_bundle
 
     if shard is not None:
@@ -76,7 +77,7 @@ def load_model(config: EngineConfig, shard: TPShard | None = None) -> LoadedMode
     return _build_model(config)
 
 
-def _build_model(config: EngineConfig, shard: TPShard | None = None) -> LoadedModel:
+def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> LoadedModel:
     from tokenmill.bundles.phases import Phases
 
     phases = Phases()
@@ -90,7 +91,8 @@ def _build_model(config: EngineConfig, shard: TPShard | None = None) -> LoadedMo
         stored = stored_float_dtype(ckpt) if auto_hf else None
         quantization = resolve_quantization(config.quantization, config.dtype, device, ckpt.format,
                                             stored)  # fmt: skip
-        plan = build_plan(quantization, _stored_types(ckpt) if quantization == "gguf" else {})
+        types = _stored_types(ckpt) if quantization == "gguf" else {}
+        plan = build_plan(quantization, types if shard is None else shard.stored_types(types))
         dtype = auto_dtype() if plan and config.dtype == "auto" else config.torch_dtype()
     with phases("tokenizer"):
         tokenizer = load_tokenizer(ckpt, config.tokenizer)
@@ -111,7 +113,7 @@ def _build_model(config: EngineConfig, shard: TPShard | None = None) -> LoadedMo
             hf = ckpt.hf_config if shard is None else shard.local_hf_config(ckpt.hf_config)
             model = model_cls(hf, dtype, max_positions=max_model_len, ops=ops, **kwargs)
         if shard is not None:
-            shard.adopt(model)  # its partial layers sum / gather over the ranks
+            shard.adopt(model)  # parallel layers; a stage drops what it never runs
         # too small a KV cache fails before the read
         _kv_blocks(config, model, dtype, max_model_len)
         weights = ckpt.weights(dtype, keep_quantized=plan is not None)

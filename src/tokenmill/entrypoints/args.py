@@ -322,7 +322,7 @@ ENGINE_FLAGS = (
         "--pipeline-parallel-size",
         "pipeline_parallel_size",
         int,
-        "stages that split the layers (not built yet: only 1)",
+        "processes that each run a stage of the layers; the last (with the sampler) is this one",
         1,
         aliases=("-pp",),
     ),

@@ -1,0 +1,153 @@
+"""One pipeline stage of a decoder: a contiguous run of layers, built and loaded alone.
+
+Stage s of P holds layers [start_s, end_s) (an even split, earlier stages taking the
+remainder), renumbered from 0 so its KV caches and names are local. Stage 0 embeds; the
+last stage holds the final norm, the output head and the sampler, and is the driver
+(rank 0), so the scheduler and sampler stay where they are with one device. Ranks 1..P-1
+are stages 0..P-2. Per step each stage receives the previous stage's (hidden, residual)
+[2, T, hidden] (stage 0: the token ids of the broadcast), runs its layers over them and
+sends the pair on. No micro-batches: one step is in one stage at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tokenmill.attention import StepContext
+from tokenmill.distributed.group import RankGroup
+from tokenmill.distributed.messages import Forward
+from tokenmill.errors import InvalidRequestError
+from tokenmill.models.base import CausalLM
+from tokenmill.models.config import ArchConfig
+
+TINY_VOCAB = 16
+"""Vocabulary a middle stage is built with: its unused table and head cost nothing."""
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[range]:
+    """Each stage's layers; more stages than layers is a ValueError."""
+    if num_stages > num_layers:
+        raise InvalidRequestError(
+            f"pipeline_parallel_size={num_stages} is more than the model's {num_layers} "
+            "layers; use at most one stage per layer"
+        )
+    base, extra = divmod(num_layers, num_stages)
+    sizes = [base + (s < extra) for s in range(num_stages)]
+    starts = [sum(sizes[:s]) for s in range(num_stages)]
+    return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+@dataclass(frozen=True)
+class PPStage:
+    """This rank's stage of ``group`` over one architecture."""
+
+    cfg: ArchConfig
+    group: RankGroup
+
+    @property
+    def num_stages(self) -> int:
+        return self.group.size
+
+    @property
+    def stage(self) -> int:
+        return self.num_stages - 1 if self.group.rank == 0 else self.group.rank - 1
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def layers(self) -> range:
+        return split_layers(self.cfg.num_layers, self.num_stages)[self.stage]
+
+    @property
+    def keeps_table(self) -> bool:
+        """Stage 0 embeds; a tied last stage scores with the table too."""
+        return self.first or (self.last and self.cfg.tie_word_embeddings)
+
+    def rank_of(self, stage: int) -> int:
+        return 0 if stage == self.num_stages - 1 else stage + 1
+
+    # -- building and loading (engine/loading.py) -----------------------------------------
+
+    def local_hf_config(self, hf_config: dict[str, Any]) -> dict[str, Any]:
+        """This stage's layers only, their types spelled out (rules by index would shift)."""
+        types = [self.cfg.layer_types[i] for i in self.layers]
+        local = {**hf_config, "num_hidden_layers": len(self.layers), "layer_types": types}
+        if not (self.keeps_table or self.last):
+            local["vocab_size"] = TINY_VOCAB
+        return local
+
+    def adopt(self, model: nn.Module) -> None:
+        """Drop what this stage never runs (the table, the final norm, the head)."""
+        decoder: Any = model.model
+        if not self.keeps_table:
+            decoder.embed_tokens = None
+        if not self.last:
+            decoder.norm = None
+            model.lm_head = None  # type: ignore[assignment]
+        model.vocab_size = self.cfg.vocab_size  # type: ignore[assignment]
+
+    def rename(self, name: str) -> str | None:
+        """A checkpoint name in this stage's numbering; None: not this stage's."""
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"]:
+            i = int(parts[2])
+            return None if i not in self.layers else ".".join([*parts[:2], str(i - self.layers.start), *parts[3:]])  # fmt: skip
+        if name.startswith("model.embed_tokens."):
+            return name if self.keeps_table else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if self.last else None
+        return name
+
+    def stored_types(self, types: Mapping[str, Any]) -> dict[str, Any]:
+        return {new: t for name, t in types.items() if (new := self.rename(name)) is not None}
+
+    def weights(self, stream: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        for name, tensor in stream:
+            if (new := self.rename(name)) is not None:
+                yield new, tensor
+
+    # -- running ---------------------------------------------------------------------------
+
+    def driver(self, local: CausalLM) -> CausalLM:
+        from tokenmill.distributed.driver_model import PipelineDriver
+
+        return PipelineDriver(local, self)
+
+    def handlers(self, model: CausalLM, caches: list) -> dict[type, Callable[[Any], object]]:
+        return {Forward: lambda m: self.run(model, m, caches)}
+
+    def run(
+        self, model: CausalLM, m: Forward, caches: Sequence[torch.Tensor | None]
+    ) -> torch.Tensor | None:
+        """This stage of one step: the final hidden [T, hidden] on the last stage."""
+        ctx = StepContext(m.attn, caches, None, None, m.adapter_ids, m.input_embeds)
+        decoder: Any = model.model
+        hidden_size, tokens = self.cfg.hidden_size, m.input_ids.shape[0]
+        residual: torch.Tensor | None = None
+        if self.first:
+            hidden = decoder.embed(m.input_ids, ctx)
+        else:
+            pair = torch.empty(2, tokens, hidden_size, dtype=model.dtype, device=m.input_ids.device)
+            dist.recv(pair, src=self.rank_of(self.stage - 1), group=self.group.device)
+            hidden, residual = pair[0], pair[1]
+        rope = decoder.rope_tables(m.positions)
+        for layer in decoder.layers:
+            hidden, residual = layer(rope, hidden, residual, ctx)
+        assert residual is not None  # every stage has a layer
+        if self.last:
+            return decoder.norm.forward_residual(hidden, residual)[0]
+        dist.send(torch.stack([hidden, residual]), dst=self.rank_of(self.stage + 1),
+                  group=self.group.device)  # fmt: skip
+        return None
