@@ -128,6 +128,9 @@ class EngineConfig:
     images_kwargs); a request's own ``mm_processor_kwargs`` override them."""
     mm_encoder_cache_bytes: int = 256 << 20
     """Byte budget of the encoder cache (media embeddings by content hash, shared)."""
+    max_num_encoder_input_tokens: int | None = None
+    """Media tokens one step may encode (the first item of a step always may); None: the
+    step's token budget. Keeps text-only requests from waiting behind image encoders."""
     allowed_local_media_path: str | None = None
     """``file://`` image URLs in chat messages must resolve inside this folder; None: off."""
     allow_media_fetch: bool = True
@@ -203,6 +206,8 @@ class EngineConfig:
         parse_processor_kwargs(self.mm_processor_kwargs)
         for name in ("mm_encoder_cache_bytes", "media_max_bytes", "media_max_pixels"):
             _check_positive(name, getattr(self, name))
+        if self.max_num_encoder_input_tokens is not None:
+            _check_positive("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens)
         if not self.media_fetch_timeout > 0:
             raise InvalidRequestError(
                 f"media_fetch_timeout must be > 0, got {self.media_fetch_timeout!r}"

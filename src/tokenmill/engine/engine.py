@@ -23,7 +23,7 @@ from tokenmill.engine.validation import check_params, check_prompt, resolve_max_
 from tokenmill.errors import InvalidRequestError
 from tokenmill.executor import UniProcExecutor
 from tokenmill.metrics.stats import EngineStats
-from tokenmill.multimodal.prompt import build_processor
+from tokenmill.multimodal.prompt import build_processor, encoder_budget
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import make_generator
 from tokenmill.sampling_params import SamplingParams
@@ -66,6 +66,8 @@ class LLMEngine:
         """Asynchronous scheduling: launch step N+1 before waiting for step N."""
         self.mm_processor = build_processor(config, self.loaded.model, self.loaded.checkpoint.path)
         """Media -> placeholder runs at the boundary (``multimodal/``); None: text only."""
+        if self.mm_processor is not None:
+            self.scheduler.encoder_budget = encoder_budget(config, self.scheduler.config)
 
     @property
     def runner(self) -> ModelRunner:

@@ -10,6 +10,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import RequestOptions
 from tokenmill.errors import InvalidRequestError
+from tokenmill.multimodal.encoder_budget import EncoderBudget
 from tokenmill.multimodal.media import MediaPolicy
 from tokenmill.multimodal.model import multimodal_info
 from tokenmill.multimodal.options import parse_limits, parse_processor_kwargs
@@ -112,3 +113,9 @@ def media_policy(config: EngineConfig) -> MediaPolicy:
         timeout=config.media_fetch_timeout,
         max_pixels=config.media_max_pixels,
     )
+
+
+def encoder_budget(config: EngineConfig, scheduler: Any) -> EncoderBudget:
+    """The scheduler's per-step encoder budget: ``max_num_encoder_input_tokens`` (vLLM's
+    name), by default the step's token budget."""
+    return EncoderBudget(config.max_num_encoder_input_tokens or scheduler.max_num_batched_tokens)

@@ -24,6 +24,7 @@ from tokenmill.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from tokenmill.kv_cache.coordinator import KVCacheCoordinator
+    from tokenmill.multimodal.encoder_budget import EncoderBudget
 
 
 Progress = tuple[Request, int]
@@ -55,6 +56,9 @@ class Scheduler:
         """Live requests whose sampling reads their tokens so far (penalties, min_tokens,
         a grammar): while there are any, steps must not overlap."""
         self._arrivals = itertools.count()
+        self.encoder_budget: EncoderBudget | None = None
+        """Media tokens one step may encode (``multimodal/encoder_budget.py``); None for a
+        text-only model."""
 
     # -- queue management -------------------------------------------------
     def add(self, request: Request) -> None:
@@ -83,6 +87,8 @@ class Scheduler:
     # -- one step ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
+        if self.encoder_budget is not None:
+            self.encoder_budget.reset()
         chosen: list[tuple[Request, int]] = []
         preempted: list[str] = []
         allocate = self.kv.allocate_slots
@@ -97,6 +103,8 @@ class Scheduler:
                 continue
             left = len(req.all_token_ids) + req.num_placeholders - req.num_computed_tokens
             n = 1 if left == 1 and not req.spec_token_ids else self._chunk(req, budget)
+            if n == 0:  # its next chunk starts an image the step's encoder budget can not take
+                continue
             if not allocate(req.request_id, req.num_computed_tokens + n) and not (
                 self._preempt_until_fits(req, n, preempted)
             ):
@@ -117,15 +125,19 @@ class Scheduler:
         known_end = len(req.all_token_ids) + req.num_placeholders
         samples = start + n >= known_end
         drafts: tuple[int, ...] = ()
+        parents: tuple[int, ...] = ()
         if req.spec_token_ids:  # (built per sequence per step: no list when no drafts)
             if samples:
                 drafts = tuple(req.spec_token_ids[: start + n - known_end])
                 req.num_drafts_in_flight = len(drafts)
+                if req.spec_parents is not None:  # a tree: its first nodes are still one
+                    parents = tuple(req.spec_parents[: len(drafts)])
             req.spec_token_ids = []
+            req.spec_parents = None
         req.num_computed_tokens = start + n
         req.num_placeholders += samples
         table, row = self.kv.table_and_row(req.request_id)
-        return ScheduledSeq(req, start, n, table, samples, row, drafts)
+        return ScheduledSeq(req, start, n, table, samples, row, drafts, parents)
 
     def _ends_with_placeholders(self, req: Request) -> bool:
         """The tokens in flight will end the request by length whatever they are: nothing
@@ -141,6 +153,8 @@ class Scheduler:
         n = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
         cap = self.config.long_prefill_token_threshold
         n = min(n, cap) if cap else n
+        if req.mm_inputs is not None and self.encoder_budget is not None:
+            n = self.encoder_budget.cap(req, n)
         if req.spec_token_ids and n == req.num_tokens_with_placeholders - req.num_computed_tokens:
             n += min(self._num_drafts(req), budget - n)
         return n
@@ -213,6 +227,10 @@ class Scheduler:
             req.request_id, req.all_token_ids, req.cache_key, reuse
         )
         n = self._chunk(req, budget)
+        if n == 0:  # an image the step's encoder budget can not take: a later step
+            self.kv.free(req.request_id)
+            req.num_computed_tokens = 0
+            return False
         while not self.kv.allocate_slots(req.request_id, req.num_computed_tokens + n):
             victim = self.running[-1] if self.running else None
             if victim is None or victim.sort_key <= req.sort_key or victim.request_id in scheduled:

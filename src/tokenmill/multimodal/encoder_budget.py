@@ -1,0 +1,46 @@
+"""The scheduler's per-step encoder budget: how many media tokens one step may encode.
+
+A step whose chunks start many images would run their encoders back to back before any
+token of the batch, stalling the text-only requests in it. The scheduler asks ``cap``
+for each chunk of a request with media: an item whose placeholder run starts inside the
+chunk is charged its token count; once the step's budget would be exceeded the chunk
+ends just before that item (it starts in a later step). The first item of a step always
+fits, so every request makes progress; a run the encoder already started (a chunk that
+begins inside it) costs nothing. Text-only requests are never looked at.
+"""
+
+from __future__ import annotations
+
+from tokenmill.scheduler.request import Request
+
+
+class EncoderBudget:
+    def __init__(self, tokens_per_step: int) -> None:
+        self.tokens_per_step = tokens_per_step
+        self.left = tokens_per_step
+        self._charged: set[tuple[str, int]] = set()
+        """(request id, item) charged in this step: a chunk may be asked for twice."""
+
+    def reset(self) -> None:
+        """A new step."""
+        self.left = self.tokens_per_step
+        self._charged.clear()
+
+    def cap(self, req: Request, n: int) -> int:
+        """The request's next chunk of ``n`` tokens, cut before the first item that does
+        not fit what is left of this step's budget (0: nothing this step)."""
+        mm = req.mm_inputs
+        if mm is None:
+            return n
+        start = req.num_computed_tokens
+        for j, (r, item) in enumerate(zip(mm.ranges, mm.items)):
+            if r.offset < start or (req.request_id, j) in self._charged:
+                continue  # begun in an earlier chunk, or charged in this step already
+            if r.offset >= start + n:
+                break
+            fresh = self.left == self.tokens_per_step
+            if item.num_tokens > self.left and not fresh:
+                return r.offset - start
+            self.left -= item.num_tokens
+            self._charged.add((req.request_id, j))
+        return n
