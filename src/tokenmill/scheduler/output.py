@@ -31,6 +31,9 @@ class ScheduledSeq:
     draft_token_ids: tuple[int, ...] = ()
     """Draft tokens to verify: the last len(draft_token_ids) of the new tokens. The step
     samples at each of them and after the last (drafts + 1 logits rows)."""
+    draft_parents: tuple[int, ...] = ()
+    """A draft tree's parent of each draft (-1: the last known token,
+    ``worker/draft_tree.py``); empty: the drafts are a chain."""
 
     @property
     def end(self) -> int:

@@ -86,6 +86,9 @@ class Request:
     """Draft tokens proposed for the next step (a proposer sets them before ``schedule``;
     scheduling consumes them). The step verifies them: an accepted prefix and one more
     token come back, rejected positions are rolled back."""
+    spec_parents: list[int] | None = None
+    """With a draft tree: the parent of each of ``spec_token_ids`` (-1: the last known
+    token; ``worker/draft_tree.py``). None: the drafts are a chain."""
     num_drafts_in_flight: int = 0
     """Draft tokens of the step in flight: until it returns, how many tokens it yields is
     unknown, so the request is not scheduled again (no overlap with drafts)."""
