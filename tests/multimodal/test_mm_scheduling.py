@@ -69,3 +69,14 @@ def test_steps_respect_the_encoder_budget(ckpt):
     assert calls == [20, 20, 20, 20]  # one image per step, never two
     for (p, i), out in zip(cases, outs):
         assert list(out.outputs[0].token_ids) == hf_generate(ckpt, p, i, STEPS)
+
+
+def test_text_first_steps_defer_new_images_but_never_twice_in_a_row():
+    budget = EncoderBudget(100)
+    req = _request("a", [(5, 8)])
+    budget.reset(text_pending=True)
+    assert budget.cap(req, 30) == 5  # the text before the image runs, the image waits
+    budget.reset(text_pending=True)
+    assert budget.cap(req, 30) == 30  # the next step encodes it even with text pending
+    budget.reset(text_pending=False)
+    assert budget.cap(_request("b", [(0, 8)]), 10) == 10

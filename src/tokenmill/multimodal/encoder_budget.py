@@ -6,12 +6,21 @@ for each chunk of a request with media: an item whose placeholder run starts ins
 chunk is charged its token count; once the step's budget would be exceeded the chunk
 ends just before that item (it starts in a later step). The first item of a step always
 fits, so every request makes progress; a run the encoder already started (a chunk that
-begins inside it) costs nothing. Text-only requests are never looked at.
+begins inside it) costs nothing.
+
+Text first: a step in which a text-only request still has prompt to prefill encodes
+nothing new (images wait one step; their text before the image still runs), so text
+requests arriving with images get their first token without waiting for an encoder. Two
+such steps never follow each other, so a stream of text requests can not starve images.
 """
 
 from __future__ import annotations
 
-from tokenmill.scheduler.request import Request
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenmill.scheduler.request import Request
 
 
 class EncoderBudget:
@@ -21,9 +30,14 @@ class EncoderBudget:
         self._charged: set[tuple[str, int]] = set()
         """(request id, item) charged in this step: a chunk may be asked for twice."""
 
-    def reset(self) -> None:
-        """A new step."""
-        self.left = self.tokens_per_step
+        self._deferred = False
+        """The previous step encoded nothing new for text's sake."""
+
+    def reset(self, text_pending: bool = False) -> None:
+        """A new step; ``text_pending``: a text-only request has prompt left to prefill."""
+        defer = text_pending and not self._deferred
+        self._deferred = defer
+        self.left = 0 if defer else self.tokens_per_step
         self._charged.clear()
 
     def cap(self, req: Request, n: int) -> int:
@@ -38,9 +52,15 @@ class EncoderBudget:
                 continue  # begun in an earlier chunk, or charged in this step already
             if r.offset >= start + n:
                 break
-            fresh = self.left == self.tokens_per_step
+            fresh = self.left == self.tokens_per_step  # (0 left in a text-first step)
             if item.num_tokens > self.left and not fresh:
                 return r.offset - start
             self.left -= item.num_tokens
             self._charged.add((req.request_id, j))
         return n
+
+
+def text_prefill_pending(*queues: Iterable[Request]) -> bool:
+    """Whether a text-only request has prompt tokens left to compute."""
+    return any(r.mm_inputs is None and r.num_computed_tokens < r.num_prompt_tokens
+               for q in queues for r in q)  # fmt: skip

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tokenmill.kv_cache import KVCacheManager
+from tokenmill.multimodal.encoder_budget import EncoderBudget, text_prefill_pending
 from tokenmill.scheduler.output import ScheduledSeq, SchedulerOutput
 from tokenmill.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from tokenmill.kv_cache.coordinator import KVCacheCoordinator
-    from tokenmill.multimodal.encoder_budget import EncoderBudget
 
 
 Progress = tuple[Request, int]
@@ -87,8 +87,8 @@ class Scheduler:
     # -- one step ---------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
-        if self.encoder_budget is not None:
-            self.encoder_budget.reset()
+        if self.encoder_budget is not None:  # a model with a media encoder
+            self.encoder_budget.reset(text_prefill_pending(self.waiting, self.running))
         chosen: list[tuple[Request, int]] = []
         preempted: list[str] = []
         allocate = self.kv.allocate_slots
