@@ -101,7 +101,10 @@ def _attend_new(
     values = kv[:, 1].repeat_interleave(group, dim=1).transpose(0, 1)
     qh = q.transpose(0, 1)
     if window is None or length <= window:
-        out = F.scaled_dot_product_attention(qh, keys, values, is_causal=True, scale=scale)
+        # 4-D: PyTorch's CPU flash kernel (3-D inputs fall back to the O(L^2) math path)
+        out = F.scaled_dot_product_attention(
+            qh[None], keys[None], values[None], is_causal=True, scale=scale
+        )[0]
     else:
         pos = torch.arange(length, device=q.device)
         mask = _mask(pos, pos, window)
