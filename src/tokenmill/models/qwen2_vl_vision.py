@@ -147,23 +147,30 @@ def segment_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[int, ...]
 ) -> torch.Tensor:
     """Bidirectional attention within each segment [bounds[i], bounds[i+1]) of q, k, v
-    [N, H, D] -> [N, H, D]. Segments of one length go through one batched SDPA call
-    (a 1024 x 1024 image has ~80 windows of at most four lengths)."""
+    [N, H, D] -> [N, H, D]. Consecutive segments of one length are one batched SDPA call
+    over a view (no gather): a 1024 x 1024 image's ~100 windows take ~20 calls."""
     out = torch.empty_like(q)
-    by_length: dict[int, list[int]] = {}
-    for a, b in zip(bounds, bounds[1:]):
-        if b > a:
-            by_length.setdefault(b - a, []).append(a)
-    for length, starts in by_length.items():
-        idx = (
-            torch.tensor(starts, device=q.device)[:, None] + torch.arange(length, device=q.device)
-        ).flatten()
-        # [G, L, H, D] -> [G, H, L, D]
-        qs, ks, vs = (t.index_select(0, idx).view(len(starts), length, *t.shape[1:]).transpose(1, 2)
-                      for t in (q, k, v))  # fmt: skip
+    for a, length, count in _runs(bounds):
+        b = a + length * count
+        # [count * L, H, D] -> [count, H, L, D], 4-D for the CPU flash kernel
+        qs, ks, vs = (t[a:b].view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         o = F.scaled_dot_product_attention(qs, ks, vs)
-        out.index_copy_(0, idx, o.transpose(1, 2).reshape(-1, *q.shape[1:]))
+        out[a:b] = o.transpose(1, 2).reshape(b - a, *q.shape[1:])
     return out
+
+
+def _runs(bounds: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """Segment bounds -> (start, length, count) of runs of consecutive equal-length segments."""
+    runs: list[tuple[int, int, int]] = []
+    for a, b in zip(bounds, bounds[1:]):
+        if b == a:
+            continue
+        if runs and runs[-1][1] == b - a and runs[-1][0] + runs[-1][1] * runs[-1][2] == a:
+            start, length, count = runs[-1]
+            runs[-1] = (start, length, count + 1)
+        else:
+            runs.append((a, b - a, 1))
+    return runs
 
 
 class VisionAttention(nn.Module):
