@@ -220,3 +220,42 @@ def test_heads_with_grammar_abort_and_async(target_dir, eagle_dir, plain, smollm
             engine.step()
         assert engine.kv.num_free_blocks == engine.kv.num_blocks
         assert not hook(llm).proposer._seqs and not hook(llm).proposer.tap.runs
+
+
+def test_eagle3_draft_trees(target_dir, hf_target, eagle_dir, plain):
+    """draft_top_k=2: the head's chain plus its second guess at each depth, verified in one
+    step; the chain is the reference's, the output plain decoding's."""
+    spec = eagle(eagle_dir, k=3, draft_top_k=2, verify_tree_size=5)
+    with LLM(str(target_dir), speculative_config=spec, **OPTS) as llm:
+        proposer = hook(llm).proposer
+        trees: list[tuple[list[int], object]] = []
+        propose_tree = proposer.propose_tree
+
+        def recording(requests, k, shape):
+            out = propose_tree(requests, k, shape)
+            trees.extend((list(r.all_token_ids), t) for r, t in zip(requests, out))
+            return out
+
+        proposer.propose_tree = recording  # type: ignore[method-assign]
+        assert run(llm) == run(plain)
+        assert trees and all(len(t.tokens) <= 5 for _, t in trees)
+        assert any(not t.is_chain for _, t in trees)
+        for tokens, tree in trees[::4]:
+            want = eagle3_reference(eagle_dir, hf_target, tokens, 3)
+            assert tree.main_chain() == want[: len(tree.main_chain())]
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_blocks
+
+
+def test_tree_configs_are_checked(target_dir, eagle_dir):
+    from tokenmill.config import EngineConfig
+
+    with pytest.raises(InvalidRequestError, match="max_verify_tree_size"):
+        EngineConfig(speculative_config=eagle(eagle_dir, verify_tree_size=9,
+                                              max_verify_tree_size=4))  # fmt: skip
+    with pytest.raises(InvalidRequestError, match="draft_step"):
+        EngineConfig(speculative_config=eagle(eagle_dir, k=3), draft_step=4)
+    with pytest.raises(InvalidRequestError, match="draft_top_k"):
+        EngineConfig(speculative_config=eagle(eagle_dir, draft_top_k=0))
+    flat = EngineConfig(speculative_config=eagle(eagle_dir, k=2), draft_top_k=3, draft_step=2)
+    assert flat.speculative is not None and flat.speculative.is_tree
+    assert (flat.speculative.num_speculative_tokens, flat.speculative.tree_nodes) == (2, 6)

@@ -35,6 +35,10 @@ class AttentionMetadata:
     is then a view of the cache, no gather), else None."""
     query_start_loc_tensor: torch.Tensor | None = None
     """[B+1] int64, query_start_loc on the device (for kernels that take the whole batch)."""
+    extra_slots: torch.Tensor | None = None
+    """[B, E] int64 (-1 padded, valid first): cache slots sequence b also attends past its
+    context, a draft-tree node's ancestors and itself (``worker/draft_tree.py``); None:
+    contexts only."""
     _masks: dict = field(default_factory=dict, compare=False, repr=False)
     """Decode masks built once per step and shared by all layers (keyed by window)."""
 

@@ -54,7 +54,7 @@ class NativeImpl(AttentionImpl):
         if meta.is_all_decode:
             return native.decode_attention(
                 qkv, h, kvh, d, kv_cache, meta.block_tables, meta.seq_lens_tensor,
-                max(meta.seq_lens), p.scale, p.sliding_window,
+                max(meta.seq_lens), p.scale, p.sliding_window, meta.extra_slots,
             )  # fmt: skip
         q = qkv[:, : h * d].view(tokens, h, d)
         kv = qkv[:, h * d :].view(tokens, 2, kvh, d)

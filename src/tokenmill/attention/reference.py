@@ -52,9 +52,16 @@ def attend(
     """``paged_attention`` once the new K/V (``kv``, also still used as is) are stored."""
     if meta.is_all_decode and softcap is None:
         return _decode_batched(q, kv_cache, meta, scale, sliding_window)
+    if meta.extra_slots is not None and meta.is_all_decode:  # a draft tree's nodes
+        return _decode_tree(q, kv_cache, meta, scale, sliding_window, softcap)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for i in range(meta.num_seqs):
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        if meta.extra_slots is not None and end - start == 1:  # a tree node beside chunks
+            one = _row(meta, i)
+            out[start:end] = _decode_tree(q[start:end], kv_cache, one, scale, sliding_window,
+                                          softcap)  # fmt: skip
+            continue
         if end - start == meta.seq_lens[i] and softcap is None:  # no cached context
             out[start:end] = _attend_new(q[start:end], kv[start:end], scale, sliding_window)
             continue
@@ -160,6 +167,8 @@ def _decode_batched(
     max_len = max(meta.seq_lens)
     nb = (max_len + bs - 1) // bs
     qg = q.reshape(batch, kvh, group, d)
+    if meta.extra_slots is not None:
+        return _decode_tree(q, kv_cache, meta, scale, window, None)
     if batch == 1 and (window is None or max_len <= window):  # every key visible: no mask
         kv = _context(kv_cache, meta, 0, nb).reshape(2, 1, nb * bs, kvh, d)[:, :, :max_len]
         kv = kv.transpose(2, 3).to(q.dtype)  # [2, 1, KVH, L, D]
@@ -171,3 +180,47 @@ def _decode_batched(
         mask = meta.decode_mask(window, nb * bs)
         out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)
     return out.reshape(batch, heads, d)
+
+
+def _decode_tree(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """One query row per sequence (a draft tree's nodes and any plain decode rows): its
+    context, then its ``extra_slots`` (ancestors and itself), one masked SDPA call."""
+    assert meta.extra_slots is not None and meta.max_query_len == 1
+    batch, heads, d = q.shape
+    _, nb_all, bs, kvh, _ = kv_cache.shape
+    group = heads // kvh
+    max_len = max(meta.seq_lens)
+    nb = (max_len + bs - 1) // bs
+    flat = kv_cache.view(2, nb_all * bs, kvh, d)
+    blocks = meta.block_tables[:, :nb].reshape(-1)
+    ctx = kv_cache.index_select(1, blocks).view(2, batch, nb * bs, kvh, d)
+    extra = meta.extra_slots  # [B, E]
+    tail = flat.index_select(1, extra.clamp(min=0).reshape(-1)).view(2, batch, -1, kvh, d)
+    kv = torch.cat((ctx, tail), dim=2).transpose(2, 3).to(q.dtype)  # [2, B, KVH, L + E, D]
+    mask = torch.cat((meta.decode_mask(window, nb * bs), (extra >= 0)[:, None, None, :]), -1)
+    qg = q.reshape(batch, kvh, group, d)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(qg, kv[0], kv[1], attn_mask=mask, scale=scale)
+    else:
+        scores = torch.matmul(qg, kv[0].transpose(-1, -2)) * scale
+        scores = (torch.tanh(scores / softcap) * softcap).masked_fill(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), kv[1])
+    return out.reshape(batch, heads, d)
+
+
+def _row(meta: AttentionMetadata, i: int) -> AttentionMetadata:
+    """Sequence i of ``meta`` alone (one query row)."""
+    assert meta.extra_slots is not None
+    return AttentionMetadata(
+        slot_mapping=meta.slot_mapping[i : i + 1], query_start_loc=(0, 1),
+        seq_lens=(meta.seq_lens[i],), block_tables=meta.block_tables[i : i + 1],
+        block_size=meta.block_size, seq_lens_tensor=meta.seq_lens_tensor[i : i + 1],
+        extra_slots=meta.extra_slots[i : i + 1],
+    )  # fmt: skip

@@ -8,6 +8,7 @@ import torch
 from tokenmill.attention import triton_kernels
 from tokenmill.attention.backends import AttentionBackend, AttentionImpl, AttentionParams
 from tokenmill.attention.metadata import AttentionMetadata
+from tokenmill.attention.reference import attend
 
 
 class TritonBackend(AttentionBackend):
@@ -31,6 +32,8 @@ class TritonImpl(AttentionImpl):
     ) -> torch.Tensor:
         p = self.params
         triton_kernels.store_kv(kv_cache, kv, meta.slot_mapping)
+        if meta.extra_slots is not None:  # draft-tree nodes: the PyTorch attention has them
+            return attend(q, kv, kv_cache, meta, p.scale, p.sliding_window, p.softcap)
         if meta.is_all_decode:
             return triton_kernels.paged_attention(
                 q, kv_cache, meta.block_tables, meta.seq_lens_tensor, p.scale, p.sliding_window,

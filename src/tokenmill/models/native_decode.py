@@ -76,6 +76,8 @@ class NativeDecode:
         batch, width = hidden.shape
         kvh, inter = attn.spec.num_kv_heads, mlp.down_proj.in_features
         widest = max(width, inter)
+        extra = meta.extra_slots  # a draft tree's ancestors past each row's context
+        extras = 0 if extra is None else extra.shape[1]
         residual = torch.empty_like(hidden)
         buffers = {
             "normed": torch.empty(batch, width),
@@ -83,7 +85,7 @@ class NativeDecode:
             "attn": torch.empty(batch, attn.q_size),
             "gate_up": torch.empty(batch, 2 * inter),
             "act": torch.empty(batch, inter),
-            "scores": torch.empty(batch * kvh * max(meta.seq_lens)),
+            "scores": torch.empty(batch * kvh * (max(meta.seq_lens) + extras)),
             "qx": torch.empty(2 * batch * widest, dtype=torch.int8),
             "dx": torch.empty(batch * widest // 32),
             "sx": torch.empty(batch * widest // 32),
@@ -95,6 +97,7 @@ class NativeDecode:
             slots=meta.slot_mapping.data_ptr(), block_tables=meta.block_tables.data_ptr(),
             seq_lens=meta.seq_lens_tensor.data_ptr(),
             **{name: t.data_ptr() for name, t in buffers.items()},
+            extra_slots=None if extra is None else extra.data_ptr(), max_extra=extras,
         )  # fmt: skip
         tap = self.model.aux_tap
         for i, desc in enumerate(self._layer_descs(ctx.kv_caches)):

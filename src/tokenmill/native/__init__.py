@@ -89,7 +89,7 @@ def _library() -> ctypes.CDLL | None:
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, flag]
     lib.rope_store_kv.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, ptr, i64,
-                                     ptr, f32, i64, ptr, ptr, i64]  # fmt: skip
+                                     ptr, f32, i64, ptr, ptr, i64, ptr, i64]  # fmt: skip
     lib.decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ctypes.POINTER(StepArgs)]
     lib.dense16_gemm.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, ptr]
     lib.dense16_has_bf16.argtypes = []
@@ -136,6 +136,7 @@ class StepArgs(ctypes.Structure):
         ("slots", _ptr), ("block_tables", _ptr), ("seq_lens", _ptr),
         ("normed", _ptr), ("qkv", _ptr), ("attn", _ptr), ("gate_up", _ptr), ("act", _ptr),
         ("scores", _ptr), ("qx", _ptr), ("dx", _ptr), ("sx", _ptr),
+        ("extra_slots", _ptr), ("max_extra", _i64),
     ]  # fmt: skip
 
 
@@ -213,18 +214,22 @@ def rope_store_kv(
 def decode_attention(
     qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, kv_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, max_len: int, scale: float,
-    window: int | None,
+    window: int | None, extra_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """One query per sequence (the q heads of qkv [B, ...]) -> [B, H D] float32."""
+    """One query per sequence (the q heads of qkv [B, ...]) -> [B, H D] float32.
+    ``extra_slots`` [B, E] int64: cache slots each row sees past its context (-1: none)."""
     batch = qkv.shape[0]
+    extras = 0 if extra_slots is None else extra_slots.shape[1]
     out = torch.empty(batch, q_heads * head_dim, dtype=torch.float32)
-    scores = torch.empty(batch * kv_heads * max_len, dtype=torch.float32)
+    scores = torch.empty(batch * kv_heads * (max_len + extras), dtype=torch.float32)
     _, nb, bs = kv_cache.shape[:3]
     _library().decode_attention(qkv.data_ptr(), batch, qkv.stride(0), q_heads, kv_heads,
                                 head_dim, kv_cache.data_ptr(), nb * bs, bs,
                                 block_tables.data_ptr(), block_tables.stride(0),
                                 seq_lens.data_ptr(), scale, window or 0, out.data_ptr(),
-                                scores.data_ptr(), max_len)  # fmt: skip
+                                scores.data_ptr(), max_len,
+                                None if extra_slots is None else extra_slots.data_ptr(),
+                                extras)  # fmt: skip
     return out
 
 

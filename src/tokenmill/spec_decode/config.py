@@ -52,6 +52,32 @@ class SpeculativeConfig:
     adaptive: bool = True
     """Choose each step's draft length from acceptance and the measured verify cost
     (False: always up to num_speculative_tokens; for tests and benchmarks)."""
+    draft_top_k: int = 1
+    """Draft trees: guesses per position (1: one chain). With k > 1 each depth of the
+    chain gets its head's next k - 1 guesses as leaves beside it, all verified in one step
+    (eagle3 and mtp)."""
+    verify_tree_size: int | None = None
+    """Draft trees: most nodes verified per request per step, the most likely ones by the
+    head's path probability (default: every node, depth x draft_top_k)."""
+    max_verify_tree_size: int | None = None
+    """Draft trees: an upper bound that verify_tree_size may not pass (the seeds' name)."""
+
+    @property
+    def is_tree(self) -> bool:
+        """Whether steps verify draft trees (else one chain per request)."""
+        return (
+            self.draft_top_k > 1
+            or self.verify_tree_size is not None
+            or (self.max_verify_tree_size is not None)
+        )
+
+    @property
+    def tree_nodes(self) -> int:
+        """A tree's node budget (``verify_tree_size``)."""
+        return (
+            self.verify_tree_size or self.max_verify_tree_size
+            or self.num_speculative_tokens * self.draft_top_k
+        )  # fmt: skip
 
     def __post_init__(self) -> None:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPECULATIVE_TOKENS)
@@ -86,6 +112,21 @@ class SpeculativeConfig:
             raise InvalidRequestError(
                 "speculative_config: method 'draft_model' needs 'model' (the draft checkpoint)"
             )
+        _check_int("draft_top_k", self.draft_top_k, 1, 16)
+        for name in ("verify_tree_size", "max_verify_tree_size"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 1, 256)
+        if self.tree_nodes > (self.max_verify_tree_size or self.tree_nodes):
+            raise InvalidRequestError(
+                f"speculative_config: verify_tree_size={self.tree_nodes} exceeds "
+                f"max_verify_tree_size={self.max_verify_tree_size}"
+            )
+        if self.is_tree and self.method not in TREE_METHODS:
+            raise InvalidRequestError(
+                f"speculative_config: draft trees (draft_top_k, verify_tree_size) need a "
+                f"method whose head ranks its guesses ({', '.join(TREE_METHODS)}); "
+                f"{self.method!r} drafts one chain"
+            )
         if self.method == "eagle3" and not self.model:
             raise InvalidRequestError(
                 "speculative_config: method 'eagle3' needs 'model' (the EAGLE-3 head's folder)"
@@ -95,6 +136,10 @@ class SpeculativeConfig:
                 f"speculative_config: method {self.method!r} takes no 'model' "
                 "(drafts come from the request's own tokens); drop it or use draft_model"
             )
+
+
+TREE_METHODS = ("eagle3", "mtp")
+"""Methods that draft trees (their heads rank every guess)."""
 
 
 def resolve_speculative(
@@ -131,14 +176,22 @@ def resolve_speculative(
     for key in TREE_FIELDS:
         if key in raw and raw[key] is not None:
             tree_set[key] = raw.pop(key)
-    if tree_set:
-        raise InvalidRequestError(
-            f"tree verification ({', '.join(sorted(tree_set))}) is not built yet: drop "
-            "these fields to verify one draft chain per request"
-        )
     if not raw:
+        if tree_set:
+            raise InvalidRequestError(
+                f"{', '.join(sorted(tree_set))} shape draft trees: set a speculative method "
+                "too (eagle3 or mtp)"
+            )
         return None
-    return _from_dict(raw)
+    if "draft_step" in tree_set:  # the seeds' name for the tree's depth
+        step = tree_set.pop("draft_step")
+        if raw.get("num_speculative_tokens", step) != step:
+            raise InvalidRequestError(
+                f"speculative_config: draft_step={step!r} (the tree's depth) and "
+                f"num_speculative_tokens={raw['num_speculative_tokens']!r} disagree; set one"
+            )
+        raw["num_speculative_tokens"] = step
+    return _from_dict({**raw, **tree_set})
 
 
 def check_target_cache(spec: SpeculativeConfig | None, cache_specs: Sequence[object]) -> None:

@@ -95,5 +95,12 @@ class FeatureTap:
             run = self.runs.get(rid) or self.runs.setdefault(rid, FeatureRun())
             run.write(s.start, feats[query_start_loc[i] : query_start_loc[i + 1]])
 
+    def reorder(self, request_id: str, start: int, rows: Sequence[int]) -> None:
+        run = self.runs.get(request_id)
+        if run is None or not run.pieces or run.pieces[-1][0] != start:
+            return
+        piece = run.pieces[-1][1]
+        run.pieces[-1] = (start, piece[torch.tensor(rows, device=piece.device)])
+
     def finish(self, request_id: str) -> None:
         self.runs.pop(request_id, None)

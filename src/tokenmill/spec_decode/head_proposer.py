@@ -32,9 +32,11 @@ from tokenmill.kv_cache.spec import allocate_caches
 from tokenmill.models.decoder import DecoderForCausalLM
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.scheduler import ScheduledSeq
+from tokenmill.scheduler.draft_tree import DraftTree
 from tokenmill.scheduler.request import Request
 from tokenmill.spec_decode.adaptive import CostCurve
 from tokenmill.spec_decode.features import FeatureTap
+from tokenmill.spec_decode.proposer import TreeShape
 from tokenmill.worker.inputs import PinnedStaging, build_step_inputs
 
 if TYPE_CHECKING:
@@ -148,14 +150,42 @@ class HeadProposer:
         start = seq.computed
         return _Chunk(seq, start, end - start, run.take(start, end))
 
-    def _draft(self, chunks: list[_Chunk], k: int, drafts: dict[str, list[int]]) -> None:
-        """The catch-up step, then k - 1 one-token steps, for all ``chunks`` at once."""
+    def propose_tree(
+        self, requests: Sequence[Request], k: int, shape: TreeShape
+    ) -> list[DraftTree]:
+        """Per request, its draft chain (the head's greedy path, as ``propose``) with the
+        head's next ``shape.top_k - 1`` guesses at each depth as leaves beside it, the best
+        ``shape.nodes`` nodes by the head's path probability."""
+        drafts: dict[str, list[int]] = {req.request_id: [] for req in requests}
+        guesses: dict[str, list[tuple[list[int], list[float]]]] = {
+            req.request_id: [] for req in requests
+        }
+        chunks = [c for c in (self._catch_up(req, k) for req in requests) if c is not None]
+        if chunks:
+            self._draft(chunks, k, drafts, (shape.top_k, guesses))
+        return [caterpillar(guesses[r.request_id], shape.nodes, self.vocab_size) for r in requests]
+
+    def _draft(
+        self,
+        chunks: list[_Chunk],
+        k: int,
+        drafts: dict[str, list[int]],
+        top: tuple[int, dict[str, list[tuple[list[int], list[float]]]]] | None = None,
+    ) -> None:
+        """The catch-up step, then k - 1 one-token steps, for all ``chunks`` at once;
+        ``top`` = (k', out): also keep each step's k' best guesses and their logprobs."""
         for c in chunks:
             c.seq.computed = c.start + c.num
         live = chunks
         for step in range(k):
             hidden, feats = self._step(live)
-            ids = self.head.draft_ids(hidden).tolist()
+            if top is None:
+                ids = self.head.draft_ids(hidden).tolist()
+            else:
+                top_ids, top_lp = self.head.draft_topk(hidden, top[0])
+                ids = top_ids[:, 0].tolist()
+                for c, row_ids, row_lp in zip(live, top_ids.tolist(), top_lp.tolist()):
+                    top[1][c.seq.shifted.request_id].append((row_ids, row_lp))
             going = []
             for c, token, feat in zip(live, ids, feats):
                 if token >= self.vocab_size:
@@ -236,3 +266,35 @@ def build_head_proposer(spec: SpeculativeConfig, target: TargetParts) -> HeadPro
 
     head = load_head(spec, target)
     return HeadProposer.build(head, target)
+
+
+def caterpillar(
+    steps: Sequence[tuple[list[int], list[float]]], nodes: int, vocab_size: int
+) -> DraftTree:
+    """A draft tree from the guesses of each draft step, best first: the chain of first
+    guesses, and each later guess as a leaf beside the chain node of its depth; the
+    ``nodes`` nodes of highest path logprob (a node never scores above its parent, so the
+    chosen ones form a tree), ordered by depth (parents first)."""
+    scored: list[
+        tuple[float, int, int, int, int]
+    ] = []  # (-logprob, depth, rank, token, parent depth)
+    path = 0.0
+    for depth, (ids, lps) in enumerate(steps, 1):
+        if ids[0] >= vocab_size:
+            break
+        for rank, (token, lp) in enumerate(zip(ids, lps)):
+            if token < vocab_size:
+                scored.append((-(path + lp), depth, rank, token, depth - 1))
+        path += lps[0]
+    chosen = sorted(sorted(scored)[:nodes], key=lambda x: (x[1], x[2]))
+    tokens: list[int] = []
+    parents: list[int] = []
+    chain_at = {0: -1}  # depth -> index of the chain node there (0: the root)
+    for _, depth, rank, token, parent_depth in chosen:
+        if parent_depth not in chain_at:
+            continue  # its chain parent was not chosen (ties)
+        parents.append(chain_at[parent_depth])
+        tokens.append(token)
+        if rank == 0:
+            chain_at[depth] = len(tokens) - 1
+    return DraftTree(tuple(tokens), tuple(parents))

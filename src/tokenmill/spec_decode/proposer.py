@@ -11,9 +11,11 @@ applied, the hook counts what was accepted (``SpecDecodeStats``, each request's 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from tokenmill.engine.hooks import RequestHook
+from tokenmill.scheduler.draft_tree import DraftTree, depths
 from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.spec_decode.adaptive import EXPLORE_EVERY, Acceptance, CostCurve, DraftLength
 from tokenmill.spec_decode.metrics import SpecDecodeStats
@@ -38,6 +40,21 @@ class Proposer(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """How wide a draft tree grows: ``top_k`` guesses per position, at most ``nodes``
+    nodes (``verify_tree_size``)."""
+
+    top_k: int
+    nodes: int
+
+
+def _renumber(parents: Sequence[int], keep: list[int]) -> list[int]:
+    """Parents of the kept nodes (each kept node's parent is kept: depths only shrink)."""
+    where = {old: new for new, old in enumerate(keep)}
+    return [-1 if parents[j] < 0 else where[parents[j]] for j in keep]
+
+
 class DraftHook(RequestHook):
     """Fills ``spec_token_ids`` of running requests from a proposer, at most
     ``num_tokens`` per step (fewer where ``length`` says more would not pay). Requests in
@@ -46,9 +63,15 @@ class DraftHook(RequestHook):
     allows (``StructuredRequest.valid_drafts``)."""
 
     def __init__(
-        self, proposer: Proposer, num_tokens: int, length: DraftLength | None = None
+        self,
+        proposer: Proposer,
+        num_tokens: int,
+        length: DraftLength | None = None,
+        tree: TreeShape | None = None,
     ) -> None:
         self.proposer = proposer
+        self.tree = tree
+        """Draft trees of this shape (a proposer with ``propose_tree``); None: chains."""
         self.num_tokens = num_tokens
         self.length = length or DraftLength(num_tokens, CostCurve.linear(), adaptive=False)
         self.stats = SpecDecodeStats(proposer.name, num_tokens)
@@ -91,21 +114,33 @@ class DraftHook(RequestHook):
             k = self._cap(num_running, eligible, [k] * len(eligible))
             if k == 0:
                 return False
-        proposals = self.proposer.propose(eligible, k)
-        drafting = [(req, p) for req, p in zip(eligible, proposals) if p]
+        proposals = self._proposals(eligible, k)
+        drafting = [(req, p) for req, p in zip(eligible, proposals) if p.tokens]
         if not drafting:
             return False
         cap = k
         if not costly:  # cheap proposals: the cap from their actual lengths
-            cap = self._cap(num_running, [r for r, _ in drafting], [len(p) for _, p in drafting])
+            lengths = [len(p.main_chain()) for _, p in drafting]
+            cap = self._cap(num_running, [r for r, _ in drafting], lengths)
         if cap == 0:
             return False
         for req, p in drafting:
-            p = p[:cap]
-            if req.structured is not None:  # only what its grammar allows
-                p = req.structured.valid_drafts(p)
-            req.spec_token_ids = p
+            if req.structured is not None:  # a chain, only what its grammar allows
+                req.spec_token_ids = req.structured.valid_drafts(p.main_chain()[:cap])
+            elif p.is_chain:
+                req.spec_token_ids = list(p.tokens[:cap])
+            else:  # a tree: no deeper than the cap
+                keep = [j for j, d in enumerate(depths(p.parents)) if d <= cap]
+                req.spec_token_ids = [p.tokens[j] for j in keep]
+                req.spec_parents = _renumber(p.parents, keep)
         return True
+
+    def _proposals(self, requests: list[Request], k: int) -> list[DraftTree]:
+        """Chains as one-branch trees; a proposer that builds trees builds them when asked
+        (``tree``)."""
+        if self.tree is not None and hasattr(self.proposer, "propose_tree"):
+            return self.proposer.propose_tree(requests, k, self.tree)
+        return [DraftTree.chain(p) for p in self.proposer.propose(requests, k)]
 
     def _cap(self, num_running: int, requests: Sequence[Request], lengths: list[int]) -> int:
         prior = self.length.prior()
@@ -116,7 +151,13 @@ class DraftHook(RequestHook):
         for seq in sched.seqs:
             if seq.draft_token_ids:
                 req = seq.request
-                self._verifying.append((req, len(seq.draft_token_ids), req.num_output_tokens))
+                # a tree counts as deep as it goes: at most that many drafts are accepted
+                drafted = (
+                    max(depths(seq.draft_parents))
+                    if seq.draft_parents
+                    else len(seq.draft_token_ids)
+                )
+                self._verifying.append((req, drafted, req.num_output_tokens))
 
     def on_finish(self, request: Request) -> None:
         self._count_verified()

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.spec_decode.adaptive import DraftLength
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.spec_decode.proposer import DraftHook, Proposer
+from tokenmill.spec_decode.proposer import DraftHook, Proposer, TreeShape
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -84,4 +84,5 @@ def build_draft_hook(spec: SpeculativeConfig, target: TargetParts, budget: int) 
             proposal = proposer.measure_step_cost(seqs)
     if isinstance(proposer, HeadProposer):  # features from now on (not the scratch steps')
         proposer.attach()
-    return DraftHook(proposer, k, DraftLength(k, curve, spec.adaptive, proposal))
+    tree = TreeShape(spec.draft_top_k, spec.tree_nodes) if spec.is_tree else None
+    return DraftHook(proposer, k, DraftLength(k, curve, spec.adaptive, proposal), tree)

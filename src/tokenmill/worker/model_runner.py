@@ -27,8 +27,11 @@ from tokenmill.sampling.in_flight import InFlightRow
 from tokenmill.sampling.logits_processors import upload
 from tokenmill.sampling.sampler import RowState, SamplingRow
 from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
+from tokenmill.scheduler.draft_tree import accept, accepted_moves, path
+from tokenmill.scheduler.request import RequestStatus
 from tokenmill.worker.cuda_graphs import PaddedDecode, wants_cuda_graphs
-from tokenmill.worker.fast_path import FastPath, cpu_fast_path
+from tokenmill.worker.draft_tree import has_tree, move_kv, tree_attention
+from tokenmill.worker.fast_path import FastPath, NativeDecodePath, cpu_fast_path
 from tokenmill.worker.inputs import (
     HostIds,
     PendingTokens,
@@ -44,6 +47,11 @@ class FeatureSink(Protocol):
         self, seqs: Sequence[ScheduledSeq], query_start_loc: Sequence[int], hidden: torch.Tensor
     ) -> None:
         """The step's sequences, their row offsets, its final hidden states [T, hidden]."""
+        ...
+
+    def reorder(self, request_id: str, start: int, rows: Sequence[int]) -> None:
+        """A draft tree was verified: positions start.. now hold the rows ``rows`` of what
+        that step recorded from start on (the root, then the accepted nodes)."""
         ...
 
 
@@ -191,6 +199,8 @@ class ModelRunner:
         """hidden [T, hidden] of the step's tokens and the query offsets (B+1) of its
         sequences: through the padded decode path (CUDA graphs) when it takes the step."""
         seqs = sched.seqs
+        if self.mm is None and has_tree(seqs):  # draft trees: per-node attention
+            return self._forward_tree(sched, pending, cols)
         if self.decode is not None and self.decode.takes(seqs, cols):
             hidden = self.decode.run(seqs, sched.tables, pending, cols)  # [T, hidden]
             if len(seqs) == hidden.shape[0]:  # one token each: row i = sequence i
@@ -203,6 +213,42 @@ class ModelRunner:
             ctx = dataclasses.replace(ctx, input_embeds=embeds)
         hidden = self.model(inputs.input_ids, positions, ctx)
         return hidden, inputs.meta.query_start_loc
+
+    def _forward_tree(
+        self, sched: SchedulerOutput, pending: PendingTokens | None, cols: StepColumns
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """``_forward`` of a step with draft trees: node rows at their depth's rotary
+        position, seeing their path (``draft_tree.tree_attention``); the whole-layer CPU
+        path takes it when every sequence is decoding or verifying."""
+        seqs = sched.seqs
+        inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending, cols)
+        positions, meta = tree_attention(seqs, inputs.positions, inputs.meta)
+        fast = self.decode
+        if isinstance(fast, NativeDecodePath) and meta.is_all_decode:
+            ctx = StepContext(meta, self.kv_caches, fast.backend)
+            hidden = fast.decode(inputs.input_ids, positions, ctx)
+        else:
+            hidden = self.model(inputs.input_ids, positions, self._ctx(meta, seqs))
+        return hidden, inputs.meta.query_start_loc
+
+    def _settle_trees(self, step: LaunchedStep, accepted: dict[int, list[int]]) -> None:
+        """Move the accepted tree nodes' K/V to the positions they now hold (before the
+        scheduler commits or rolls back), and their features with them."""
+        src: list[int] = []
+        dst: list[int] = []
+        bs = self.block_size
+        for i, nodes in accepted.items():
+            s = step.seqs[i]
+            if s.request.status is not RequestStatus.RUNNING:
+                continue  # preempted or ended while in flight: its blocks are not its own
+            root = s.end - len(s.draft_parents) - 1
+            table = s.block_table
+            for a, b in accepted_moves(root, nodes):
+                src.append(table[a // bs] * bs + a % bs)
+                dst.append(table[b // bs] * bs + b % bs)
+            if self.tap is not None:
+                self.tap.reorder(s.request.request_id, root, [0, *(1 + j for j in nodes)])
+        move_kv(self.kv_caches, src, dst)
 
     def _sample(
         self, rows: Sequence[SamplingRow], sample_rows: list[int], hidden: torch.Tensor
@@ -221,7 +267,11 @@ class ModelRunner:
         if step.done is not None:
             step.done.synchronize()
         token_list = step.ids.tolist() if step.ids is not None else []
-        return _to_host(step, token_list)
+        accepted: dict[int, list[int]] = {}
+        out = _to_host(step, token_list, accepted)
+        if accepted:
+            self._settle_trees(step, accepted)
+        return out
 
     def _pending_tokens(
         self, seqs: tuple[ScheduledSeq, ...], cols: StepColumns | None = None
@@ -384,8 +434,10 @@ def _sample_rows(
             continue
         hidden_rows.extend(range(last - len(drafts), last + 1))
         states.append(req)
-        for j in range(1, len(drafts) + 1):
-            outputs = [*req.output_token_ids, *drafts[:j]]
+        parents = s.draft_parents
+        for j in range(1, len(drafts) + 1):  # row j scores the token after draft j - 1
+            before = [drafts[a] for a in path(parents, j - 1)] if parents else drafts[:j]
+            outputs = [*req.output_token_ids, *before]
             states.append(RowState(req.params, req.prompt_token_ids, outputs, req.generator,
                                    req.eos_token_ids, req.structured))  # fmt: skip
     return tuple(first_rows), hidden_rows, states
@@ -406,29 +458,42 @@ def verify_drafts(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
     return sampled
 
 
-def _to_host(step: LaunchedStep, token_list: list[int]) -> ModelRunnerOutput:
+def _to_host(
+    step: LaunchedStep, token_list: list[int], accepted: dict[int, list[int]] | None = None
+) -> ModelRunnerOutput:
     """Host-side outputs once the step's copies are on the host (``LaunchedStep.done``, the
-    step's synchronisation point)."""
+    step's synchronisation point). ``accepted`` gets, per draft-tree sequence, the nodes
+    its output took."""
     tokens: list[list[int]]
+    rows: list[list[int]] | None = None  # sampled rows of each output token (trees)
     if len(token_list) == len(step.seqs) and not _has_drafts(step.seqs):  # one each (decode)
         tokens = [[t] for t in token_list]
     else:
-        tokens = []
-        for s, row in zip(step.seqs, step.first_rows):
+        tokens, rows = [], []
+        for i, (s, row) in enumerate(zip(step.seqs, step.first_rows)):
             sampled = token_list[row : row + s.num_sample_rows]
-            tokens.append(
-                verify_drafts(s.draft_token_ids, sampled) if s.draft_token_ids else sampled
-            )
+            if s.draft_parents:
+                nodes = accept(s.draft_token_ids, s.draft_parents, sampled)
+                used = [0, *(1 + j for j in nodes)]
+                tokens.append([*(s.draft_token_ids[j] for j in nodes), sampled[used[-1]]])
+                rows.append(used)
+                if accepted is not None:
+                    accepted[i] = nodes
+                continue
+            new = verify_drafts(s.draft_token_ids, sampled) if s.draft_token_ids else sampled
+            tokens.append(new)
+            rows.append(list(range(len(new))))
     logprobs = None
     if step.logprobs is not None:
         entries = _entries(step.logprobs, token_list)
         logprobs = []
-        for s, row, new in zip(step.seqs, step.first_rows, tokens):
+        for i, (s, row, new) in enumerate(zip(step.seqs, step.first_rows, tokens)):
             k = s.request.params.logprobs
+            used = rows[i] if rows is not None else list(range(len(new)))
             logprobs.append(
                 [] if k is None else
                 [TokenLogprobs(e.token_id, e.logprob, e.rank, e.top[:k])
-                 for e in entries[row : row + len(new)]]
+                 for e in (entries[row + r] for r in used)]
             )  # fmt: skip
     prompt = {
         rid: (start, _entries(plp, targets))

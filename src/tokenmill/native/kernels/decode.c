@@ -64,20 +64,25 @@ void rope_store_kv(float *qkv, int64_t tokens, int64_t row_stride, int64_t q_hea
 }
 
 /* q: [B, q_stride] (q heads first), out: [B, q_heads * d]. Sequence b sees key positions
- * max(0, len - window) .. len - 1 (window <= 0: all) of its blocks in block_tables[b]. */
+ * max(0, len - window) .. len - 1 (window <= 0: all) of its blocks in block_tables[b], then
+ * (a draft tree's node) the cache slots extra_slots[b * max_extra ..] that are >= 0: its
+ * ancestors and itself, stored past its context (extra_slots NULL: none). */
 void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q_heads,
                       int64_t kv_heads, int64_t d, const float *cache, int64_t cache_slots,
                       int64_t block_size, const int64_t *block_tables, int64_t table_width,
                       const int64_t *seq_lens, float scale, int64_t window, float *out,
-                      float *scratch /* [B * kv_heads][max_len] */, int64_t max_len) {
-    const int64_t group = q_heads / kv_heads;
+                      float *scratch /* [B * kv_heads][max_len + max_extra] */, int64_t max_len,
+                      const int64_t *extra_slots, int64_t max_extra) {
+    const int64_t group = q_heads / kv_heads, extras = extra_slots ? max_extra : 0;
+    const int64_t stride = max_len + extras;
 #pragma omp parallel for schedule(static) collapse(2) if (batch * kv_heads > 1)
     for (int64_t b = 0; b < batch; b++) {
         for (int64_t g = 0; g < kv_heads; g++) {
             const int64_t len = seq_lens[b];
             const int64_t first = window > 0 && len > window ? len - window : 0;
             const int64_t *table = block_tables + b * table_width;
-            float *scores = scratch + (b * kv_heads + g) * max_len;
+            const int64_t *extra = extras ? extra_slots + b * extras : 0;
+            float *scores = scratch + (b * kv_heads + g) * stride;
             for (int64_t j = 0; j < group; j++) {
                 const float *qh = q + b * q_stride + (g * group + j) * d;
                 float *o = out + b * q_heads * d + (g * group + j) * d;
@@ -92,17 +97,37 @@ void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q
                     scores[p] = dot;
                     top = dot > top ? dot : top;
                 }
+                for (int64_t e = 0; e < extras && extra[e] >= 0; e++) {
+                    const float *k = cache + (extra[e] * kv_heads + g) * d;
+                    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+                    for (int64_t i = 0; i < d; i++) dot += qh[i] * k[i];
+                    dot *= scale;
+                    scores[max_len + e] = dot;
+                    top = dot > top ? dot : top;
+                }
                 float total = 0.f;
                 for (int64_t p = first; p < len; p++) {
                     float e = expf(scores[p] - top);
                     scores[p] = e;
                     total += e;
                 }
+                for (int64_t e = 0; e < extras && extra[e] >= 0; e++) {
+                    float x = expf(scores[max_len + e] - top);
+                    scores[max_len + e] = x;
+                    total += x;
+                }
                 for (int64_t i = 0; i < d; i++) o[i] = 0.f;
                 for (int64_t p = first; p < len; p++) {
                     int64_t slot = table[p / block_size] * block_size + p % block_size;
                     const float *v = cache + ((cache_slots + slot) * kv_heads + g) * d;
                     float wgt = scores[p] / total;
+#pragma omp simd
+                    for (int64_t i = 0; i < d; i++) o[i] += wgt * v[i];
+                }
+                for (int64_t e = 0; e < extras && extra[e] >= 0; e++) {
+                    const float *v = cache + ((cache_slots + extra[e]) * kv_heads + g) * d;
+                    float wgt = scores[max_len + e] / total;
 #pragma omp simd
                     for (int64_t i = 0; i < d; i++) o[i] += wgt * v[i];
                 }

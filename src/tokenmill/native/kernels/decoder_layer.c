@@ -20,7 +20,8 @@ void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q
                       int64_t kv_heads, int64_t d, const float *cache, int64_t cache_slots,
                       int64_t block_size, const int64_t *block_tables, int64_t table_width,
                       const int64_t *seq_lens, float scale, int64_t window, float *out,
-                      float *scratch, int64_t max_len);
+                      float *scratch, int64_t max_len, const int64_t *extra_slots,
+                      int64_t max_extra);
 
 typedef struct {
     const uint8_t *tiles;
@@ -45,6 +46,8 @@ typedef struct {
     float *normed, *qkv, *attn, *gate_up, *act, *scores; /* scratch */
     int8_t *qx;
     float *dx, *sx;
+    const int64_t *extra_slots; /* [B, max_extra] or NULL: draft-tree keys past each context */
+    int64_t max_extra;
 } StepArgs;
 
 #define DENSE16 16
@@ -78,7 +81,8 @@ void decode_layer(const LayerDesc *L, const StepArgs *s) {
                   L->cache_slots, s->slots);
     decode_attention(s->qkv, B, L->qkv.out, L->q_heads, L->kv_heads, D, L->kv_cache,
                      L->cache_slots, L->block_size, s->block_tables, s->table_width, s->seq_lens,
-                     L->scale, L->window, s->attn, s->scores, s->max_len);
+                     L->scale, L->window, s->attn, s->scores, s->max_len, s->extra_slots,
+                     s->max_extra);
     project(&L->o, s->attn, s->hidden, s);
     add_rms_norm(s->hidden, s->residual, L->post_norm, s->normed, B, H, L->min_norm, 1);
     project(&L->gate_up, s->normed, s->gate_up, s);

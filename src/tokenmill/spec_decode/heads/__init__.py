@@ -52,6 +52,10 @@ class SpecHead(Protocol):
         """hidden [N, H] -> the greedy draft of each row as target token ids [N]."""
         ...
 
+    def draft_topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [N, H] -> its k best drafts as target ids [N, k] and their logprobs."""
+        ...
+
     def cache_spec(self) -> FullAttention:
         """The head's one attention layer of KV."""
         ...

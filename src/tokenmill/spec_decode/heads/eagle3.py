@@ -146,6 +146,11 @@ class Eagle3Head(nn.Module):
         best = self.lm_head(hidden).float().argmax(dim=-1)  # [N] draft-vocabulary ids
         return best + self.d2t[best]
 
+    def draft_topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lp = torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
+        best, ids = lp.topk(k, dim=-1)  # [N, k] in the draft vocabulary
+        return ids + self.d2t[ids], best
+
     def cache_spec(self) -> FullAttention:
         cfg = self.config
         return FullAttention(cfg.num_kv_heads, cfg.head_dim, self.dtype)

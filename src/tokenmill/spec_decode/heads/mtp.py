@@ -85,6 +85,11 @@ class MTPHead(nn.Module):
     def draft_ids(self, hidden: torch.Tensor) -> torch.Tensor:
         return self._target[0].compute_logits(hidden).argmax(dim=-1)
 
+    def draft_topk(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lp = torch.log_softmax(self._target[0].compute_logits(hidden), dim=-1)
+        best, ids = lp.topk(k, dim=-1)
+        return ids, best
+
     def cache_spec(self) -> FullAttention:
         cfg = self.config
         return FullAttention(cfg.num_kv_heads, cfg.head_dim, self.dtype)
