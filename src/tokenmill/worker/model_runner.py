@@ -199,7 +199,7 @@ class ModelRunner:
         """hidden [T, hidden] of the step's tokens and the query offsets (B+1) of its
         sequences: through the padded decode path (CUDA graphs) when it takes the step."""
         seqs = sched.seqs
-        if self.mm is None and has_tree(seqs):  # draft trees: per-node attention
+        if not cols.one_token_each and self.mm is None and has_tree(seqs):  # draft trees
             return self._forward_tree(sched, pending, cols)
         if self.decode is not None and self.decode.takes(seqs, cols):
             hidden = self.decode.run(seqs, sched.tables, pending, cols)  # [T, hidden]
