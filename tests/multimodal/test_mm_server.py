@@ -195,3 +195,13 @@ def test_text_model_answers_media_with_a_400_naming_it(tiny_llama_dir):
             )  # fmt: skip
     finally:
         srv.close(timeout=30)
+
+
+def test_metrics_route_has_the_multimodal_counters(client):
+    import httpx
+
+    _chat(client, _url(_data_url(_encode(random_image(28, 28, 42), "PNG"))))
+    text = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
+    for name in ("mm_items_processed", "mm_encoder_runs", "mm_encoder_cache_hits",
+                 "mm_encoder_seconds", "mm_preprocess_seconds"):  # fmt: skip
+        assert f'tokenmill:{name}_total{{model_name="vl"}}' in text, name

@@ -42,6 +42,7 @@ from tokenmill.entrypoints.openai.serving_pooling import add_pooling_routes, mod
 from tokenmill.entrypoints.openai.serving_responses import ResponsesHandler
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.metrics.prometheus import make_registry
+from tokenmill.multimodal.prometheus import MultiModalCollector, engine_multimodal_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.model_name,
         lambda: state.llm.engine.prefix_cache_metrics() if state.llm is not None else {},
     )
+    registry.register(MultiModalCollector(  # tokenmill:mm_* (none for a text-only model)
+        lambda: engine_multimodal_metrics(getattr(state.llm, "engine", None)), state.model_name
+    ))  # fmt: skip
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
