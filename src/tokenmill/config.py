@@ -174,7 +174,16 @@ class EngineConfig:
     one). Not together with tensor_parallel_size yet."""
     distributed_executor_backend: str | None = None
     """How tensor-parallel ranks run: mp (processes of this machine; the default) or ray
-    (not built for tensor parallelism yet)."""
+    (not built for tensor or pipeline parallelism yet)."""
+    data_parallel_size: int = 1
+    """Engine replicas behind one server, each a Ray actor (``tokenmill[ray]``), requests
+    routed by cached prefix (``distributed/router.py``); ``tokenmill serve`` only, not
+    the offline ``LLM``."""
+    ray_address: str | None = None
+    """The Ray cluster the replicas join (``ray start --head`` prints it); None: start a
+    local one."""
+    data_parallel_routing: str = "cache_aware"
+    """How the server picks a replica: cache_aware or round_robin."""
     parallel: ParallelConfig = field(init=False, compare=False, repr=False)
     """The resolved scale-out options (from the fields above)."""
 
@@ -255,7 +264,8 @@ class EngineConfig:
 
         parallel = ParallelConfig(
             self.tensor_parallel_size, self.pipeline_parallel_size,
-            self.distributed_executor_backend or "mp",
+            self.distributed_executor_backend or "mp", self.data_parallel_size,
+            self.ray_address, self.data_parallel_routing,
         )  # fmt: skip
         object.__setattr__(self, "parallel", parallel)
 

@@ -47,14 +47,6 @@ TASKS: dict[str, dict[str, str]] = {
 
 COMPAT_OPTIONS: tuple[CompatOption, ...] = (
     CompatOption(
-        "data_parallel_size",
-        1,
-        int,
-        "data parallelism is not implemented yet: only 1 (run one server per "
-        "device behind a load balancer)",
-        only=(1,),
-    ),
-    CompatOption(
         "gpu_memory_utilization",
         0.9,
         float,

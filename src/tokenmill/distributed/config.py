@@ -6,12 +6,16 @@ checkpoint's shapes (``check_shapes``) before any worker starts or any weight is
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from tokenmill.errors import InvalidRequestError
 
 EXECUTOR_BACKENDS = ("mp", "ray")
 """``distributed_executor_backend`` values: worker processes of this machine, or Ray actors."""
+ROUTING = ("cache_aware", "round_robin")
+"""``data_parallel_routing`` values (``routing.POLICIES``)."""
+RAY_EXTRA = "pip install 'tokenmill[ray]'"
 
 
 @dataclass(frozen=True)
@@ -23,9 +27,16 @@ class ParallelConfig:
     distributed_executor_backend: str = "mp"
     """How the workers run: mp (processes of this machine, torch.distributed over gloo
     on CPU, NCCL on CUDA) or ray (not built for tensor or pipeline parallelism yet)."""
+    data_parallel_size: int = 1
+    """Engine replicas (Ray actors) behind one server (``router.py``)."""
+    ray_address: str | None = None
+    """The Ray cluster the replicas join (``ray.init(address=...)``); None: a local one."""
+    data_parallel_routing: str = "cache_aware"
+    """How the server picks a replica: cache_aware (longest cached prefix, balanced with
+    requests in flight) or round_robin."""
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}")
@@ -34,6 +45,19 @@ class ParallelConfig:
                 f"distributed_executor_backend={self.distributed_executor_backend!r} is "
                 f"unknown; use one of {', '.join(EXECUTOR_BACKENDS)}"
             )
+        if self.data_parallel_routing not in ROUTING:
+            raise InvalidRequestError(
+                f"data_parallel_routing={self.data_parallel_routing!r} is unknown; use one of "
+                f"{', '.join(ROUTING)}"
+            )
+        needs_ray = self.data_parallel_size > 1 or self.distributed_executor_backend == "ray"
+        if needs_ray and importlib.util.find_spec("ray") is None:
+            what = (
+                f"data_parallel_size={self.data_parallel_size} runs its replicas"
+                if self.data_parallel_size > 1
+                else "distributed_executor_backend='ray' runs its workers"
+            )
+            raise InvalidRequestError(f"{what} on Ray, which is not installed: {RAY_EXTRA}")
         if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
             raise InvalidRequestError(
                 f"tensor_parallel_size={self.tensor_parallel_size} with pipeline_parallel_size="

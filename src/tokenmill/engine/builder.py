@@ -120,6 +120,11 @@ def _assemble(
 
 def _start_ranks(config: EngineConfig, loaded: LoadedModel | None) -> Ranks | None:
     """Tensor parallelism's worker processes and process group; None on one device."""
+    if config.parallel.data_parallel_size > 1:
+        raise ValueError(
+            f"data_parallel_size={config.parallel.data_parallel_size} runs replicas behind "
+            "a server (tokenmill serve --data-parallel-size N); one engine has one replica"
+        )
     if config.parallel.world_size == 1:
         return None
     if loaded is not None:

@@ -327,6 +327,29 @@ ENGINE_FLAGS = (
         aliases=("-pp",),
     ),
     Flag(
+        "--data-parallel-size",
+        "data_parallel_size",
+        int,
+        "engine replicas behind this server, each a Ray actor (pip install 'tokenmill[ray]')",
+        1,
+        aliases=("-dp",),
+    ),
+    Flag(
+        "--ray-address",
+        "ray_address",
+        str,
+        "the Ray cluster the replicas join (default: start a local one)",
+    ),
+    Flag(
+        "--data-parallel-routing",
+        "data_parallel_routing",
+        str,
+        "how a request picks its replica: cache_aware (longest cached prefix, balanced "
+        "with load) or round_robin",
+        "cache_aware",
+        choices=("cache_aware", "round_robin"),
+    ),
+    Flag(
         "--distributed-executor-backend",
         "distributed_executor_backend",
         str,
@@ -523,7 +546,7 @@ def compat_flags() -> tuple[Flag, ...]:
     """vLLM's engine flags that tokenmill accepts (``tokenmill.vllm_compat``)."""
     from tokenmill.vllm_compat import COMPAT_OPTIONS
 
-    aliases = {"data_parallel_size": ("-dp",)}
+    aliases: dict[str, tuple[str, ...]] = {}
     return tuple(
         Flag(
             "--" + o.name.replace("_", "-"),

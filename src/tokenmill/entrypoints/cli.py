@@ -188,7 +188,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return serve_speech(model, config, name)
     engine_config = _engine_config(model, options)  # refuse before loading (in a thread)
-    if use_engine_process(config.engine_process, engine_config):
+    replicas = engine_config.parallel.data_parallel_size > 1  # the server starts them
+    if replicas or use_engine_process(config.engine_process, engine_config):
         return OpenAIServer(engine_config, config, model_name=name).run()
 
     def load():

@@ -188,6 +188,14 @@ class OpenAIServer:
             self.state.llm = AsyncPoolingLLM(engine, cfg.max_queued_requests, cfg.queue_timeout)
             self._log_serving()
             return
+        if isinstance(engine, EngineConfig) and engine.parallel.data_parallel_size > 1:
+            from tokenmill.distributed.router import DataParallelRouter
+
+            self.state.llm = DataParallelRouter(
+                engine, cfg.max_queued_requests, cfg.queue_timeout, cfg.limits.grammar
+            )
+            self._log_serving()
+            return
         if isinstance(engine, EngineConfig):
             from tokenmill.engine.core_process import EngineCoreClient, use_engine_process
 
