@@ -259,3 +259,17 @@ def test_tree_configs_are_checked(target_dir, eagle_dir):
     flat = EngineConfig(speculative_config=eagle(eagle_dir, k=2), draft_top_k=3, draft_step=2)
     assert flat.speculative is not None and flat.speculative.is_tree
     assert (flat.speculative.num_speculative_tokens, flat.speculative.tree_nodes) == (2, 6)
+
+
+def test_feature_runs_are_bounded(monkeypatch):
+    from tokenmill.spec_decode import features
+
+    monkeypatch.setattr(features, "MAX_BYTES", 10 * 8 * 4)  # ten rows of 8 floats
+    run = features.FeatureRun()
+    for start in range(0, 40, 4):
+        run.write(start, torch.full((4, 8), float(start)))
+    assert run.start >= 28 and run.end == 40  # the oldest pieces went
+    run.write(38, torch.zeros(3, 8))  # a rewrite (rejected drafts) drops what follows
+    assert run.end == 41 and run.low == 0
+    rows = run.take(36, 41)
+    assert rows[:, 0].tolist() == [36.0, 36.0, 0.0, 0.0, 0.0]

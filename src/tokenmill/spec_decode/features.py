@@ -19,6 +19,10 @@ import torch
 
 from tokenmill.scheduler import ScheduledSeq
 
+MAX_BYTES = 256 << 20
+"""Most feature bytes kept per request (a long prompt's features wait for its first
+proposal: 256 MiB is 5,000 positions of an 8B model's EAGLE-3 features)."""
+
 
 @dataclass
 class FeatureRun:
@@ -41,7 +45,9 @@ class FeatureRun:
         return start + rows.shape[0]
 
     def write(self, start: int, rows: torch.Tensor) -> None:
-        """Features of positions [start, start + n): what was at or past start is dropped."""
+        """Features of positions [start, start + n): what was at or past start is dropped;
+        past ``MAX_BYTES`` the oldest pieces go (a request that drafts nothing for long:
+        its head then skips those positions, which costs acceptance, not correctness)."""
         self.low = start if self.low is None else min(self.low, start)
         kept = []
         for s, t in self.pieces:
@@ -51,6 +57,10 @@ class FeatureRun:
         if kept and kept[-1][0] + kept[-1][1].shape[0] < start:
             kept = []  # a gap: positions in between were never computed here
         kept.append((start, rows))
+        size = sum(t.nelement() * t.element_size() for _, t in kept)
+        while len(kept) > 1 and size > MAX_BYTES:
+            size -= kept[0][1].nelement() * kept[0][1].element_size()
+            kept.pop(0)
         self.pieces = kept
 
     def take(self, lo: int, hi: int) -> torch.Tensor:
