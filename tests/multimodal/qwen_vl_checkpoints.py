@@ -156,3 +156,39 @@ def hf_generate(path: Path, prompt: str, images: list, steps: int) -> list[int]:
     inputs = proc(text=[prompt], images=images or None, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def random_video(frames: int, width: int, height: int, seed: int) -> np.ndarray:
+    """[T, H, W, 3] uint8 frames: a random picture drifting one pixel per frame."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (height, width + frames, 3), dtype=np.uint8)
+    return np.stack([base[:, t : t + width] for t in range(frames)])
+
+
+@torch.no_grad()
+def hf_generate_inputs(path: Path, ids: list[int], mm, steps: int) -> list[int]:
+    """transformers' greedy tokens from already processed inputs (its video processor needs
+    torchvision): our expanded ids, pixel values, grids and temporal steps."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    input_ids = torch.tensor([ids])
+    kinds = {"image": [], "video": []}
+    for it in mm.items:
+        kinds[it.modality].append(it)
+    kwargs = {
+        "mm_token_type_ids": (input_ids == IMAGE_PAD).int() + 2 * (input_ids == VIDEO_PAD).int()
+    }
+    if kinds["image"]:
+        kwargs["pixel_values"] = torch.cat([it.pixel_values for it in kinds["image"]])
+        kwargs["image_grid_thw"] = torch.tensor([it.grid_thw for it in kinds["image"]])
+    if kinds["video"]:
+        kwargs["pixel_values_videos"] = torch.cat([it.pixel_values for it in kinds["video"]])
+        kwargs["video_grid_thw"] = torch.tensor([it.grid_thw for it in kinds["video"]])
+        tps = model.config.vision_config.tokens_per_second
+        kwargs["second_per_grid_ts"] = torch.tensor(
+            [it.time_interval / tps for it in kinds["video"]]
+        )
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=steps,
+                         min_new_tokens=steps, do_sample=False, **kwargs)  # fmt: skip
+    return out[0, len(ids) :].tolist()

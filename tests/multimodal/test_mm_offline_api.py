@@ -38,7 +38,11 @@ def test_text_model_refuses_media_naming_it(tiny_llama_dir):
         ({"max_pixels": 10_000, "images_kwargs": {"max_pixels": 20_000}}, "both at the top level"),
         ({"min_pixels": 50_000, "max_pixels": 10_000}, "larger than max_pixels"),
         ({"max_pixels": -1}, "positive integer"),
-        ({"fps": 2}, "unknown option"),
+        ({"frobnicate": 2}, "unknown option"),
+        ({"images_kwargs": {"fps": 2}}, "unknown option"),
+        ({"fps": 2, "nframes": 4}, "not both"),
+        ({"fps": 2, "videos_kwargs": {"fps": 1}}, "both at the top level"),
+        ({"nframes": 2.5}, "positive integer"),
         ({"images_kwargs": 3}, "must be a dict"),
     ],
 )

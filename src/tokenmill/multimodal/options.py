@@ -8,11 +8,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.errors import InvalidRequestError
+from tokenmill.multimodal.video import VideoOptions
 
 MODALITIES = ("image", "video", "audio")
 
-# Option -> check of its value; the image processor reads these.
-_IMAGE_OPTIONS = ("min_pixels", "max_pixels")
+_PIXELS = ("min_pixels", "max_pixels")
+_VIDEO_ONLY = ("fps", "nframes")
+_NESTED = {"images_kwargs": _PIXELS, "videos_kwargs": _PIXELS + _VIDEO_ONLY}
+"""Where each option may be given: the top level holds every one of them (pixels apply
+to images and videos), ``images_kwargs`` / ``videos_kwargs`` their modality's."""
 
 
 @dataclass(frozen=True)
@@ -22,64 +26,88 @@ class ImageOptions:
     min_pixels: int | None = None
     max_pixels: int | None = None
 
-    def merged(self, other: ImageOptions) -> ImageOptions:
+
+@dataclass(frozen=True)
+class MediaOptions:
+    """A request's (or an LLM's) processor options per modality."""
+
+    image: ImageOptions = ImageOptions()
+    video: VideoOptions = VideoOptions()
+
+    def merged(self, other: MediaOptions) -> MediaOptions:
         """``other``'s values where it has them, else these (per request over per LLM)."""
-        return ImageOptions(
-            other.min_pixels if other.min_pixels is not None else self.min_pixels,
-            other.max_pixels if other.max_pixels is not None else self.max_pixels,
-        )
+        return MediaOptions(_over(self.image, other.image), _over(self.video, other.video))
 
 
-def parse_processor_kwargs(kwargs: Mapping[str, Any] | None) -> ImageOptions:
-    """``{"min_pixels": ..., "max_pixels": ...}`` or HF-style ``{"images_kwargs": {...}}``.
+def _over(base: Any, top: Any) -> Any:
+    values = {f: getattr(top, f) if getattr(top, f) is not None else getattr(base, f)
+              for f in base.__dataclass_fields__}  # fmt: skip
+    return type(base)(**values)
 
-    An option given both at the top level and in ``images_kwargs`` is an error, as is an
-    unknown option or a value that is not a positive integer, or min_pixels > max_pixels.
+
+def parse_processor_kwargs(kwargs: Mapping[str, Any] | None) -> MediaOptions:
+    """``{"min_pixels": ..., "max_pixels": ..., "fps" | "nframes": ...}`` or HF-style
+    ``{"images_kwargs": {...}, "videos_kwargs": {...}}``.
+
+    An option given both at the top level and in a modality's kwargs is an error, as is an
+    unknown option, a value that is not positive, min_pixels > max_pixels, or both fps and
+    nframes.
     """
     if kwargs is None:
-        return ImageOptions()
+        return MediaOptions()
     if not isinstance(kwargs, Mapping):
         raise InvalidRequestError(
             f"mm_processor_kwargs must be a dict, got {type(kwargs).__name__}"
         )
-    top = dict(kwargs)
-    nested = top.pop("images_kwargs", None) or {}
-    if not isinstance(nested, Mapping):
-        raise InvalidRequestError("mm_processor_kwargs['images_kwargs'] must be a dict")
-    unknown = sorted((top.keys() | nested.keys()) - set(_IMAGE_OPTIONS))
+    top = {k: v for k, v in kwargs.items() if k not in _NESTED}
+    _check_names(top, _PIXELS + _VIDEO_ONLY, "")
+    per: dict[str, dict[str, Any]] = {}
+    for name, allowed in _NESTED.items():
+        nested = kwargs.get(name) or {}
+        if not isinstance(nested, Mapping):
+            raise InvalidRequestError(f"mm_processor_kwargs[{name!r}] must be a dict")
+        _check_names(nested, allowed, f"{name}.")
+        both = sorted(top.keys() & nested.keys())
+        if both:
+            raise InvalidRequestError(
+                f"mm_processor_kwargs: {both} given both at the top level and in {name}; "
+                "give each option once"
+            )
+        per[name] = {**{k: v for k, v in top.items() if k in allowed}, **nested}
+    image, video = per["images_kwargs"], per["videos_kwargs"]
+    for values in (image, video):
+        _check_values(values)
+    if video.get("fps") is not None and video.get("nframes") is not None:
+        raise InvalidRequestError("mm_processor_kwargs: give fps or nframes, not both")
+    return MediaOptions(ImageOptions(**image), VideoOptions(**video))
+
+
+def _check_names(values: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
+    unknown = sorted(set(values) - set(allowed))
     if unknown:
         raise InvalidRequestError(
-            f"mm_processor_kwargs: unknown option(s) {unknown}; known: {list(_IMAGE_OPTIONS)} "
-            "(top level or inside images_kwargs)"
+            f"mm_processor_kwargs: unknown option(s) {[where + u for u in unknown]}; known: "
+            f"{list(_PIXELS + _VIDEO_ONLY)} (top level), {list(_NESTED)} for one modality"
         )
-    both = sorted(top.keys() & nested.keys())
-    if both:
-        raise InvalidRequestError(
-            f"mm_processor_kwargs: {both} given both at the top level and in images_kwargs; "
-            "give each option once"
-        )
-    values = {**top, **nested}
+
+
+def _check_values(values: Mapping[str, Any]) -> None:
     for name, value in values.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise InvalidRequestError(
-                f"mm_processor_kwargs: {name} must be a positive integer, got {value!r}"
-            )
-    opts = ImageOptions(values.get("min_pixels"), values.get("max_pixels"))
-    if (
-        opts.min_pixels is not None
-        and opts.max_pixels is not None
-        and opts.min_pixels > opts.max_pixels
-    ):
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if name != "fps" and not isinstance(value, int) or not number or value <= 0:
+            kind = "a positive number" if name == "fps" else "a positive integer"
+            raise InvalidRequestError(f"mm_processor_kwargs: {name} must be {kind}, got {value!r}")
+    lo, hi = values.get("min_pixels"), values.get("max_pixels")
+    if lo is not None and hi is not None and lo > hi:
         raise InvalidRequestError(
-            f"mm_processor_kwargs: min_pixels={opts.min_pixels} is larger than max_pixels={opts.max_pixels}"
+            f"mm_processor_kwargs: min_pixels={lo} is larger than max_pixels={hi}"
         )
-    return opts
 
 
 def parse_limits(limits: Mapping[str, Any] | None) -> dict[str, int]:
-    """``limit_mm_per_prompt``: modality -> most items per prompt (default 1 image per prompt
-    is vLLM's; here the default is 8 images and no video or audio until they are built)."""
-    out = {"image": 8, "video": 0, "audio": 0}
+    """``limit_mm_per_prompt``: modality -> most items per prompt (defaults here: 8 images,
+    2 videos, no audio until it is built)."""
+    out = {"image": 8, "video": 2, "audio": 0}
     for name, value in (limits or {}).items():
         if name not in MODALITIES:
             raise InvalidRequestError(

@@ -24,7 +24,8 @@ from tokenmill.multimodal.inputs import MediaItem, MultiModalInputs, Placeholder
 from tokenmill.multimodal.media import load_image
 from tokenmill.multimodal.model import MultiModalInfo
 from tokenmill.multimodal.mrope import mrope_positions
-from tokenmill.multimodal.options import ImageOptions, check_counts
+from tokenmill.multimodal.options import ImageOptions, MediaOptions, check_counts
+from tokenmill.multimodal.video import VideoConfig, video_item
 
 _PROCESSOR_KEYS = (
     "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize", "image_mean",
@@ -46,19 +47,40 @@ def load_image_processor(folder: Path | None) -> Any:
     return Qwen2VLImageProcessorPil(**{k: v for k, v in config.items() if k in _PROCESSOR_KEYS})
 
 
+def load_video_config(folder: Path | None) -> VideoConfig:
+    """The video settings: ``video_preprocessor_config.json``, else the image processor's
+    ``preprocessor_config.json`` (transformers' fallback), else its video defaults."""
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        path = None if folder is None else Path(folder) / name
+        if path is not None and path.is_file():
+            cfg = json.loads(path.read_text())
+            size = cfg.get("size") or {}
+            known = {k: cfg[k] for k in VideoConfig.__dataclass_fields__ if k in cfg}
+            for key, edge in (("min_pixels", "shortest_edge"), ("max_pixels", "longest_edge")):
+                if key not in known and edge in size:
+                    known[key] = size[edge]
+            for key in ("image_mean", "image_std"):
+                if key in known:
+                    known[key] = tuple(known[key])
+            return VideoConfig(**known)
+    return VideoConfig()
+
+
 class QwenVLProcessor:
-    """Processes one prompt's images for a Qwen2-VL / Qwen2.5-VL model."""
+    """Processes one prompt's images and videos for a Qwen2-VL / Qwen2.5-VL model."""
 
     def __init__(
         self,
         info: MultiModalInfo,
         image_processor: Any,
-        defaults: ImageOptions,
+        defaults: MediaOptions,
         limits: Mapping[str, int],
         max_pixels_cap: int | None = None,
+        video: VideoConfig | None = None,
     ) -> None:
         self.info = info
         self.image_processor = image_processor
+        self.video = video or VideoConfig()
         self.defaults = defaults
         self.limits = dict(limits)
         self.max_pixels_cap = max_pixels_cap
@@ -68,31 +90,41 @@ class QwenVLProcessor:
         self.items_processed = 0
 
     def process(
-        self, prompt_ids: list[int], data: Mapping[str, Any], options: ImageOptions
+        self, prompt_ids: list[int], data: Mapping[str, Any], options: MediaOptions
     ) -> tuple[list[int], MultiModalInputs]:
         t0 = time.perf_counter()
-        unknown = sorted(set(data) - {"image"})
+        unknown = sorted(set(data) - {"image", "video"})
         if unknown:
             raise InvalidRequestError(
-                f"multi_modal_data: {unknown} not supported by this model yet; it takes 'image'"
+                f"multi_modal_data: {unknown} not supported by this model yet; it takes "
+                "'image' and 'video'"
             )
-        raw = data.get("image")
-        images = [] if raw is None else list(raw) if isinstance(raw, (list, tuple)) else [raw]
-        check_counts({"image": len(images)}, self.limits)
+        images, videos = _as_list(data.get("image")), _as_list(data.get("video"), video=True)
+        check_counts({"image": len(images), "video": len(videos)}, self.limits)
+        opts = self.defaults.merged(options)
         pils = [load_image(img, self.max_pixels_cap) for img in images]
-        items = self._items(pils, self.defaults.merged(options))
-        ids, ranges = expand_placeholders(
-            prompt_ids, self.info.image_token_id, [it.num_tokens for it in items]
+        by_token = {
+            self.info.image_token_id: self._items(pils, opts.image),
+            self.info.video_token_id: [
+                video_item(v, self.video, opts.video, self.info.tokens_per_second, self.max_pixels_cap)
+                for v in videos
+            ],
+        }  # fmt: skip
+        ids, placed = expand_placeholders(
+            prompt_ids, {t: [it.num_tokens for it in items] for t, items in by_token.items()}
         )
+        items = tuple(by_token[t][k] for t, k, _ in placed)
+        ranges = tuple(r for _, _, r in placed)
         positions, delta = None, 0
         if self.info.uses_mrope:
-            positions, delta = mrope_positions(len(ids), tuple(items), ranges, self.info.merge_size)
+            positions, delta = mrope_positions(len(ids), items, ranges, self.info.merge_size)
         seconds = time.perf_counter() - t0
         self.preprocess_seconds += seconds
         self.items_processed += len(items)
-        return ids, MultiModalInputs(tuple(items), ranges, positions, delta, seconds)
+        return ids, MultiModalInputs(items, ranges, positions, delta, seconds)
 
     def _items(self, images: Sequence[Any], opts: ImageOptions) -> list[MediaItem]:
+        """Images -> items, through transformers' image processor in one call."""
         if not images:
             return []
         proc = self.image_processor
@@ -118,25 +150,52 @@ class QwenVLProcessor:
         return items
 
 
+_NAMES = {0: "image", 1: "video"}
+
+
+def _as_list(raw: Any, video: bool = False) -> list[Any]:
+    """One item or a list of them. A video is itself an array [T, H, W, 3], a list of
+    frames or a (frames, metadata) tuple, so a list is of videos only when its first
+    element is one of those (not a frame)."""
+    if raw is None:
+        return []
+    if not video:
+        return list(raw) if isinstance(raw, (list, tuple)) else [raw]
+    if isinstance(raw, list) and raw and _is_video(raw[0]):
+        return raw
+    return [raw]
+
+
+def _is_video(x: Any) -> bool:
+    if isinstance(x, np.ndarray):
+        return x.ndim == 4
+    return isinstance(x, (list, tuple))
+
+
 def expand_placeholders(
-    ids: list[int], token: int, counts: list[int]
-) -> tuple[list[int], tuple[PlaceholderRange, ...]]:
-    """Each ``token`` in ``ids`` -> a run of counts[i] of them; their ranges. The number of
-    placeholders must equal the number of items."""
-    found = [i for i, t in enumerate(ids) if t == token]
-    if len(found) != len(counts):
-        raise InvalidRequestError(
-            f"the prompt has {len(found)} image placeholder(s) and {len(counts)} image(s) were "
-            "given; put one <|vision_start|><|image_pad|><|vision_end|> per image in the prompt "
-            "(the chat template does this for image parts)"
-        )
+    ids: list[int], counts: Mapping[int, list[int]]
+) -> tuple[list[int], list[tuple[int, int, PlaceholderRange]]]:
+    """Each placeholder token t of ``ids`` -> a run of counts[t][k] of them (k: its index
+    among t's); returns the ids and, in prompt order, (token, k, range). The number of
+    placeholders of each token must equal its number of items."""
+    found = {t: [i for i, x in enumerate(ids) if x == t] for t in counts}
+    for n, (t, where) in enumerate(found.items()):
+        if len(where) != len(counts[t]):
+            kind = _NAMES.get(n, "media")
+            raise InvalidRequestError(
+                f"the prompt has {len(where)} {kind} placeholder(s) and {len(counts[t])} "
+                f"{kind}(s) were given; put one <|vision_start|><|{kind}_pad|><|vision_end|> "
+                f"per {kind} in the prompt (the chat template does this for {kind} parts)"
+            )
+    marks = sorted((i, t, k) for t, where in found.items() for k, i in enumerate(where))
     out: list[int] = []
-    ranges: list[PlaceholderRange] = []
+    placed: list[tuple[int, int, PlaceholderRange]] = []
     prev = 0
-    for pos, n in zip(found, counts):
+    for pos, t, k in marks:
         out += ids[prev:pos]
-        ranges.append(PlaceholderRange(len(out), n))
-        out += [token] * n
+        n = counts[t][k]
+        placed.append((t, k, PlaceholderRange(len(out), n)))
+        out += [t] * n
         prev = pos + 1
     out += ids[prev:]
-    return out, tuple(ranges)
+    return out, placed

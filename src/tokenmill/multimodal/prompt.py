@@ -14,7 +14,11 @@ from tokenmill.multimodal.encoder_budget import EncoderBudget
 from tokenmill.multimodal.media import MediaPolicy
 from tokenmill.multimodal.model import multimodal_info
 from tokenmill.multimodal.options import parse_limits, parse_processor_kwargs
-from tokenmill.multimodal.processing import QwenVLProcessor, load_image_processor
+from tokenmill.multimodal.processing import (
+    QwenVLProcessor,
+    load_image_processor,
+    load_video_config,
+)
 
 
 def build_processor(config: EngineConfig, model: Any, folder: Any) -> QwenVLProcessor | None:
@@ -28,6 +32,7 @@ def build_processor(config: EngineConfig, model: Any, folder: Any) -> QwenVLProc
         parse_processor_kwargs(config.mm_processor_kwargs),
         parse_limits(config.limit_mm_per_prompt),
         config.media_max_pixels,
+        load_video_config(folder),
     )
 
 
