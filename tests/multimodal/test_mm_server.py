@@ -124,6 +124,41 @@ def test_http_fetch(client, llm, web):
     )
 
 
+def _mp4(frames: int = 6) -> bytes:
+    """A small MPEG-4 clip (PyAV's encoder) of drifting random frames at 8 fps."""
+    import av
+    from qwen_vl_checkpoints import random_video
+
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 96, 64, "yuv420p"
+        for frame in random_video(frames, 96, 64, 3):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
+
+
+def test_video_url_equals_the_decoded_frames_offline(client, llm):
+    from tokenmill.multimodal.media import decode_video
+
+    data = _mp4()
+    frames, meta = decode_video(data, None, 768)
+    assert len(frames) == 6 and meta == {"fps": 8.0}
+    kwargs = {"videos_kwargs": {"max_pixels": 96 * 64}}
+    part = {"type": "video_url", "video_url": {"url": _data_url(data, "video/mp4")}}
+    served = _chat(client, part, extra_body={"mm_processor_kwargs": kwargs})
+    [direct] = llm.generate({"prompt": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                             "<|im_start|>user\n<|vision_start|><|video_pad|><|vision_end|>What is this?"
+                             "<|im_end|>\n<|im_start|>assistant\n",
+                             "multi_modal_data": {"video": (frames, meta)}, "mm_processor_kwargs": kwargs},
+                            SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # fmt: skip
+    assert served.choices[0].message.content == direct.outputs[0].text
+    assert served.usage.prompt_tokens == len(direct.prompt_token_ids)
+
+
 def _truncated(fmt: str) -> bytes:
     data = _encode(random_image(200, 150, 7), fmt)
     return data[: len(data) * 2 // 3]
@@ -148,7 +183,9 @@ BAD = {
     "http over cap": lambda root, web: [_url(web + "/big")],
     "http timeout": lambda root, web: [_url(web + "/slow")],
     "ftp": lambda root, web: [_url("ftp://example.com/x.png")],
-    "video part": lambda root, web: [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}],
+    "corrupt video": lambda root, web: [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}],
+    "truncated video": lambda root, web: [{"type": "video_url", "video_url": {"url": _data_url(_mp4()[:3000], "video/mp4")}}],
+    "audio part": lambda root, web: [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}],
 }  # fmt: skip
 
 

@@ -162,3 +162,40 @@ def _http_url(url: str, policy: MediaPolicy) -> bytes:
         ) from e
     except httpx.HTTPError as e:
         raise InvalidRequestError(f"fetching the image URL failed: {e}") from e
+
+
+def video_from_url(url: str, policy: MediaPolicy, max_frames: int = 768) -> tuple[list[Any], dict]:
+    """A video URL (data:, file://, http(s)) -> (frames [H, W, 3] uint8, {"fps": ...}),
+    decoded with PyAV (its own FFmpeg); at most ``max_frames`` frames, each under the
+    pixel cap. A corrupt or truncated file, or one with no video stream, is an error."""
+    if not isinstance(url, str) or ":" not in url:
+        raise InvalidRequestError("video_url.url must be a data:, file:// or http(s):// URL")
+    scheme = url.split(":", 1)[0].lower()
+    loaders = {"data": _data_url, "file": _file_url, "http": _http_url, "https": _http_url}
+    if scheme not in loaders:
+        raise InvalidRequestError(f"video URL scheme {scheme!r} is not supported")
+    return decode_video(loaders[scheme](url, policy), policy.max_pixels, max_frames)
+
+
+def decode_video(data: bytes, max_pixels: int | None, max_frames: int) -> tuple[list[Any], dict]:
+    try:
+        import av
+    except ImportError as e:  # pragma: no cover - the multimodal extra installs it
+        raise InvalidRequestError("video input needs PyAV (pip install av)") from e
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise InvalidRequestError("the file has no video stream")
+            stream = container.streams.video[0]
+            _check_pixels(stream.width, stream.height, max_pixels)
+            frames = []
+            for frame in container.decode(stream):
+                frames.append(frame.to_ndarray(format="rgb24"))
+                if len(frames) > max_frames:
+                    raise InvalidRequestError(f"video has more than {max_frames} frames")
+            fps = float(stream.average_rate) if stream.average_rate else None
+    except av.error.FFmpegError as e:
+        raise InvalidRequestError(f"corrupt or unsupported video: {e}") from e
+    if not frames:
+        raise InvalidRequestError("the video has no frames")
+    return frames, {"fps": fps} if fps else {}

@@ -82,14 +82,14 @@ def chat_media(
 ) -> tuple[list[dict], dict[str, Any]]:
     """(messages for the template, extra prompt keys): ``{"multi_modal_data": {"image":
     [...]}}`` when the conversation has image parts, else {}."""
-    from tokenmill.multimodal.chat import extract_images, has_media
+    from tokenmill.multimodal.chat import extract_media, has_media
 
     if not has_media(messages):
         return messages, {}
     if processor is None:
         raise no_encoder_error(config)
-    messages, images = extract_images(messages, media_policy(config))
-    return messages, {"multi_modal_data": {"image": images}}
+    messages, media = extract_media(messages, media_policy(config))
+    return messages, {"multi_modal_data": media}
 
 
 def multimodal_metrics(processor: QwenVLProcessor | None, step: Any) -> dict[str, float | int]:

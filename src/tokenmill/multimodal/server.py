@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.request import RequestOptions
-from tokenmill.multimodal.chat import extract_images, has_media
+from tokenmill.multimodal.chat import extract_media, has_media
 from tokenmill.multimodal.inputs import MultiModalInputs
 from tokenmill.multimodal.options import parse_processor_kwargs
 from tokenmill.multimodal.processing import QwenVLProcessor
@@ -25,16 +25,16 @@ from tokenmill.multimodal.prompt import media_policy, no_encoder_error
 @dataclass(frozen=True)
 class ChatMedia:
     messages: list[dict[str, Any]]
-    images: list[Any]
+    media: dict[str, list[Any]]
     processor: QwenVLProcessor | None
     kwargs: Mapping[str, Any] | None
 
     def attach(self, prompt_ids: list[int]) -> tuple[list[int], MultiModalInputs | None]:
         """Rendered ids -> (ids with placeholder runs, media inputs); unchanged without media."""
-        if self.processor is None or not self.images:
+        if self.processor is None or not self.media:
             return prompt_ids, None
         opts = parse_processor_kwargs(self.kwargs)
-        return self.processor.process(prompt_ids, {"image": self.images}, opts)
+        return self.processor.process(prompt_ids, self.media, opts)
 
 
 def chat_media_of(
@@ -45,19 +45,19 @@ def chat_media_of(
     if not has_media(messages):
         if kwargs and processor is None:
             raise no_encoder_error(engine.config)
-        return ChatMedia(messages, [], processor, kwargs)
+        return ChatMedia(messages, {}, processor, kwargs)
     if processor is None:
         raise no_encoder_error(engine.config)
     parse_processor_kwargs(kwargs)  # bad options fail before any media is fetched
-    stripped, images = extract_images(messages, media_policy(engine.config))
-    return ChatMedia(stripped, images, processor, kwargs)
+    stripped, media = extract_media(messages, media_policy(engine.config))
+    return ChatMedia(stripped, media, processor, kwargs)
 
 
 def is_media_message(message: Any) -> bool:
     """A message whose content list holds image parts (the template reads the list)."""
     content = message.get("content") if isinstance(message, Mapping) else None
     return isinstance(content, list) and any(
-        isinstance(p, Mapping) and p.get("type") == "image" for p in content
+        isinstance(p, Mapping) and p.get("type") in ("image", "video") for p in content
     )
 
 
