@@ -124,8 +124,11 @@ class EngineConfig:
     """Most media items per prompt by modality, e.g. {"image": 4} (vLLM's name); default
     8 images (video and audio are not taken yet)."""
     mm_processor_kwargs: dict[str, Any] | None = None
-    """Image-processor options for every request (min_pixels / max_pixels, top level or in
-    images_kwargs); a request's own ``mm_processor_kwargs`` override them."""
+    """Processor options for every request (min_pixels / max_pixels, fps / nframes; top level
+    or in images_kwargs / videos_kwargs); a request's own ``mm_processor_kwargs`` override them."""
+    max_visual_tokens_per_prompt: int | None = None
+    """Placeholder tokens one prompt's images and videos may take together: images first,
+    videos share the rest (fewer frames are sampled to fit); None: no budget."""
     mm_encoder_cache_bytes: int = 256 << 20
     """Byte budget of the encoder cache (media embeddings by content hash, shared)."""
     max_num_encoder_input_tokens: int | None = None
@@ -215,6 +218,8 @@ class EngineConfig:
         parse_processor_kwargs(self.mm_processor_kwargs)
         for name in ("mm_encoder_cache_bytes", "media_max_bytes", "media_max_pixels"):
             _check_positive(name, getattr(self, name))
+        if self.max_visual_tokens_per_prompt is not None:
+            _check_positive("max_visual_tokens_per_prompt", self.max_visual_tokens_per_prompt)
         if self.max_num_encoder_input_tokens is not None:
             _check_positive("max_num_encoder_input_tokens", self.max_num_encoder_input_tokens)
         if not self.media_fetch_timeout > 0:

@@ -116,3 +116,27 @@ def test_image_and_video_in_one_prompt_batched_with_text(llm, ckpt):
     assert list(outs[1].outputs[0].token_ids) == hf_generate_inputs(
         ckpt, text_ids, MultiModalInputs((), ()), STEPS
     )
+
+
+def test_visual_token_budget_shared_by_images_and_video(llm):
+    from tokenmill.errors import InvalidRequestError
+    from tokenmill.multimodal.processing import QwenVLProcessor
+
+    base = llm.llm_engine.mm_processor
+
+    def with_budget(n):
+        return QwenVLProcessor(base.info, base.image_processor, base.defaults, base.limits,
+                               None, base.video, max_visual_tokens=n)  # fmt: skip
+
+    ids = llm.tokenizer.encode(IMG + VID)
+    data = {"image": random_image(84, 56, 1), "video": random_video(8, 96, 64, 2)}
+    opts = parse_processor_kwargs(SMALL)
+    _, full = with_budget(None).process(ids, data, opts)
+    assert [it.num_tokens for it in full.items] == [6, 24]  # 4 frame pairs of 2 x 3 tokens
+    _, cut = with_budget(20).process(ids, data, opts)
+    assert [it.num_tokens for it in cut.items] == [6, 12]  # the video keeps 2 pairs
+    assert cut.items[1].time_interval == pytest.approx(2 * full.items[1].time_interval)
+    with pytest.raises(InvalidRequestError, match="images take 6 tokens"):
+        with_budget(5).process(ids, data, opts)
+    with pytest.raises(InvalidRequestError, match="frame pair takes 6 tokens"):
+        with_budget(8).process(ids, data, opts)

@@ -77,6 +77,7 @@ class QwenVLProcessor:
         limits: Mapping[str, int],
         max_pixels_cap: int | None = None,
         video: VideoConfig | None = None,
+        max_visual_tokens: int | None = None,
     ) -> None:
         self.info = info
         self.image_processor = image_processor
@@ -85,6 +86,9 @@ class QwenVLProcessor:
         self.limits = dict(limits)
         self.max_pixels_cap = max_pixels_cap
         """Refuse (not resize) source images with more pixels than this (None: no cap)."""
+        self.max_visual_tokens = max_visual_tokens
+        """Placeholder tokens one prompt's images and videos may take together: images
+        first, videos share the rest (fewer frames sampled); None: no budget."""
         self.preprocess_seconds = 0.0
         """Total time spent loading and processing media (metrics)."""
         self.items_processed = 0
@@ -103,11 +107,14 @@ class QwenVLProcessor:
         check_counts({"image": len(images), "video": len(videos)}, self.limits)
         opts = self.defaults.merged(options)
         pils = [load_image(img, self.max_pixels_cap) for img in images]
+        image_items = self._items(pils, opts.image)
+        shares = self._video_shares(sum(it.num_tokens for it in image_items), len(videos))
         by_token = {
-            self.info.image_token_id: self._items(pils, opts.image),
+            self.info.image_token_id: image_items,
             self.info.video_token_id: [
-                video_item(v, self.video, opts.video, self.info.tokens_per_second, self.max_pixels_cap)
-                for v in videos
+                video_item(v, self.video, opts.video, self.info.tokens_per_second,
+                           self.max_pixels_cap, share)
+                for v, share in zip(videos, shares)
             ],
         }  # fmt: skip
         ids, placed = expand_placeholders(
@@ -122,6 +129,18 @@ class QwenVLProcessor:
         self.preprocess_seconds += seconds
         self.items_processed += len(items)
         return ids, MultiModalInputs(items, ranges, positions, delta, seconds)
+
+    def _video_shares(self, image_tokens: int, num_videos: int) -> list[int | None]:
+        """Each video's share of what the images leave of the visual-token budget."""
+        budget = self.max_visual_tokens
+        if budget is None:
+            return [None] * num_videos
+        if image_tokens > budget:
+            raise InvalidRequestError(
+                f"the prompt's images take {image_tokens} tokens, over the visual-token budget "
+                f"of {budget} (max_visual_tokens_per_prompt); send fewer or smaller images"
+            )
+        return [(budget - image_tokens) // num_videos] * num_videos
 
     def _items(self, images: Sequence[Any], opts: ImageOptions) -> list[MediaItem]:
         """Images -> items, through transformers' image processor in one call."""

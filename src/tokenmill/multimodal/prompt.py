@@ -33,6 +33,7 @@ def build_processor(config: EngineConfig, model: Any, folder: Any) -> QwenVLProc
         parse_limits(config.limit_mm_per_prompt),
         config.media_max_pixels,
         load_video_config(folder),
+        config.max_visual_tokens_per_prompt,
     )
 
 

@@ -137,8 +137,10 @@ def patchify(frames: np.ndarray, cfg: VideoConfig) -> tuple[np.ndarray, tuple[in
 
 
 def video_item(video: Any, cfg: VideoConfig, opts: VideoOptions, tokens_per_second: float,
-               max_pixels_cap: int | None) -> MediaItem:  # fmt: skip
-    """One video -> its processed ``MediaItem`` (placeholder tokens t*h*w / merge^2)."""
+               max_pixels_cap: int | None, max_tokens: int | None = None) -> MediaItem:  # fmt: skip
+    """One video -> its processed ``MediaItem`` (placeholder tokens t*h*w / merge^2).
+    ``max_tokens``: the video's share of the prompt's visual-token budget; fewer frame
+    pairs are sampled (evenly among those chosen) until it fits."""
     frames, fps = split_video(video)
     height, width = frames[0].shape[:2]
     if max_pixels_cap is not None and height * width > max_pixels_cap:
@@ -150,6 +152,8 @@ def video_item(video: Any, cfg: VideoConfig, opts: VideoOptions, tokens_per_seco
     size = smart_resize(
         height, width, factor, opts.min_pixels or cfg.min_pixels, opts.max_pixels or cfg.max_pixels
     )
+    if max_tokens is not None:
+        indices = _within_budget(indices, size, cfg, max_tokens)
     stack = np.stack([_frame(frames[i], size, cfg) for i in indices])
     patches, grid = patchify(stack, cfg)
     sampled_fps = len(indices) / len(frames) * (fps or DEFAULT_FPS)
@@ -159,3 +163,21 @@ def video_item(video: Any, cfg: VideoConfig, opts: VideoOptions, tokens_per_seco
     return MediaItem(
         "video", content_hash("video", pixels, grid), pixels, grid, num_tokens, interval
     )
+
+
+def _within_budget(
+    indices: list[int], size: tuple[int, int], cfg: VideoConfig, budget: int
+) -> list[int]:
+    """The sampled frames cut to the pairs ``budget`` tokens pay for (at least one pair)."""
+    tp, unit = cfg.temporal_patch_size, cfg.patch_size * cfg.merge_size
+    per_pair = (size[0] // unit) * (size[1] // unit)  # tokens of one temporal patch
+    pairs = budget // per_pair
+    if pairs < 1:
+        raise InvalidRequestError(
+            f"a video frame pair takes {per_pair} tokens, more than the {budget} left of the "
+            "prompt's visual-token budget (max_visual_tokens_per_prompt); lower max_pixels"
+        )
+    if -(-len(indices) // tp) <= pairs:
+        return indices
+    keep = torch.linspace(0, len(indices) - 1, pairs * tp).round().long().tolist()
+    return [indices[k] for k in keep]
