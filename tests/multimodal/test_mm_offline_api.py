@@ -88,3 +88,30 @@ def test_bad_images(llm):
         _gen(llm, IMG, multi_modal_data={"image": b"definitely not a png"})
     with pytest.raises(InvalidRequestError, match="PIL image"):
         _gen(llm, IMG, multi_modal_data={"image": 42})
+
+
+def test_command_line_flags_reach_the_engine_config():
+    import argparse
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.entrypoints.args import add_engine_flags, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args([
+        "--limit-mm-per-prompt", '{"image": 3}', "--mm-processor-kwargs", '{"max_pixels": 50176}',
+        "--mm-encoder-cache-bytes", "64MiB", "--max-num-encoder-input-tokens", "1024",
+        "--max-visual-tokens-per-prompt", "4096", "--allowed-local-media-path", "/srv/media",
+        "--no-media-fetch", "--media-max-bytes", "1MiB", "--media-fetch-timeout", "2.5",
+    ])  # fmt: skip
+    fields = EngineConfig.__dataclass_fields__  # (vLLM's compatible flags are LLM's to take)
+    config = EngineConfig(**{k: v for k, v in engine_options(args).items() if k in fields})
+    assert config.limit_mm_per_prompt == {"image": 3}
+    assert config.mm_processor_kwargs == {"max_pixels": 50176}
+    assert (config.mm_encoder_cache_bytes, config.media_max_bytes) == (64 << 20, 1 << 20)
+    assert (config.max_num_encoder_input_tokens, config.max_visual_tokens_per_prompt) == (
+        1024,
+        4096,
+    )
+    assert config.allowed_local_media_path == "/srv/media" and config.allow_media_fetch is False
+    assert config.media_fetch_timeout == 2.5

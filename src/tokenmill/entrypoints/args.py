@@ -254,6 +254,18 @@ ENGINE_FLAGS = (
         256 << 20,
     ),
     Flag(
+        "--max-num-encoder-input-tokens",
+        "max_num_encoder_input_tokens",
+        int,
+        "media tokens one step may encode (default: the step's token budget)",
+    ),
+    Flag(
+        "--max-visual-tokens-per-prompt",
+        "max_visual_tokens_per_prompt",
+        int,
+        "placeholder tokens one prompt's images and videos may take together (videos sample fewer frames to fit)",
+    ),
+    Flag(
         "--allowed-local-media-path",
         "allowed_local_media_path",
         str,
