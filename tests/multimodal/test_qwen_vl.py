@@ -134,3 +134,21 @@ def test_chat_image_url_equals_generate(ckpt, images):
         messages, add_generation_prompt=True, tokenize=False
     )
     assert _tokens(chat) == [hf_generate(ckpt, rendered, [images[0]], STEPS)]
+
+
+@pytest.mark.parametrize("options", [
+    {"num_kv_blocks": 48, "max_model_len": 160},  # preemption: the pool holds ~1.5 prompts
+    {"async_scheduling": "on"},  # the next step launched before the last one is collected
+    {"enable_prefix_caching": False, "max_num_seqs": 2},
+])  # fmt: skip
+def test_image_requests_under_preemption_and_async_scheduling(ckpt, images, options):
+    cases = [(USER.format(IMG + f"number {i}"), [images[i % 3]]) for i in range(3)]
+    cases.insert(1, (USER.format("plain words"), []))
+    refs = [hf_generate(ckpt, p, imgs, STEPS) for p, imgs in cases]
+    llm = _llm(ckpt, **options)
+    prompts = [
+        {"prompt": p, "multi_modal_data": {"image": imgs}} if imgs else p for p, imgs in cases
+    ]
+    assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == refs
+    if "num_kv_blocks" in options:
+        assert llm.llm_engine.scheduler.num_preemptions > 0
