@@ -97,3 +97,86 @@ def test_a_wrong_acceptance_rule_fails_the_same_bound(setup, monkeypatch):
     spec = sample(drafting(llm, greedy, seed=11), prompt)
     wrong = gaps(plain, spec, greedy)
     assert max(wrong) >= BOUND
+
+
+class TrieProposer:
+    """Draft trees from a trie of sample prefixes: under a request's outputs so far, its
+    most frequent continuations (several branches per position)."""
+
+    name = "trie"
+    costly = False
+
+    def __init__(self, samples: list[list[int]]) -> None:
+        self.counts: dict[tuple[int, ...], int] = {}
+        for s in samples:
+            for m in range(1, len(s) + 1):
+                self.counts[tuple(s[:m])] = self.counts.get(tuple(s[:m]), 0) + 1
+
+    def propose(self, requests, k):
+        raise AssertionError("a tree hook asks for trees")
+
+    def propose_tree(self, requests, k, shape):
+        from tokenmill.scheduler.draft_tree import DraftTree
+
+        trees = []
+        for r in requests:
+            base = tuple(r.output_token_ids)
+            frontier, tokens, parents = [(base, -1)], [], []
+            while frontier and len(tokens) < shape.nodes:
+                prefix, node = frontier.pop(0)
+                kids = sorted(
+                    (
+                        (c, p)
+                        for p, c in self.counts.items()
+                        if len(p) == len(prefix) + 1 and p[:-1] == prefix
+                    ),
+                    reverse=True,
+                )
+                for _, p in kids[:2]:  # fmt: skip
+                    if len(tokens) < shape.nodes:
+                        tokens.append(p[-1])
+                        parents.append(node)
+                        frontier.append((p, len(tokens) - 1))
+            trees.append(DraftTree(tuple(tokens), tuple(parents)))
+        return trees
+
+    def finish(self, request) -> None:
+        pass
+
+
+def tree_drafting(llm: LLM, samples: list[list[int]], seed: int) -> LLMEngine:
+    from tokenmill.spec_decode.proposer import TreeShape
+
+    config = dataclasses.replace(llm.config, seed=seed)
+    hook = DraftHook(TrieProposer(samples), 3, tree=TreeShape(top_k=2, nodes=6))
+    return LLMEngine(config, llm.engine.loaded, hooks=[hook])
+
+
+def test_verified_trees_keep_the_distribution(setup):
+    """Trees of the plain samples' own branches: every sample is drawn from the target's
+    distribution after its path, so the fractions match plain sampling."""
+    llm, prompt, greedy, plain = setup
+    engine = tree_drafting(llm, plain, seed=13)
+    spec = sample(engine, prompt)
+    (hook,) = [h for h in engine.hooks if isinstance(h, DraftHook)]
+    assert hook.stats.num_accepted_tokens > 0
+    distances = gaps(plain, spec, greedy)
+    assert max(distances) < BOUND, distances
+
+
+def test_a_wrong_tree_rule_fails_the_same_bound(setup, monkeypatch):
+    """Taking the first branch's drafts whatever was sampled skews the distribution."""
+    import tokenmill.worker.model_runner as runner
+
+    llm, prompt, greedy, plain = setup
+
+    def first_branch(tokens, parents, sampled):
+        out, node = [], -1
+        while (child := next((j for j, p in enumerate(parents) if p == node), None)) is not None:
+            out.append(child)
+            node = child
+        return out
+
+    monkeypatch.setattr(runner, "accept", first_branch)
+    spec = sample(tree_drafting(llm, plain, seed=13), prompt)
+    assert max(gaps(plain, spec, greedy)) >= BOUND
