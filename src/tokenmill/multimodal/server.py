@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.engine.request import RequestOptions
+from tokenmill.errors import InvalidRequestError
 from tokenmill.multimodal.chat import extract_media, has_media
 from tokenmill.multimodal.inputs import MultiModalInputs
 from tokenmill.multimodal.options import parse_processor_kwargs
@@ -42,6 +43,11 @@ def chat_media_of(
 ) -> ChatMedia:
     """Load the images of a chat request (the engine's processor and media policy)."""
     processor = getattr(engine, "mm_processor", None)
+    if not hasattr(engine, "mm_processor") and (has_media(messages) or kwargs):
+        raise InvalidRequestError(  # the engine runs in its own process (core_process.py)
+            "media input is not available with --engine-process on yet; serve this model "
+            "with --engine-process off (the default)"
+        )
     if not has_media(messages):
         if kwargs and processor is None:
             raise no_encoder_error(engine.config)
