@@ -218,3 +218,19 @@ def test_trees_on_the_triton_backend(tiny_llama_dir):
         got = outputs(engine, params, PROMPTS[:2])
         assert [g[0].token_ids for g in got] == [e[0].token_ids for e in expected]
         assert hook.stats.num_accepted_tokens > 0
+
+
+def test_suffix_trees_branch_where_the_context_did():
+    from tokenmill.scheduler.request import Request
+    from tokenmill.spec_decode.suffix import SuffixProposer
+
+    # after (1, 7, 8), the longest context matching the end, came 9 and 5; then 3 and 6
+    tokens = [1, 7, 8, 9, 3, 1, 7, 8, 5, 6, 1, 7, 8]
+    req = Request("r", tokens, SamplingParams(max_tokens=4), 1 << 30, frozenset())
+    proposer = SuffixProposer(min_token_prob=0.05)
+    (tree,) = proposer.propose_tree([req], 3, TreeShape(top_k=2, nodes=5))
+    assert tree.tokens[:2] == (9, 5) and tree.parents[:2] == (-1, -1)
+    assert tree.main_chain() == [9, 3, 1]
+    assert (6, 1) in zip(tree.tokens, tree.parents)  # the branch continues under 5
+    (chain,) = proposer.propose([req], 3)
+    assert chain == [9, 3, 1]

@@ -24,6 +24,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=48)
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     "suffix": {"method": "suffix", "num_speculative_tokens": 4, "adaptive": False},
+    "suffix-tree": {
+        "method": "suffix",
+        "num_speculative_tokens": 4,
+        "adaptive": False,
+        "draft_top_k": 2,
+        "verify_tree_size": 8,
+    },  # fmt: skip
 }
 
 

@@ -53,9 +53,9 @@ class SpeculativeConfig:
     """Choose each step's draft length from acceptance and the measured verify cost
     (False: always up to num_speculative_tokens; for tests and benchmarks)."""
     draft_top_k: int = 1
-    """Draft trees: guesses per position (1: one chain). With k > 1 each depth of the
-    chain gets its head's next k - 1 guesses as leaves beside it, all verified in one step
-    (eagle3 and mtp)."""
+    """Draft trees: guesses per position (1: one chain), all verified in one step. eagle3
+    and mtp: each depth of the head's chain gets its next k - 1 guesses as leaves beside
+    it; suffix: each node's k most frequent successors, best paths first."""
     verify_tree_size: int | None = None
     """Draft trees: most nodes verified per request per step, the most likely ones by the
     head's path probability (default: every node, depth x draft_top_k)."""
@@ -138,8 +138,8 @@ class SpeculativeConfig:
             )
 
 
-TREE_METHODS = ("eagle3", "mtp")
-"""Methods that draft trees (their heads rank every guess)."""
+TREE_METHODS = ("eagle3", "mtp", "suffix")
+"""Methods that draft trees (their heads or counts rank every guess)."""
 
 
 def resolve_speculative(
@@ -180,7 +180,7 @@ def resolve_speculative(
         if tree_set:
             raise InvalidRequestError(
                 f"{', '.join(sorted(tree_set))} shape draft trees: set a speculative method "
-                "too (eagle3 or mtp)"
+                f"too ({', '.join(TREE_METHODS)})"
             )
         return None
     if "draft_step" in tree_set:  # the seeds' name for the tree's depth

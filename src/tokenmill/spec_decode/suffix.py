@@ -13,11 +13,14 @@ draft is right) stays at or above ``min_token_prob``; its length is capped by
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokenmill.scheduler.draft_tree import DraftTree
 from tokenmill.scheduler.request import Request
+from tokenmill.spec_decode.proposer import TreeShape
 
 CONTEXT_LENGTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 """Context lengths indexed (a geometric ladder: ~8 inserts per token, not depth many)."""
@@ -119,6 +122,48 @@ class SuffixProposer:
             drafts.append(token)
             context.append(token)
         return drafts
+
+    def propose_tree(
+        self, requests: Sequence[Request], k: int, shape: TreeShape
+    ) -> list[DraftTree]:
+        """Per request, the continuations of its context as a tree: best first by the
+        estimated chance of the path (the product of frequencies), each node's
+        ``shape.top_k`` most frequent successors, at most ``shape.nodes`` nodes, no deeper
+        than k (nor than ``max_spec_factor`` x the matched length)."""
+        return [self._tree_one(req, k, shape) for req in requests]
+
+    def _tree_one(self, req: Request, k: int, shape: TreeShape) -> DraftTree:
+        own = self._own_index(req)
+        tokens = req.all_token_ids
+        matched_own, matched_shared = own.longest(tokens), self.shared.longest(tokens)
+        matched = max(matched_own, matched_shared)
+        out: list[int] = []
+        parents: list[int] = []
+        if not matched:
+            return DraftTree((), ())
+        index = own if matched_own >= matched_shared else self.shared
+        limit = min(k, max(1, int(self.max_spec_factor * matched)))
+        base = list(tokens[len(tokens) - max(self.lengths) :])
+        frontier: list[tuple[float, int, list[int]]] = [(-1.0, -1, [])]  # (-chance, node, path)
+        while frontier and len(out) < shape.nodes:
+            negative, node, path = heapq.heappop(frontier)
+            if len(path) >= limit:
+                continue
+            context = base + path
+            n = index.longest(context)
+            follow = index.counts.get(tuple(context[len(context) - n :])) if n else None
+            if not follow:
+                continue
+            total = sum(follow.values())
+            best = sorted(follow.items(), key=lambda kv: -kv[1])[: shape.top_k]
+            for token, count in best:
+                chance = -negative * count / total
+                if chance < self.min_token_prob or len(out) >= shape.nodes:
+                    break
+                out.append(token)
+                parents.append(node)
+                heapq.heappush(frontier, (-chance, len(out) - 1, [*path, token]))
+        return DraftTree(tuple(out), tuple(parents))
 
     def _own_index(self, req: Request) -> ContextCounts:
         entry = self._own.get(req.request_id)
