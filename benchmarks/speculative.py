@@ -7,6 +7,7 @@
    (goal >= 2x) and vs llama.cpp's prompt-lookup decoding on the same GGUF
    (``llama-cpp-python``'s ``LlamaPromptLookupDecoding``; goal >= 2x its rate).
 3. A free-form chat workload: speculation (adaptive) on vs off (goal >= 1.0x).
+   Both workloads also run suffix decoding with draft trees (draft_top_k=2, 2k nodes).
 4. With --draft-pair: Qwen2.5-Coder-1.5B with the 0.5B draft on code generation
    (``make setup-slow`` installs the chunks): speedup over no speculation (goal >= 1.5x)
    and mean acceptance length.
@@ -131,10 +132,13 @@ def main() -> None:
 
     ngram = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": k})
     suffix = LLM(path, speculative_config={"method": "suffix", "num_speculative_tokens": k})
+    tree = LLM(path, speculative_config={"method": "suffix", "num_speculative_tokens": k,
+                                         "draft_top_k": 2, "verify_tree_size": 2 * k})  # fmt: skip
     runners = {
         "off": lambda ids, n: tm_rate(plain, ids, n),
         "ngram": lambda ids, n: tm_rate(ngram, ids, n),
         "suffix": lambda ids, n: tm_rate(suffix, ids, n),
+        "suffix tree": lambda ids, n: tm_rate(tree, ids, n),
     }
     try:
         from llama_cpp import Llama
@@ -157,14 +161,15 @@ def main() -> None:
         run(copy_ids[0], 16)
     copy = run_workload(runners, copy_ids, args.max_tokens, args.repeat)
     chat = run_workload(
-        {n: runners[n] for n in ("off", "ngram", "suffix")},
+        {n: runners[n] for n in ("off", "ngram", "suffix", "suffix tree")},
         prompts(plain, CHAT_TASKS), args.max_tokens, args.repeat,
     )  # fmt: skip
-    rows = [["workload", *copy.keys(), "ngram/off", "suffix/off"]]
+    rows = [["workload", *copy.keys(), "ngram/off", "suffix/off", "tree/off"]]
     for label, res in (("copy", copy), ("chat", chat)):
         rows.append([
             label, *(f"{res[c]:.1f}" if c in res else "-" for c in copy),
             f"{res['ngram'] / res['off']:.2f}x", f"{res['suffix'] / res['off']:.2f}x",
+            f"{res['suffix tree'] / res['off']:.2f}x",
         ])  # fmt: skip
     print("\ntokens/s, one request at a time, greedy (median of rounds; suffix decoding's")
     print("shared index remembers the earlier rounds' outputs of the same prompts):")
@@ -178,7 +183,7 @@ def main() -> None:
         )
     print(
         f"mean acceptance length: ngram {mean_acceptance(ngram):.2f}, "
-        f"suffix {mean_acceptance(suffix):.2f}"
+        f"suffix {mean_acceptance(suffix):.2f}, suffix tree {mean_acceptance(tree):.2f}"
     )
     if args.draft_pair:
         draft_pair(args)
