@@ -110,13 +110,13 @@ class EngineConfig:
     num_speculative_tokens: int | None = None
     """Flat form of ``speculative_config["num_speculative_tokens"]``."""
     draft_top_k: int | None = None
-    """Tree drafts (top-k branching): not built yet, refused when set."""
+    """Draft trees: guesses per position (``speculative_config["draft_top_k"]``)."""
     draft_step: int | None = None
-    """Tree drafts: not built yet, refused when set."""
+    """Draft trees: their depth (= num_speculative_tokens)."""
     verify_tree_size: int | None = None
-    """Tree verification node budget: not built yet, refused when set."""
+    """Draft trees: most nodes verified per request per step."""
     max_verify_tree_size: int | None = None
-    """Tree verification: not built yet, refused when set."""
+    """Draft trees: the bound verify_tree_size may not pass."""
     speculative: SpeculativeConfig | None = field(init=False, default=None, compare=False)
     """The resolved speculative config (from the fields above), None when off."""
     # -- multimodal input (``multimodal/``) ----------------------------------------------
