@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 from collections import Counter
 from dataclasses import dataclass, fields
@@ -67,8 +68,6 @@ class DataParallelRouter(AsyncLLM):
         queue_timeout: float | None = None,
         grammar_limits: GrammarLimits | None = None,
     ) -> None:
-        import ray
-
         parallel = config.parallel
         self.size = parallel.data_parallel_size
         self.replica_config = _replica_config(config)
@@ -78,22 +77,39 @@ class DataParallelRouter(AsyncLLM):
         self._routed: dict[str, _Routed] = {}
         self._route_lock = threading.RLock()
         self._stop = threading.Event()
-        if not ray.is_initialized():
-            ray.init(address=parallel.ray_address, include_dashboard=False,
-                     num_cpus=None if parallel.ray_address else self.size,
-                     log_to_driver=False)  # fmt: skip
-        self.placement = ray.util.placement_group([{"CPU": 1}] * self.size, strategy="PACK")
-        ray.get(self.placement.ready())
-        actors = [self._new_actor(i) for i in range(self.size)]  # they load in parallel
-        self.replicas: list[ReplicaClient | None] = [
-            self._connect(i, a) for i, a in enumerate(actors)
-        ]
         self.indexes = [PrefixIndex() for _ in range(self.size)]
         self.block_size = config.block_size
         self.stats = EngineStats()
         """The replicas' counters summed (``_merge_stats``), the refusals the router's."""
+        # One thread owns Ray for the router's life: a local cluster's processes die with
+        # the thread that started them (the server loads the model in a passing thread).
+        started: concurrent.futures.Future = concurrent.futures.Future()
+        self._owner = threading.Thread(
+            target=self._own, args=(parallel, started), name="tokenmill-dp", daemon=True
+        )
+        self._owner.start()
+        self.replicas: list[ReplicaClient | None]
+        started.result()  # raises what stopped the replicas from starting
         view = RouterView(self, cast(ReplicaClient, self.replicas[0]).engine)
         super().__init__(cast(LLMEngine, view), max_queued_requests, queue_timeout)
+
+    def _own(self, parallel: Any, started: concurrent.futures.Future) -> None:
+        """The owner thread: start Ray and the replicas, then watch them until stopped."""
+        try:
+            ray = _import_ray()
+            if not ray.is_initialized():
+                ray.init(address=parallel.ray_address, include_dashboard=False,
+                         num_cpus=None if parallel.ray_address else self.size,
+                         log_to_driver=False)  # fmt: skip
+            self.placement = ray.util.placement_group([{"CPU": 1}] * self.size, strategy="PACK")
+            ray.get(self.placement.ready())
+            actors = [self._new_actor(i) for i in range(self.size)]  # they load in parallel
+            self.replicas = [self._connect(i, a) for i, a in enumerate(actors)]
+            started.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - raised by __init__
+            started.set_exception(exc)
+            return
+        self._monitor()
 
     # -- replicas -------------------------------------------------------------------------
     def _new_actor(self, index: int) -> Any:
@@ -123,9 +139,7 @@ class DataParallelRouter(AsyncLLM):
     # -- routing (AsyncLLM's commands) ------------------------------------------------------
     def _start(self) -> threading.Thread:
         self._commands = _Commands(self._dispatch)  # type: ignore[assignment]
-        thread = threading.Thread(target=self._monitor, name="tokenmill-dp-monitor", daemon=True)
-        thread.start()
-        return thread
+        return self._owner  # already watching the replicas
 
     def _dispatch(self, cmd: object) -> None:
         if isinstance(cmd, _Add):
@@ -250,6 +264,22 @@ class DataParallelRouter(AsyncLLM):
             else:
                 setattr(self.stats, f.name, values[0])
 
+    def replica_report(self) -> list[dict[str, float]]:
+        """Per replica slot (``router_metrics.py``): routed, up, its engine's counters."""
+        report = []
+        for i, r in enumerate(self.replicas):
+            row: dict[str, float] = {"router_requests": self.router_stats.routed[i],
+                                     "replica_up": float(r is not None and r.is_ready)}  # fmt: skip
+            if r is not None:
+                s = r.engine.stats
+                row |= {"replica_num_requests_running": s.num_running,
+                        "replica_prompt_tokens": s.prompt_tokens,
+                        "replica_generation_tokens": s.generation_tokens,
+                        "replica_prefix_cache_reused_tokens":
+                            r.engine.prefix_cache_metrics().get("prefix_cache_reused_tokens", 0)}  # fmt: skip
+            report.append(row)
+        return report
+
     async def reset_prefix_cache(self) -> int:
         total = 0
         for r in list(self.replicas):
@@ -270,6 +300,16 @@ class DataParallelRouter(AsyncLLM):
             if r is not None:
                 r.shutdown(5.0)
         ray.util.remove_placement_group(self.placement)
+
+
+def _import_ray() -> Any:
+    """Ray, told not to install its failure-signal handler: on the SIGTERM with which the
+    server starts draining, that handler lets the process abort at its next shutdown step
+    (exit code 134 instead of 0 after a clean drain)."""
+    os.environ.setdefault("RAY_DISABLE_FAILURE_SIGNAL_HANDLER", "1")  # read at import
+    import ray
+
+    return ray
 
 
 def _is_last(item: object) -> bool:

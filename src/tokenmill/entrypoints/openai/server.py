@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenmill import __version__
+from tokenmill.distributed.router_metrics import RouterCollector
 from tokenmill.entrypoints.openai.body_limit import BodyLimitMiddleware
 from tokenmill.entrypoints.openai.errors import APIError, bad_request, install_handlers
 from tokenmill.entrypoints.openai.preprocess import check_unicode, off_loop, render_chat
@@ -133,6 +134,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.model_name,
         lambda: state.llm.engine.prefix_cache_metrics() if state.llm is not None else {},
     )
+    registry.register(RouterCollector(lambda: state.llm, state.model_name))  # replicas
     registry.register(MultiModalCollector(  # tokenmill:mm_* (none for a text-only model)
         lambda: engine_multimodal_metrics(getattr(state.llm, "engine", None)), state.model_name
     ))  # fmt: skip
@@ -230,8 +232,9 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        if state.ready:
-            return JSONResponse({"status": "ok"})
+        if state.ready:  # data-parallel replicas: "degraded" while one is down
+            replicas = getattr(state.llm, "health", None)
+            return JSONResponse(replicas() if replicas is not None else {"status": "ok"})
         if state.draining or (state.llm is not None and not state.llm.is_accepting):
             status, code = "the server is shutting down", "draining"
         elif state.llm is None:
