@@ -171,7 +171,7 @@ ENGINE_FLAGS = (
         "--speculative-config",
         "speculative_config",
         json_object,
-        'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "suffix" | "draft_model", "num_speculative_tokens": k, "model": DRAFT, "prompt_lookup_min": .., "prompt_lookup_max": ..}; the engine drafts fewer tokens per step (or none) where more would not pay; greedy output is unchanged',
+        'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "suffix" | "draft_model" | "eagle3" | "mtp", "num_speculative_tokens": k, "model": DRAFT or EAGLE-3 HEAD FOLDER, "prompt_lookup_min": .., "prompt_lookup_max": .., "draft_top_k": 2, "verify_tree_size": 8 (draft trees: eagle3, mtp, suffix)}; the engine drafts fewer tokens per step (or none) where more would not pay; greedy output is unchanged',
     ),
     Flag(
         "--speculative-method",
@@ -190,6 +190,18 @@ ENGINE_FLAGS = (
         "num_speculative_tokens",
         int,
         "flat form of --speculative-config's num_speculative_tokens: most drafts per request per step",
+    ),
+    Flag(
+        "--draft-top-k",
+        "draft_top_k",
+        int,
+        "draft trees: guesses per position, verified together in one step (eagle3, mtp, suffix)",
+    ),
+    Flag(
+        "--verify-tree-size",
+        "verify_tree_size",
+        int,
+        "draft trees: most nodes verified per request per step (default depth x draft_top_k)",
     ),
     Flag(
         "--enable-prefix-caching",
