@@ -64,7 +64,9 @@ class LLMEngine:
         self.processor = OutputProcessor(self.tokenizer, self.stats.on_request_finished)
         self.overlap = config.overlaps_steps()
         """Asynchronous scheduling: launch step N+1 before waiting for step N."""
-        self.mm_processor = build_processor(config, self.loaded.model, self.loaded.checkpoint.path)
+        self.mm_processor = build_processor(
+            config, self.loaded.model, self.loaded.checkpoint.path, self.tokenizer
+        )
         """Media -> placeholder runs at the boundary (``multimodal/``); None: text only."""
         if self.mm_processor is not None:
             self.scheduler.encoder_budget = encoder_budget(config, self.scheduler.config)

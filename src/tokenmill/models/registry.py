@@ -31,6 +31,14 @@ _REGISTRY: dict[str, tuple[str, str]] = {
         "tokenmill.models.qwen2_vl",
         "Qwen2_5_VLForConditionalGeneration",
     ),
+    "SmolVLMForConditionalGeneration": (
+        "tokenmill.models.smolvlm",
+        "SmolVLMForConditionalGeneration",
+    ),
+    "Idefics3ForConditionalGeneration": (
+        "tokenmill.models.smolvlm",
+        "Idefics3ForConditionalGeneration",
+    ),
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_REGISTRY))

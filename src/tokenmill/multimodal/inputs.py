@@ -24,6 +24,8 @@ class MediaItem:
     """Placeholder tokens in the prompt = encoder output rows."""
     time_interval: float = 1.0
     """M-RoPE temporal step per frame group (videos: tokens_per_second * seconds)."""
+    pixel_mask: torch.Tensor | None = None
+    """[S, S] bool: the valid pixels of a padded square tile (Idefics3 / SmolVLM)."""
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,10 @@ class MultiModalInfo:
     """Video: M-RoPE temporal positions per second."""
     uses_mrope: bool = False
     """Positions are [3, T] (Qwen-VL) for requests with media."""
+    processor: str = "qwen_vl"
+    """Which boundary processor (``prompt.PROCESSORS``) turns media into placeholder runs."""
+    tile_tokens: int = 0
+    """Idefics3 / SmolVLM: placeholder tokens per image tile."""
 
 
 @runtime_checkable

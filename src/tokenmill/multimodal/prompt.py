@@ -4,16 +4,17 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.request import RequestOptions
 from tokenmill.errors import InvalidRequestError
 from tokenmill.multimodal.encoder_budget import EncoderBudget
+from tokenmill.multimodal.inputs import MultiModalInputs
 from tokenmill.multimodal.media import MediaPolicy
 from tokenmill.multimodal.model import multimodal_info
-from tokenmill.multimodal.options import parse_limits, parse_processor_kwargs
+from tokenmill.multimodal.options import MediaOptions, parse_limits, parse_processor_kwargs
 from tokenmill.multimodal.processing import (
     QwenVLProcessor,
     load_image_processor,
@@ -21,20 +22,42 @@ from tokenmill.multimodal.processing import (
 )
 
 
-def build_processor(config: EngineConfig, model: Any, folder: Any) -> QwenVLProcessor | None:
-    """The media processor of a model with an encoder (None: text only)."""
+def build_processor(
+    config: EngineConfig, model: Any, folder: Any, tokenizer: Any = None
+) -> MediaProcessor | None:
+    """The media processor of a model with an encoder (None: text only), by the model's
+    ``MultiModalInfo.processor``."""
     info = multimodal_info(model)
     if info is None:
         return None
+    limits = parse_limits(config.limit_mm_per_prompt)
+    if info.processor == "idefics3":
+        from tokenmill.multimodal.idefics3 import Idefics3Processor, load_idefics3_image_processor
+
+        image_processor = load_idefics3_image_processor(folder, type(model).__name__)
+        return Idefics3Processor(info, image_processor, tokenizer, limits, config.media_max_pixels)
     return QwenVLProcessor(
         info,
         load_image_processor(folder),
         parse_processor_kwargs(config.mm_processor_kwargs),
-        parse_limits(config.limit_mm_per_prompt),
+        limits,
         config.media_max_pixels,
         load_video_config(folder),
         config.max_visual_tokens_per_prompt,
     )
+
+
+class MediaProcessor(Protocol):
+    """Turns one prompt's media into placeholder runs (``QwenVLProcessor``,
+    ``idefics3.Idefics3Processor``)."""
+
+    defaults: MediaOptions
+    preprocess_seconds: float
+    items_processed: int
+
+    def process(
+        self, prompt_ids: list[int], data: Mapping[str, Any], options: MediaOptions
+    ) -> tuple[list[int], MultiModalInputs]: ...
 
 
 def model_name(config: EngineConfig) -> str:
@@ -49,7 +72,7 @@ def no_encoder_error(config: EngineConfig) -> InvalidRequestError:
 
 
 def attach_media(
-    processor: QwenVLProcessor | None,
+    processor: MediaProcessor | None,
     config: EngineConfig,
     prompts: Any,
     items: list[tuple[str | None, list[int]]],
@@ -79,7 +102,7 @@ def attach_media(
 
 
 def chat_media(
-    messages: list[dict], config: EngineConfig, processor: QwenVLProcessor | None
+    messages: list[dict], config: EngineConfig, processor: MediaProcessor | None
 ) -> tuple[list[dict], dict[str, Any]]:
     """(messages for the template, extra prompt keys): ``{"multi_modal_data": {"image":
     [...]}}`` when the conversation has image parts, else {}."""
@@ -93,7 +116,7 @@ def chat_media(
     return messages, {"multi_modal_data": media}
 
 
-def multimodal_metrics(processor: QwenVLProcessor | None, step: Any) -> dict[str, float | int]:
+def multimodal_metrics(processor: MediaProcessor | None, step: Any) -> dict[str, float | int]:
     """Encoder and preprocessing counters (``LLM.get_multimodal_metrics``)."""
     out: dict[str, float | int] = {}
     if processor is not None:

@@ -19,15 +19,14 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.multimodal.chat import extract_media, has_media
 from tokenmill.multimodal.inputs import MultiModalInputs
 from tokenmill.multimodal.options import parse_processor_kwargs
-from tokenmill.multimodal.processing import QwenVLProcessor
-from tokenmill.multimodal.prompt import media_policy, no_encoder_error
+from tokenmill.multimodal.prompt import MediaProcessor, media_policy, no_encoder_error
 
 
 @dataclass(frozen=True)
 class ChatMedia:
     messages: list[dict[str, Any]]
     media: dict[str, list[Any]]
-    processor: QwenVLProcessor | None
+    processor: MediaProcessor | None
     kwargs: Mapping[str, Any] | None
 
     def attach(self, prompt_ids: list[int]) -> tuple[list[int], MultiModalInputs | None]:
