@@ -294,3 +294,67 @@ def test_upload_sends_only_used_table_columns_at_aligned_offsets(llm, monkeypatc
         v = decode._views(n)
         for t in (v.input_ids, v.positions, v.slots, v.seq_lens, v.qsl, v.tables):
             assert t.data_ptr() % 16 == 0
+
+
+class _ReferenceDrafts:
+    """Drafts from a reference run, every third one wrong (the rest of it rejected)."""
+
+    name = "oracle"
+    costly = False
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]]) -> None:
+        self.refs = refs
+        self.calls = 0
+
+    def propose(self, requests, k):
+        out = []
+        for r in requests:
+            self.calls += 1
+            done = r.num_output_tokens
+            drafts = list(self.refs[tuple(r.prompt_token_ids)][done : done + k])
+            if drafts and self.calls % 3 == 0:
+                drafts[-1] = (drafts[-1] + 1) % 1000
+            out.append(drafts)
+        return out
+
+    def finish(self, request) -> None:
+        pass
+
+
+def test_verify_steps_run_as_padded_decode_rows(llm, monkeypatch):
+    """Steps verifying draft chains go through the same buffers (and graphs) as decode
+    rows, one per token: the output is that of plain decoding."""
+    import dataclasses
+
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.spec_decode import DraftHook
+
+    eager = generate(llm)
+    refs = {tuple(p): e.token_ids for p, e in zip(PROMPTS, eager)}
+    config = dataclasses.replace(llm.config, check_kv_integrity=True)
+    engine = LLMEngine(config, llm.engine.loaded, hooks=[DraftHook(_ReferenceDrafts(refs), 3)])
+    old = engine.runner
+    backend = PadSkippingBackend()
+    decode = PaddedDecode(old.model, old.kv_caches, BS, MAX_MODEL_LEN, 32, old.device, backend,
+                          capture=False)  # fmt: skip
+    engine.runner = ModelRunner(old.model, old.kv_caches, BS, old.device, old.sampler, backend,
+                                decode)  # fmt: skip
+    engine.executor.runner = engine.runner
+    rows: list[int] = []
+    run = decode.run
+
+    def spy(seqs, tables=None, pending=None, cols=None):
+        rows.append(sum(s.num_new_tokens for s in seqs) if any(s.draft_token_ids for s in seqs)
+                    else 0)  # fmt: skip
+        return run(seqs, tables, pending, cols)
+
+    monkeypatch.setattr(decode, "run", spy)
+    ids = [engine.add_request(p, params) for p, params in zip(PROMPTS, PARAMS)]
+    finals = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out.outputs[0]
+    assert_same([finals[i] for i in ids], eager)
+    assert max(rows) > len(PROMPTS)  # verify steps of several rows per sequence ran padded
+    assert any(r and r not in decode.buckets for r in rows)  # and were padded to a bucket

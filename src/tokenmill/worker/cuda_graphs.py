@@ -31,6 +31,7 @@ from tokenmill.worker.inputs import (
     PinnedStaging,
     StepColumns,
     fill_block_tables,
+    known_tokens,
     packed_numel,
     sections,
 )
@@ -56,6 +57,20 @@ def wants_cuda_graphs(device: torch.device, backend: object, enforce_eager: bool
         device.type == "cuda"
         and not enforce_eager
         and bool(getattr(backend, "supports_cuda_graphs", False))
+    )
+
+
+def _rows(seqs: tuple[ScheduledSeq, ...]) -> int:
+    return sum(s.num_new_tokens for s in seqs)
+
+
+def _verifies_chains(seqs: tuple[ScheduledSeq, ...], cols: StepColumns | None) -> bool:
+    """Every sequence brings its last known token and its draft chain, nothing in flight."""
+    if cols is not None and cols.pending:
+        return False
+    return all(
+        s.samples and not s.draft_parents and s.num_new_tokens == 1 + len(s.draft_token_ids)
+        for s in seqs
     )
 
 
@@ -123,12 +138,16 @@ class PaddedDecode:
         return next((b for b in self.buckets if b >= batch), None)
 
     def takes(self, seqs: tuple[ScheduledSeq, ...], cols: StepColumns | None = None) -> bool:
-        """An all-decode step (one new token per sequence) that fits a bucket."""
+        """An all-decode step (one new token per sequence) that fits a bucket; or a step
+        verifying draft chains (each sequence: its last token and its drafts, none in
+        flight), run as one decode row per token, whose rows fit one."""
         one_each = (
             cols.one_token_each if cols is not None
             else all(s.num_new_tokens == 1 and not s.draft_token_ids for s in seqs)
         )  # fmt: skip
-        return one_each and self.bucket_for(len(seqs)) is not None
+        if one_each:
+            return self.bucket_for(len(seqs)) is not None
+        return _verifies_chains(seqs, cols) and self.bucket_for(_rows(seqs)) is not None
 
     def run(
         self,
@@ -140,19 +159,59 @@ class PaddedDecode:
         """Hidden states [B, hidden] of the step's B one-token sequences (``takes`` holds);
         ``tables``: the scheduler's block-table array (None: the sequences' lists);
         ``pending``: input tokens still on the device (asynchronous scheduling)."""
-        n = self.bucket_for(len(seqs))
         cols = cols or StepColumns.of(seqs)
-        assert n is not None and cols.one_token_each
+        rows = len(seqs) if cols.one_token_each else _rows(seqs)
+        n = self.bucket_for(rows)
+        assert n is not None
         # Capture first: it fills the buffers with padding rows of its own.
         graph = (self.graphs.get(n) or self._capture(n)) if self.capture else None
         views = self._views(n)
-        self._upload(seqs, n, tables, pending, cols)
+        if cols.one_token_each:
+            self._upload(seqs, n, tables, pending, cols)
+            lens = cols.starts + 1
+        else:  # a verify step: its tokens as decode rows (graphs see only row tensors)
+            assert pending is None
+            lens = self._upload_rows(seqs, n, tables, cols)
         if graph is None:  # eager through the same buffers (also after a failed capture)
-            seq_lens = tuple((cols.starts + 1).tolist()) + (0,) * (n - len(seqs))
+            seq_lens = tuple(lens.tolist()) + (0,) * (n - rows)
             hidden = self.model(views.input_ids, views.positions, self._ctx(views, seq_lens))
-            return hidden[: len(seqs)]
+            return hidden[:rows]
         graph.replay()
-        return self.outputs[n][: len(seqs)]
+        return self.outputs[n][:rows]
+
+    def _upload_rows(
+        self,
+        seqs: tuple[ScheduledSeq, ...],
+        n: int,
+        tables: BlockTableArray | None,
+        cols: StepColumns,
+    ) -> np.ndarray:
+        """A verify step into bucket n: row r is one token (a sequence's last known token
+        or one of its drafts) at its position, seeing its sequence's blocks up to itself
+        (``fast_path.per_token_rows``); returns the rows' context lengths."""
+        b, bs, t = len(seqs), self.block_size, _rows(seqs)
+        used = cols.width
+        sizes = [*self._head_sizes(n), t * used, 0, 0]
+        host = self.staging.host(packed_numel(sizes))
+        ids, pos, slots, lens, qsl, flat_tables, _, _ = sections(host, sizes)
+        for part in (ids, pos, lens):
+            part[t:] = 0
+        seq_tables = np.zeros((b, used), dtype=np.int64)
+        fill_block_tables(seqs, tables, seq_tables, cols.table_rows)
+        owner = np.repeat(np.arange(b), cols.num_new)  # [T]: each row's sequence
+        first = np.concatenate(([0], np.cumsum(cols.num_new)[:-1]))
+        ids[:t] = [tok for s in seqs for tok in known_tokens(s)]
+        pos[:t] = np.arange(t) - first[owner] + cols.starts[owner]
+        table = flat_tables.reshape(t, used)
+        table[:] = seq_tables[owner]
+        lens[:t] = pos[:t] + 1
+        qsl[:] = np.arange(n + 1)
+        slots[:t] = table[np.arange(t), pos[:t] // bs] * bs + pos[:t] % bs
+        slots[t:] = PAD_SLOT
+        flat = self.staging.send(host, out=self.flat[: host.shape[0]])
+        tables_d = sections(flat, sizes)[5]
+        self.tables[:t, :used].copy_(tables_d.view(t, used))
+        return lens[:t].copy()
 
     def capture_all(self) -> float:
         """Capture every bucket, largest first (smaller ones reuse its memory pool); the
