@@ -97,7 +97,8 @@ class DataParallelRouter(AsyncLLM):
         """The owner thread: start Ray and the replicas, then watch them until stopped."""
         try:
             ray = _import_ray()
-            if not ray.is_initialized():
+            self._owns_ray = not ray.is_initialized()
+            if self._owns_ray:  # and ends it: its processes would die with this thread
                 ray.init(address=parallel.ray_address, include_dashboard=False,
                          num_cpus=None if parallel.ray_address else self.size,
                          log_to_driver=False)  # fmt: skip
@@ -300,6 +301,8 @@ class DataParallelRouter(AsyncLLM):
             if r is not None:
                 r.shutdown(5.0)
         ray.util.remove_placement_group(self.placement)
+        if self._owns_ray:
+            ray.shutdown()
 
 
 def _import_ray() -> Any:
