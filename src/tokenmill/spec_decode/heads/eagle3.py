@@ -25,16 +25,16 @@ from torch import nn
 
 from tokenmill.attention import StepContext
 from tokenmill.errors import ModelLoadError
-from tokenmill.kv_cache.spec import FullAttention
 from tokenmill.layers.attention import Attention, AttentionSpec
 from tokenmill.layers.linear import Linear, VocabEmbedding
 from tokenmill.layers.mlp import GatedMLP
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.ops import Ops, select_ops
+from tokenmill.layers.ops import Ops
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ArchConfig
 from tokenmill.models.decoder import DecoderForCausalLM
 from tokenmill.models.weights import load_weights
+from tokenmill.spec_decode.heads.base import HeadModule
 
 _RENAMES = (("model.layers.0.", "midlayer."), ("layers.0.", "midlayer."), ("model.", ""))
 _OWN = ("d2t", "t2d", "embed_tokens.weight")
@@ -87,7 +87,7 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype, ops=ops)
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(HeadModule):
     """``SpecHead`` of an EAGLE-3 checkpoint (see the module docstring)."""
 
     name = "eagle3"
@@ -101,15 +101,11 @@ class Eagle3Head(nn.Module):
         max_positions: int,
         ops: Ops | None = None,
     ) -> None:
-        super().__init__()
-        cfg = ArchConfig.from_hf({**hf_config, "num_hidden_layers": 1})
-        self.config = cfg
-        self.dtype = dtype
-        ops = ops or select_ops(torch.get_default_device(), dtype)
+        super().__init__(hf_config, dtype, max_positions, ops)
+        cfg, ops = self.config, self.ops
         target_hidden = int(hf_config.get("target_hidden_size") or target.config.hidden_size)
         self.feature_layers = aux_layer_ids(hf_config, target.num_layers)
         self.draft_vocab_size = int(hf_config.get("draft_vocab_size") or cfg.vocab_size)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, ops)
         self.fc = Linear(3 * target_hidden, cfg.hidden_size, False, dtype)
         self.midlayer = Eagle3Layer(cfg, self.rotary, dtype, ops)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype, ops=ops)
@@ -150,10 +146,6 @@ class Eagle3Head(nn.Module):
         lp = torch.log_softmax(self.lm_head(hidden).float(), dim=-1)
         best, ids = lp.topk(k, dim=-1)  # [N, k] in the draft vocabulary
         return ids + self.d2t[ids], best
-
-    def cache_spec(self) -> FullAttention:
-        cfg = self.config
-        return FullAttention(cfg.num_kv_heads, cfg.head_dim, self.dtype)
 
     # -- loading --------------------------------------------------------------------------
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -19,26 +19,23 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch import nn
 
 from tokenmill.attention import StepContext
 from tokenmill.errors import ModelLoadError
-from tokenmill.kv_cache.spec import FullAttention
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.ops import Ops, select_ops
-from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.config import ArchConfig
+from tokenmill.layers.ops import Ops
 from tokenmill.models.decoder import DecoderForCausalLM, DecoderLayer
 from tokenmill.models.mimo import MTP_PREFIX as PREFIX
 from tokenmill.models.weights import load_weights
+from tokenmill.spec_decode.heads.base import HeadModule
 
 
 def mtp_layer_count(hf_config: dict[str, Any]) -> int:
     return int(hf_config.get("num_nextn_predict_layers") or 0)
 
 
-class MTPHead(nn.Module):
+class MTPHead(HeadModule):
     """``SpecHead`` of the first MTP layer of a MiMo-layout checkpoint."""
 
     name = "mtp"
@@ -52,13 +49,9 @@ class MTPHead(nn.Module):
         max_positions: int,
         ops: Ops | None = None,
     ) -> None:
-        super().__init__()
-        cfg = ArchConfig.from_hf({**hf_config, "num_hidden_layers": 1})
-        self.config = cfg
-        self.dtype = dtype
-        ops = ops or select_ops(torch.get_default_device(), dtype)
+        super().__init__(hf_config, dtype, max_positions, ops)
+        cfg, ops = self.config, self.ops
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope, dtype, ops)
         self.token_layernorm = RMSNorm(h, eps, dtype=dtype, ops=ops)
         self.hidden_layernorm = RMSNorm(h, eps, dtype=dtype, ops=ops)
         self.input_proj = Linear(2 * h, h, False, dtype)
@@ -89,10 +82,6 @@ class MTPHead(nn.Module):
         lp = torch.log_softmax(self._target[0].compute_logits(hidden), dim=-1)
         best, ids = lp.topk(k, dim=-1)
         return ids, best
-
-    def cache_spec(self) -> FullAttention:
-        cfg = self.config
-        return FullAttention(cfg.num_kv_heads, cfg.head_dim, self.dtype)
 
     def load(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Fill the layer from the target checkpoint's ``model.mtp_layers.0.*`` tensors."""
