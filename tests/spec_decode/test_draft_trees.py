@@ -234,3 +234,15 @@ def test_suffix_trees_branch_where_the_context_did():
     assert (6, 1) in zip(tree.tokens, tree.parents)  # the branch continues under 5
     (chain,) = proposer.propose([req], 3)
     assert chain == [9, 3, 1]
+
+
+def test_the_adaptive_cap_counts_tree_nodes():
+    """A tree's verification costs all its nodes: where a chain of k drafts pays, a tree
+    of many more nodes with the same first branch may not."""
+    from tokenmill.spec_decode.adaptive import CostCurve, DraftLength
+
+    curve = CostCurve.from_points({1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4, 9: 3.0, 17: 6.0})
+    length = DraftLength(4, curve)
+    assert length.choose(0, [0.6], [4]) >= 2  # a chain of 4 at 60%: worth drafting
+    heavy = [[4, 8, 12, 16]]  # 4 nodes per depth
+    assert length.choose(0, [0.6], [4], heavy) < length.choose(0, [0.6], [4])

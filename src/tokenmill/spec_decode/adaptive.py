@@ -91,9 +91,17 @@ class DraftLength:
     def prior(self) -> float:
         return self.overall.rate(PRIOR_ACCEPTANCE)
 
-    def choose(self, num_plain: int, rates: Sequence[float], lengths: Sequence[int]) -> int:
+    def choose(
+        self,
+        num_plain: int,
+        rates: Sequence[float],
+        lengths: Sequence[int],
+        nodes: Sequence[Sequence[int]] | None = None,
+    ) -> int:
         """The draft cap for a step where ``num_plain`` sequences take no drafts and the
-        others have proposals of ``lengths`` with acceptance ``rates``."""
+        others have proposals of ``lengths`` with acceptance ``rates``; with draft trees,
+        ``nodes[r][j - 1]`` is how many nodes request r's tree has down to depth j (what
+        verifying it costs: the gain is still counted along its first branch)."""
         if not self.adaptive:
             return self.max_tokens
         a = np.asarray(rates, dtype=np.float64)[:, None]  # [R, 1]
@@ -101,7 +109,10 @@ class DraftLength:
         j = np.arange(1, self.max_tokens + 1)[None, :]  # [1, K]
         used = j <= lens  # [R, K]: draft j exists under cap k >= j
         gain = np.cumsum(np.where(used, a**j, 0.0), axis=1).sum(axis=0)  # [K]
-        extra = np.cumsum(used, axis=1).sum(axis=0)  # [K] tokens added under cap k
+        if nodes is None:
+            extra = np.cumsum(used, axis=1).sum(axis=0)  # [K] tokens added under cap k
+        else:
+            extra = np.asarray(nodes, dtype=np.int64).sum(axis=0)
         base = num_plain + len(rates)
         expected = np.concatenate(([base], base + gain))
         tokens = np.concatenate(([base], base + extra))

@@ -49,6 +49,18 @@ class TreeShape:
     nodes: int
 
 
+def _nodes_by_depth(tree: DraftTree, k: int) -> list[int]:
+    """How many of the tree's nodes lie at depth <= j, for j = 1..k."""
+    counts = [0] * (k + 1)
+    for d in depths(tree.parents):
+        counts[min(d, k)] += 1
+    out, total = [], 0
+    for j in range(1, k + 1):
+        total += counts[j]
+        out.append(total)
+    return out
+
+
 def _renumber(parents: Sequence[int], keep: list[int]) -> list[int]:
     """Parents of the kept nodes (each kept node's parent is kept: depths only shrink)."""
     where = {old: new for new, old in enumerate(keep)}
@@ -111,7 +123,11 @@ class DraftHook(RequestHook):
         k = self.num_tokens
         costly = getattr(self.proposer, "costly", False)
         if costly:  # the cap first: drafting costs steps, so only that many are drafted
-            k = self._cap(num_running, eligible, [k] * len(eligible))
+            nodes = None
+            if self.tree is not None:  # a full tree to depth j: at most j x top_k nodes
+                full = [min(self.tree.nodes, j * self.tree.top_k) for j in range(1, k + 1)]
+                nodes = [full] * len(eligible)
+            k = self._cap(num_running, eligible, [k] * len(eligible), nodes)
             if k == 0:
                 return False
         proposals = self._proposals(eligible, k)
@@ -119,9 +135,10 @@ class DraftHook(RequestHook):
         if not drafting:
             return False
         cap = k
-        if not costly:  # cheap proposals: the cap from their actual lengths
+        if not costly:  # cheap proposals: the cap from their actual lengths (and trees)
             lengths = [len(p.main_chain()) for _, p in drafting]
-            cap = self._cap(num_running, [r for r, _ in drafting], lengths)
+            nodes = None if self.tree is None else [_nodes_by_depth(p, k) for _, p in drafting]
+            cap = self._cap(num_running, [r for r, _ in drafting], lengths, nodes)
         if cap == 0:
             return False
         for req, p in drafting:
@@ -142,10 +159,16 @@ class DraftHook(RequestHook):
             return self.proposer.propose_tree(requests, k, self.tree)
         return [DraftTree.chain(p) for p in self.proposer.propose(requests, k)]
 
-    def _cap(self, num_running: int, requests: Sequence[Request], lengths: list[int]) -> int:
+    def _cap(
+        self,
+        num_running: int,
+        requests: Sequence[Request],
+        lengths: list[int],
+        nodes: list[list[int]] | None = None,
+    ) -> int:
         prior = self.length.prior()
         rates = [self._rates.get(r.request_id, Acceptance()).rate(prior) for r in requests]
-        return self.length.choose(num_running - len(requests), rates, lengths)
+        return self.length.choose(num_running - len(requests), rates, lengths, nodes)
 
     def on_scheduled(self, sched: SchedulerOutput) -> None:
         for seq in sched.seqs:
