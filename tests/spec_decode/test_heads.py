@@ -273,3 +273,14 @@ def test_feature_runs_are_bounded(monkeypatch):
     assert run.end == 41 and run.low == 0
     rows = run.take(36, 41)
     assert rows[:, 0].tolist() == [36.0, 36.0, 0.0, 0.0, 0.0]
+
+
+def test_features_follow_the_accepted_tree_nodes():
+    from tokenmill.spec_decode.features import FeatureRun, FeatureTap
+
+    tap = FeatureTap()
+    run = tap.runs.setdefault("r", FeatureRun())
+    # a recompute chunk: positions 5..7 known (7 the root), then tree nodes 0..3
+    run.write(5, torch.arange(7.0)[:, None])
+    tap.reorder("r", 7, [0, 1 + 2, 1 + 3])  # the root, then nodes 2 and 3 were accepted
+    assert run.take(5, 10)[:, 0].tolist() == [0.0, 1.0, 2.0, 5.0, 6.0]

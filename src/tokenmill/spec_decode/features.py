@@ -107,10 +107,13 @@ class FeatureTap:
 
     def reorder(self, request_id: str, start: int, rows: Sequence[int]) -> None:
         run = self.runs.get(request_id)
-        if run is None or not run.pieces or run.pieces[-1][0] != start:
+        if run is None or not run.pieces:
             return
-        piece = run.pieces[-1][1]
-        run.pieces[-1] = (start, piece[torch.tensor(rows, device=piece.device)])
+        first, piece = run.pieces[-1]  # the tree step's rows (after a preemption's
+        if not first <= start < first + len(piece):  # recompute, more known ones first)
+            return
+        keep = [*range(start - first), *(start - first + r for r in rows)]
+        run.pieces[-1] = (first, piece[torch.tensor(keep, device=piece.device)])
 
     def finish(self, request_id: str) -> None:
         self.runs.pop(request_id, None)
