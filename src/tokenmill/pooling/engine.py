@@ -58,6 +58,11 @@ class _NoKVCache:
 
 class PoolingEngine:
     def __init__(self, config: EngineConfig, plan: PoolingPlan) -> None:
+        if config.parallel.world_size > 1 or config.parallel.data_parallel_size > 1:
+            raise ValueError(
+                f"{config.parallel}: pooling models (embed / score / classify) run in one "
+                "process; tensor, pipeline and data parallelism are for generation models"
+            )
         self.config = config
         self.plan = plan
         self.loaded = _Loaded(plan.checkpoint)
