@@ -14,7 +14,7 @@ class MediaItem:
     modality: str
     """"image" or "video"."""
     content_hash: bytes
-    """blake2b of the processed tensors and the grid (``hashing.py``): the encoder cache
+    """SHA-256 of the processed tensors and the grid (``hashing.py``): the encoder cache
     and the prefix cache key on it."""
     pixel_values: torch.Tensor
     """[patches, patch_dim] float32, the processor's patch order."""
