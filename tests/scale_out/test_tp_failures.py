@@ -50,14 +50,17 @@ def test_bad_parallel_options_are_value_errors(options, match):
         EngineConfig(**options)
 
 
-def test_a_dead_worker_fails_requests_with_a_clear_error(llama_dir):
-    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=32, tensor_parallel_size=2)
+@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_a_dead_worker_fails_requests_with_a_clear_error(llama_dir, split):
+    llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=32, **{split: 2})
     executor = llm.engine.executor
     assert isinstance(executor, MultiprocExecutor)
-    # each rank holds its half of the vocabulary (the tied table) and of the heads
     local = llm.engine.loaded.model.local
-    assert local.model.embed_tokens.weight.shape == (256, 64)
-    assert local.model.layers[0].self_attn.qkv_proj.weight.shape == (2 * 16 + 2 * 16, 64)
+    if split == "tensor_parallel_size":  # half the vocabulary (the tied table), half the heads
+        assert local.model.embed_tokens.weight.shape == (256, 64)
+        assert local.model.layers[0].self_attn.qkv_proj.weight.shape == (2 * 16 + 2 * 16, 64)
+    else:  # the driver is the last stage: layer 1 only (renumbered 0), with the table
+        assert len(local.model.layers) == 1 and local.model.embed_tokens is not None
     sp = SamplingParams(temperature=0, max_tokens=4)
     assert llm.generate([PROMPT], sp, use_tqdm=False)[0].outputs[0].finish_reason == "length"
     worker = executor.ranks.workers.procs[0]
@@ -72,3 +75,17 @@ def test_a_dead_worker_fails_requests_with_a_clear_error(llama_dir):
     with pytest.raises(WorkerDiedError):
         executor.launch(None)  # type: ignore[arg-type]
     llm.close()
+
+
+def test_step_messages_move_every_tensor():
+    import torch
+
+    from tokenmill.attention import AttentionMetadata
+    from tokenmill.distributed.messages import Forward, moved
+
+    meta = AttentionMetadata.build([2], [2], [[3]], 16)
+    step = Forward(torch.tensor([1, 2]), torch.tensor([0, 1]), meta)
+    out = moved(step, "meta")  # every tensor, nested ones too, lands on the device asked
+    assert out.input_ids.is_meta and out.attn.block_tables.is_meta
+    assert out.attn.slot_mapping.is_meta and out.attn.query_start_loc == (0, 2)
+    assert moved(step, "cpu").input_ids is step.input_ids  # no copy on the CPU

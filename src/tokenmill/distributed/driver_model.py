@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.attention import StepContext
 from tokenmill.distributed.group import RankGroup
-from tokenmill.distributed.messages import Forward, Logits
+from tokenmill.distributed.messages import Forward, Logits, moved
 from tokenmill.kv_cache.spec import CacheSpec
 from tokenmill.models.base import CausalLM
 
@@ -50,13 +50,12 @@ class TensorParallelDriver(_Driver):
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
     ) -> torch.Tensor:
         assert ctx.state is None, "state-slot layers are not tensor-parallel"
-        self.group.broadcast(
-            Forward(input_ids, positions, ctx.attn, ctx.adapter_ids, ctx.input_embeds)
-        )
+        step = Forward(input_ids, positions, ctx.attn, ctx.adapter_ids, ctx.input_embeds)
+        self.group.broadcast(moved(step, "cpu"))
         return self.local(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.group.broadcast(Logits(hidden))
+        self.group.broadcast(Logits(hidden.cpu()))
         return self.local.compute_logits(hidden)
 
 
@@ -73,7 +72,7 @@ class PipelineDriver(_Driver):
     ) -> torch.Tensor:
         assert ctx.state is None, "state-slot layers are not pipeline-parallel"
         step = Forward(input_ids, positions, ctx.attn, ctx.adapter_ids, ctx.input_embeds)
-        self.group.broadcast(step)
+        self.group.broadcast(moved(step, "cpu"))
         hidden = self.stage.run(self.local, step, ctx.kv_caches)
         assert hidden is not None
         return hidden

@@ -7,12 +7,33 @@ for prompt logprobs), so the vocabulary-parallel head gathers logits of those ro
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.attention.context import InputEmbeds
+
+M = TypeVar("M")
+
+
+def moved(msg: M, device: torch.device | str) -> M:
+    """``msg`` with every tensor in it (nested dataclasses too) on ``device``: the driver
+    sends host tensors (a pickled CUDA tensor would come back on the driver's device),
+    each worker moves them to its own. On the CPU nothing is copied."""
+    return _move(msg, torch.device(device))
+
+
+def _move(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: _move(getattr(obj, f.name), device)
+                   for f in dataclasses.fields(obj) if f.init}  # fmt: skip
+        return dataclasses.replace(obj, **changes)
+    return obj
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks
-from tokenmill.distributed.messages import Ready, Stop
+from tokenmill.distributed.messages import Ready, Stop, moved
 from tokenmill.distributed.part import ModelPart
 from tokenmill.distributed.shard import TPShard
 from tokenmill.distributed.stages import PPStage
@@ -80,13 +80,15 @@ def worker_main(args: WorkerArgs, conn: Connection) -> None:
         loaded.model, num_blocks, config.block_size, loaded.dtype, device, num_slots=num_slots
     )
     try:
-        serve_steps(part.handlers(loaded.model, caches), group)
+        serve_steps(part.handlers(loaded.model, caches), group, device)
     finally:
         leave_ranks()
 
 
-def serve_steps(handlers: Mapping[type, Callable[[Any], object]], group: RankGroup) -> None:
-    """Run the driver's broadcasts until ``Stop``."""
+def serve_steps(
+    handlers: Mapping[type, Callable[[Any], object]], group: RankGroup, device: torch.device
+) -> None:
+    """Run the driver's broadcasts (their tensors moved to ``device``) until ``Stop``."""
     with torch.inference_mode():
         while not isinstance(msg := group.broadcast(), Stop):
-            handlers[type(msg)](msg)
+            handlers[type(msg)](moved(msg, device))
