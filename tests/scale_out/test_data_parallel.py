@@ -117,6 +117,7 @@ def test_a_killed_replica_fails_started_requests_retries_the_rest_and_returns(cl
     prompts = _prompts(12)
     router = _router(model_dir, max_num_seqs=2)  # most requests wait: no output yet
     victim = router.replicas[0]
+    health: list[dict] = []
     try:
 
         async def run():
@@ -126,6 +127,9 @@ def test_a_killed_replica_fails_started_requests_retries_the_rest_and_returns(cl
                 if any(t.done() for t in tasks):
                     break
             os.kill(victim.process.pid, signal.SIGKILL)
+            while router.health()["status"] == "ok":  # until the router notices
+                await asyncio.sleep(0.02)
+            health.append(router.health())
             return await asyncio.gather(*tasks)
 
         got = asyncio.run(asyncio.wait_for(run(), timeout=120))
@@ -133,6 +137,7 @@ def test_a_killed_replica_fails_started_requests_retries_the_rest_and_returns(cl
         deadline = time.monotonic() + 90
         while router.health()["status"] != "ok" and time.monotonic() < deadline:
             time.sleep(0.2)
+        assert health == [{"status": "degraded", "replicas": 2, "replicas_up": 1}]
         assert router.health()["status"] == "ok" and stats.restarts == 1
         assert router.replicas[0] is not victim
     finally:

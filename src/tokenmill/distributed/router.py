@@ -28,6 +28,7 @@ from tokenmill.distributed.block_events import block_events
 from tokenmill.distributed.replica import ReplicaClient, actor_class
 from tokenmill.distributed.routing import POLICIES, PrefixIndex, RouterStats, prompt_chain
 from tokenmill.engine.async_llm import AsyncLLM, _Abort, _Add, _Call, _Stop
+from tokenmill.engine.core_process import _Forward
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.engine_core import SERVER_STATS, CoreOptions
 from tokenmill.engine.request_stream import ACCEPTED
@@ -51,13 +52,6 @@ class _Routed:
     """It produced output (a retry would repeat it): a replica's death fails it."""
     accepted: bool = False
     """Its stream got ``ACCEPTED`` (a retry's second one is dropped)."""
-
-
-class _Commands:
-    """Stands in for ``AsyncLLM``'s command queue: ``put`` routes at once."""
-
-    def __init__(self, put) -> None:
-        self.put = put
 
 
 class DataParallelRouter(AsyncLLM):
@@ -139,7 +133,7 @@ class DataParallelRouter(AsyncLLM):
 
     # -- routing (AsyncLLM's commands) ------------------------------------------------------
     def _start(self) -> threading.Thread:
-        self._commands = _Commands(self._dispatch)  # type: ignore[assignment]
+        self._commands = _Forward(self._dispatch)  # type: ignore[assignment]  # routes at once
         return self._owner  # already watching the replicas
 
     def _dispatch(self, cmd: object) -> None:
