@@ -246,3 +246,19 @@ def test_the_adaptive_cap_counts_tree_nodes():
     assert length.choose(0, [0.6], [4]) >= 2  # a chain of 4 at 60%: worth drafting
     heavy = [[4, 8, 12, 16]]  # 4 nodes per depth
     assert length.choose(0, [0.6], [4], heavy) < length.choose(0, [0.6], [4])
+
+
+def test_ngram_trees_branch_where_earlier_occurrences_did():
+    from tokenmill.scheduler.request import Request
+    from tokenmill.spec_decode.ngram import NgramProposer, continuation_tree
+
+    # (4, 5) was followed by 6 7, then by 8 9, then by 6 3: latest first, most frequent first
+    tokens = [4, 5, 6, 7, 1, 4, 5, 8, 9, 2, 4, 5, 6, 3, 0, 4, 5]
+    req = Request("r", tokens, SamplingParams(max_tokens=4), 1 << 30, frozenset())
+    proposer = NgramProposer(2, 3)
+    (tree,) = proposer.propose_tree([req], 2, TreeShape(top_k=2, nodes=6))
+    assert tree.tokens[:2] == (6, 8) and tree.parents[:2] == (-1, -1)
+    assert {(3, 0), (7, 0), (9, 1)} <= set(zip(tree.tokens, tree.parents))
+    assert proposer.propose([req], 2) == [[6, 3]]  # the chain: the latest occurrence
+    small = continuation_tree([[1, 2], [1, 3], [5]], TreeShape(top_k=1, nodes=5))
+    assert small.tokens == (1, 2) and small.parents == (-1, 0)

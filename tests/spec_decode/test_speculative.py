@@ -228,10 +228,17 @@ def test_adaptive_cap_and_cost_curve(smollm2_gguf, plain):
         ),  # fmt: skip
         ({"speculative_config": {"method": "ngram", "bogus": 1}}, "bogus"),
         ({"speculative_config": {"method": "draft_model"}}, "needs 'model'"),
-        ({"speculative_config": {"method": "ngram", "verify_tree_size": 8}}, "tree"),
+        (
+            {"speculative_config": {"method": "draft_model", "model": "x", "verify_tree_size": 8}},
+            "draft trees",
+        ),  # fmt: skip
         ({"speculative_config": {"method": "ngram"}, "num_speculative_tokens": 3}, "not both"),
         ({"speculative_config": "ngram"}, "must be a dict"),
-        ({"speculative_method": "ngram", "draft_top_k": 2}, "tree"),
+        (
+            {"speculative_method": "draft_model", "draft_model_id_or_path": "x", "draft_top_k": 2},
+            "draft trees",
+        ),  # fmt: skip
+        ({"draft_top_k": 2}, "set a speculative method"),
     ],
 )
 def test_bad_configs_are_clear_errors(options, message):
@@ -275,3 +282,12 @@ def test_serve_flags_reach_the_engine_config():
     assert flat is not None and flat.method == "ngram"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--speculative-config", "{not json"])
+
+
+def test_ngram_trees_keep_the_output(smollm2_gguf, plain):
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False,
+            "draft_top_k": 2, "verify_tree_size": 8}  # fmt: skip
+    want = [o.token_ids for o in chat(plain, [COPY, OTHER], GREEDY)]
+    with _llm(smollm2_gguf, spec) as llm:
+        assert [o.token_ids for o in chat(llm, [COPY, OTHER], GREEDY)] == want
+        assert hook(llm).stats.num_accepted_tokens >= 10

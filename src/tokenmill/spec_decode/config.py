@@ -55,7 +55,8 @@ class SpeculativeConfig:
     draft_top_k: int = 1
     """Draft trees: guesses per position (1: one chain), all verified in one step. eagle3
     and mtp: each depth of the head's chain gets its next k - 1 guesses as leaves beside
-    it; suffix: each node's k most frequent successors, best paths first."""
+    it; suffix: each node's k most frequent successors, best paths first; ngram: what
+    followed the longest suffix's latest occurrences, branching where they differ."""
     verify_tree_size: int | None = None
     """Draft trees: most nodes verified per request per step, the most likely ones by the
     head's path probability (default: every node, depth x draft_top_k)."""
@@ -138,7 +139,7 @@ class SpeculativeConfig:
             )
 
 
-TREE_METHODS = ("eagle3", "mtp", "suffix")
+TREE_METHODS = ("eagle3", "mtp", "suffix", "ngram")
 """Methods that draft trees (their heads or counts rank every guess)."""
 
 
