@@ -171,7 +171,7 @@ ENGINE_FLAGS = (
         "--speculative-config",
         "speculative_config",
         json_object,
-        'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "suffix" | "draft_model" | "eagle3" | "mtp", "num_speculative_tokens": k, "model": DRAFT or EAGLE-3 HEAD FOLDER, "prompt_lookup_min": .., "prompt_lookup_max": .., "draft_top_k": 2, "verify_tree_size": 8 (draft trees: eagle3, mtp, suffix)}; the engine drafts fewer tokens per step (or none) where more would not pay; greedy output is unchanged',
+        'speculative decoding as JSON, vLLM\'s keys: {"method": "ngram" | "suffix" | "draft_model" | "eagle3" | "mtp", "num_speculative_tokens": k, "model": DRAFT or EAGLE-3 HEAD FOLDER, "prompt_lookup_min": .., "prompt_lookup_max": .., "draft_top_k": 2, "verify_tree_size": 8 (draft trees: every method but draft_model)}; the engine drafts fewer tokens per step (or none) where more would not pay; greedy output is unchanged',
     ),
     Flag(
         "--speculative-method",
@@ -195,7 +195,7 @@ ENGINE_FLAGS = (
         "--draft-top-k",
         "draft_top_k",
         int,
-        "draft trees: guesses per position, verified together in one step (eagle3, mtp, suffix)",
+        "draft trees: guesses per position, verified together in one step (every method but draft_model)",
     ),
     Flag(
         "--verify-tree-size",
