@@ -185,7 +185,7 @@ BAD = {
     "ftp": lambda root, web: [_url("ftp://example.com/x.png")],
     "corrupt video": lambda root, web: [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}],
     "truncated video": lambda root, web: [{"type": "video_url", "video_url": {"url": _data_url(_mp4()[:3000], "video/mp4")}}],
-    "audio part": lambda root, web: [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}],
+    "corrupt audio": lambda root, web: [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}],
 }  # fmt: skip
 
 

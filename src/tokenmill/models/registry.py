@@ -31,6 +31,10 @@ _REGISTRY: dict[str, tuple[str, str]] = {
         "tokenmill.models.qwen2_vl",
         "Qwen2_5_VLForConditionalGeneration",
     ),
+    "Qwen2AudioForConditionalGeneration": (
+        "tokenmill.models.qwen2_audio",
+        "Qwen2AudioForConditionalGeneration",
+    ),
     "SmolVLMForConditionalGeneration": (
         "tokenmill.models.smolvlm",
         "SmolVLMForConditionalGeneration",

@@ -17,5 +17,5 @@ def content_hash(modality: str, pixels: torch.Tensor, grid: tuple[int, ...]) -> 
     h = hashlib.sha256()
     h.update(modality.encode() + b"\0")
     h.update(repr(tuple(grid)).encode() + str(pixels.dtype).encode())
-    h.update(memoryview(pixels.contiguous().numpy()).cast("B"))  # no copy of the tensor
+    h.update(pixels.contiguous().numpy().data.cast("B"))  # a view: no copy of the tensor
     return h.digest()[:16]

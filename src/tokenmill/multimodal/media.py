@@ -199,3 +199,20 @@ def decode_video(data: bytes, max_pixels: int | None, max_frames: int) -> tuple[
     if not frames:
         raise InvalidRequestError("the video has no frames")
     return frames, {"fps": fps} if fps else {}
+
+
+def audio_from_url(url: str, policy: MediaPolicy) -> tuple[Any, int]:
+    """An audio URL (data:, file://, http(s)) -> (mono float32 samples, rate), decoded by
+    libsndfile (``speech/audio.decode_audio``: wav, flac, ogg, mp3)."""
+    from tokenmill.speech.audio import AudioError, decode_audio
+
+    if not isinstance(url, str) or ":" not in url:
+        raise InvalidRequestError("audio_url.url must be a data:, file:// or http(s):// URL")
+    scheme = url.split(":", 1)[0].lower()
+    loaders = {"data": _data_url, "file": _file_url, "http": _http_url, "https": _http_url}
+    if scheme not in loaders:
+        raise InvalidRequestError(f"audio URL scheme {scheme!r} is not supported")
+    try:
+        return decode_audio(loaders[scheme](url, policy))
+    except AudioError as e:
+        raise InvalidRequestError(str(e)) from e

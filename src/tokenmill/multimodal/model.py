@@ -26,6 +26,8 @@ class MultiModalInfo:
     """Which boundary processor (``prompt.PROCESSORS``) turns media into placeholder runs."""
     tile_tokens: int = 0
     """Idefics3 / SmolVLM: placeholder tokens per image tile."""
+    audio_token_id: int = -1
+    """Qwen2-Audio's ``<|AUDIO|>`` placeholder (-1: no audio)."""
 
 
 @runtime_checkable

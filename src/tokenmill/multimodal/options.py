@@ -106,8 +106,8 @@ def _check_values(values: Mapping[str, Any]) -> None:
 
 def parse_limits(limits: Mapping[str, Any] | None) -> dict[str, int]:
     """``limit_mm_per_prompt``: modality -> most items per prompt (defaults here: 8 images,
-    2 videos, no audio until it is built)."""
-    out = {"image": 8, "video": 2, "audio": 0}
+    2 videos, 4 audio clips)."""
+    out = {"image": 8, "video": 2, "audio": 4}
     for name, value in (limits or {}).items():
         if name not in MODALITIES:
             raise InvalidRequestError(

@@ -31,6 +31,10 @@ def build_processor(
     if info is None:
         return None
     limits = parse_limits(config.limit_mm_per_prompt)
+    if info.processor == "qwen2_audio":
+        from tokenmill.multimodal.audio import Qwen2AudioProcessor, load_feature_extractor
+
+        return Qwen2AudioProcessor(info, load_feature_extractor(folder), limits)
     if info.processor == "idefics3":
         from tokenmill.multimodal.idefics3 import Idefics3Processor, load_idefics3_image_processor
 

@@ -62,7 +62,7 @@ def is_media_message(message: Any) -> bool:
     """A message whose content list holds image parts (the template reads the list)."""
     content = message.get("content") if isinstance(message, Mapping) else None
     return isinstance(content, list) and any(
-        isinstance(p, Mapping) and p.get("type") in ("image", "video") for p in content
+        isinstance(p, Mapping) and p.get("type") in ("image", "video", "audio") for p in content
     )
 
 
