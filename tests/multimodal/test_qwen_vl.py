@@ -152,3 +152,18 @@ def test_image_requests_under_preemption_and_async_scheduling(ckpt, images, opti
     assert _tokens(llm.generate(prompts, _greedy(), use_tqdm=False)) == refs
     if "num_kv_blocks" in options:
         assert llm.llm_engine.scheduler.num_preemptions > 0
+
+
+@pytest.mark.gpu
+def test_one_image_on_cuda_equals_transformers(ckpt, images):
+    """The same greedy tokens on a CUDA device (float32; not run on CPU-only machines)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    prompt = USER.format(IMG + "Describe the picture.")
+    ref = hf_generate(ckpt, prompt, [images[0]], STEPS)
+    llm = LLM(str(ckpt), dtype="float32", device="cuda", max_model_len=512, num_kv_blocks=512,
+              block_size=16)  # fmt: skip
+    out = llm.generate(
+        {"prompt": prompt, "multi_modal_data": {"image": images[0]}}, _greedy(), use_tqdm=False
+    )
+    assert _tokens(out) == [ref]
