@@ -229,8 +229,10 @@ class LLM(PoolingMixin, SpeechMixin):
         request and frees its KV blocks.
         """
         engine = self._live_engine()
-        [(text, token_ids)] = normalize_prompts(prompt, self.tokenizer)[:1]
-        [opts] = request_options(prompt)[:1]
+        items, options = normalize_prompts(prompt, self.tokenizer)[:1], request_options(prompt)[:1]
+        [(text, token_ids)], [opts] = attach_media(
+            engine.mm_processor, self.config, prompt, items, options
+        )
         params = sampling_params or self.get_default_sampling_params()
         rid = engine.add_request(
             params.truncate_prompt(token_ids), params, self._next_id(), prompt=text, options=opts

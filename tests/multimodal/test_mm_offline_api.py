@@ -115,3 +115,13 @@ def test_command_line_flags_reach_the_engine_config():
     )
     assert config.allowed_local_media_path == "/srv/media" and config.allow_media_fetch is False
     assert config.media_fetch_timeout == 2.5
+
+
+def test_generate_stream_takes_media(llm):
+    img = random_image(56, 56, 3)
+    prompt = {"prompt": IMG + "hi", "multi_modal_data": {"image": img}}
+    params = SamplingParams(temperature=0, max_tokens=4)
+    [full] = llm.generate(prompt, params, use_tqdm=False)
+    streamed = list(llm.generate_stream(prompt, params))
+    assert streamed[-1].outputs[0].token_ids == full.outputs[0].token_ids
+    assert len(streamed[-1].prompt_token_ids) == len(full.prompt_token_ids) > 3
