@@ -16,7 +16,8 @@ from tokenmill.engine.prompts import (
     request_options,
 )
 from tokenmill.errors import EngineDeadError, InvalidRequestError
-from tokenmill.multimodal.prompt import attach_media, chat_media, multimodal_metrics
+from tokenmill.multimodal.prometheus import engine_multimodal_metrics
+from tokenmill.multimodal.prompt import attach_media, chat_media
 from tokenmill.outputs import RequestOutput
 from tokenmill.pooling.offline import PoolingMixin
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, generation_defaults
@@ -72,9 +73,7 @@ class LLM(PoolingMixin, SpeechMixin):
         if engine is not None:
             for rid in engine.live_request_ids():
                 engine.abort(rid)
-            executor = getattr(engine, "executor", None)  # (a pooling engine has none)
-            if executor is not None:
-                executor.shutdown()  # tensor-parallel workers exit
+            engine.shutdown()  # tensor-parallel workers exit
 
     shutdown = close
 
@@ -127,9 +126,7 @@ class LLM(PoolingMixin, SpeechMixin):
     def get_multimodal_metrics(self) -> dict[str, float | int]:
         """Media counters: items processed, preprocessing seconds, encoder runs, encoder
         cache hits, encoder seconds, cache entries and bytes ({} for a text-only model)."""
-        engine = self._live_engine()
-        runner = getattr(getattr(engine, "executor", None), "runner", None)  # in process only
-        return multimodal_metrics(_media(engine), getattr(runner, "mm", None))
+        return engine_multimodal_metrics(self._live_engine())
 
     # -- serving ------------------------------------------------------------------------
     def serve(self, host: str = "127.0.0.1", port: int = 8000, **server_options: Any) -> None:
@@ -174,7 +171,7 @@ class LLM(PoolingMixin, SpeechMixin):
         engine = self._live_engine()
         items = normalize_prompts(prompts, self.tokenizer)
         options = request_options(prompts, priority)
-        items, options = attach_media(_media(engine), self.config, prompts, items, options)
+        items, options = attach_media(engine.mm_processor, self.config, prompts, items, options)
         params = params_per_prompt(sampling_params, len(items), self.get_default_sampling_params)
         ids = []
         try:
@@ -209,7 +206,7 @@ class LLM(PoolingMixin, SpeechMixin):
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
-            conv, media = chat_media(conv, self.config, _media(engine))  # image parts
+            conv, media = chat_media(conv, self.config, engine.mm_processor)  # image parts
             ids = self.tokenizer.apply_chat_template(
                 [with_tool_arguments(m) for m in conv],
                 chat_template=chat_template,
@@ -233,7 +230,7 @@ class LLM(PoolingMixin, SpeechMixin):
         engine = self._live_engine()
         items, options = normalize_prompts(prompt, self.tokenizer)[:1], request_options(prompt)[:1]
         [(text, token_ids)], [opts] = attach_media(
-            _media(engine), self.config, prompt, items, options
+            engine.mm_processor, self.config, prompt, items, options
         )
         params = sampling_params or self.get_default_sampling_params()
         rid = engine.add_request(
@@ -314,8 +311,3 @@ def _metrics(
         out["finished_time"] = finished
         out["e2e_latency"] = finished - arrival
     return out
-
-
-def _media(engine: Any) -> Any:
-    """The engine's media processor; None for a text-only model or a pooling engine."""
-    return getattr(engine, "mm_processor", None)

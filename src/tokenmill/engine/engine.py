@@ -71,6 +71,10 @@ class LLMEngine:
         if self.mm_processor is not None:
             self.scheduler.encoder_budget = encoder_budget(config, self.scheduler.config)
 
+    def shutdown(self) -> None:
+        """Release the executor's workers (tensor / pipeline ranks); idempotent."""
+        self.executor.shutdown()
+
     @property
     def runner(self) -> ModelRunner:
         """The in-process executor's model runner (tests swap it)."""

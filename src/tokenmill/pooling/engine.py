@@ -57,6 +57,9 @@ class _NoKVCache:
 
 
 class PoolingEngine:
+    mm_processor = None
+    """Pooling models take no media (``LLMEngine.mm_processor``)."""
+
     def __init__(self, config: EngineConfig, plan: PoolingPlan) -> None:
         if config.parallel.world_size > 1 or config.parallel.data_parallel_size > 1:
             raise ValueError(
@@ -178,6 +181,9 @@ class PoolingEngine:
 
     def abort(self, request_id: str) -> None:
         """Nothing runs in the background offline."""
+
+    def shutdown(self) -> None:
+        """No workers: the model is released with the engine."""
 
     def prefix_cache_metrics(self) -> dict[str, int | float]:
         return {}

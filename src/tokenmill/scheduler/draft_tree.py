@@ -14,6 +14,7 @@ it, and the accepted nodes' K/V are moved to the positions they now hold
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,12 +39,14 @@ class DraftTree:
         """The first n nodes (still a tree: parents come first)."""
         return DraftTree(self.tokens[:n], self.parents[:n])
 
-    @property
+    @functools.cached_property
     def is_chain(self) -> bool:
         return all(p == j - 1 for j, p in enumerate(self.parents))
 
     def main_chain(self) -> list[int]:
         """Tokens of the path through each node's first child (the proposer's best guess)."""
+        if self.is_chain:  # (every chain proposal of every step asks)
+            return list(self.tokens)
         out: list[int] = []
         node = -1
         while True:

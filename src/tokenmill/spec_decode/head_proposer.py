@@ -116,10 +116,20 @@ class HeadProposer:
     # -- Proposer -------------------------------------------------------------------------
     def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
         drafts: dict[str, list[int]] = {req.request_id: [] for req in requests}
+        self._run(requests, k, drafts)
+        return [drafts[req.request_id] for req in requests]
+
+    def _run(
+        self,
+        requests: Sequence[Request],
+        k: int,
+        drafts: dict[str, list[int]],
+        top: tuple[int, dict[str, list[tuple[list[int], list[float]]]]] | None = None,
+    ) -> None:
+        """Catch up and draft every request that has room (``_draft``)."""
         chunks = [c for c in (self._catch_up(req, k) for req in requests) if c is not None]
         if chunks:
-            self._draft(chunks, k, drafts)
-        return [drafts[req.request_id] for req in requests]
+            self._draft(chunks, k, drafts, top)
 
     def finish(self, request: Request) -> None:
         self._seqs.pop(request.request_id, None)
@@ -160,9 +170,7 @@ class HeadProposer:
         guesses: dict[str, list[tuple[list[int], list[float]]]] = {
             req.request_id: [] for req in requests
         }
-        chunks = [c for c in (self._catch_up(req, k) for req in requests) if c is not None]
-        if chunks:
-            self._draft(chunks, k, drafts, (shape.top_k, guesses))
+        self._run(requests, k, drafts, (shape.top_k, guesses))
         return [caterpillar(guesses[r.request_id], shape.nodes, self.vocab_size) for r in requests]
 
     def _draft(

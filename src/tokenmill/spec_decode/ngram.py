@@ -56,12 +56,8 @@ class NgramIndex:
 
     def propose(self, tokens: Sequence[int], k: int) -> list[int]:
         """Up to k tokens that followed the longest suffix's latest earlier occurrence."""
-        self.extend(tokens)
-        for n in range(min(self.max_n, len(tokens)), self.min_n - 1, -1):
-            end = self.ends.get(n, {}).get(tuple(tokens[len(tokens) - n :]))
-            if end is not None:
-                return list(tokens[end : end + k])
-        return []
+        ends = self.occurrences(tokens, 1)
+        return list(tokens[ends[0] : ends[0] + k]) if ends else []
 
 
 class NgramProposer:

@@ -98,16 +98,24 @@ class SuffixProposer:
     def propose(self, requests: Sequence[Request], k: int) -> list[list[int]]:
         return [self._propose_one(req, k) for req in requests]
 
-    def _propose_one(self, req: Request, k: int) -> list[int]:
+    def _match(self, req: Request, k: int) -> tuple[ContextCounts, int, list[int]] | None:
+        """(the index with the longest context ending the request, the draft length that
+        match allows, the request's last tokens as context); None: no match."""
         own = self._own_index(req)
         tokens = req.all_token_ids
         matched_own, matched_shared = own.longest(tokens), self.shared.longest(tokens)
         matched = max(matched_own, matched_shared)
         if not matched:
-            return []
+            return None
         index = own if matched_own >= matched_shared else self.shared
         limit = min(k, max(1, int(self.max_spec_factor * matched)))
-        context = list(tokens[len(tokens) - max(self.lengths) :])
+        return index, limit, list(tokens[len(tokens) - max(self.lengths) :])
+
+    def _propose_one(self, req: Request, k: int) -> list[int]:
+        match = self._match(req, k)
+        if match is None:
+            return []
+        index, limit, context = match
         drafts: list[int] = []
         chance = 1.0
         while len(drafts) < limit:
@@ -133,17 +141,12 @@ class SuffixProposer:
         return [self._tree_one(req, k, shape) for req in requests]
 
     def _tree_one(self, req: Request, k: int, shape: TreeShape) -> DraftTree:
-        own = self._own_index(req)
-        tokens = req.all_token_ids
-        matched_own, matched_shared = own.longest(tokens), self.shared.longest(tokens)
-        matched = max(matched_own, matched_shared)
+        match = self._match(req, k)
+        if match is None:
+            return DraftTree((), ())
+        index, limit, base = match
         out: list[int] = []
         parents: list[int] = []
-        if not matched:
-            return DraftTree((), ())
-        index = own if matched_own >= matched_shared else self.shared
-        limit = min(k, max(1, int(self.max_spec_factor * matched)))
-        base = list(tokens[len(tokens) - max(self.lengths) :])
         frontier: list[tuple[float, int, list[int]]] = [(-1.0, -1, [])]  # (-chance, node, path)
         while frontier and len(out) < shape.nodes:
             negative, node, path = heapq.heappop(frontier)

@@ -51,9 +51,7 @@ def tree_attention(
             owners.append(i)
     width = max(1, *(len(e) for e in extras))
     device = positions.device
-    extra = torch.full((len(extras), width), -1, dtype=torch.int64)
-    for r, slots in enumerate(extras):
-        extra[r, : len(slots)] = torch.tensor(slots, dtype=torch.int64)
+    extra = torch.tensor([[*e, *(-1,) * (width - len(e))] for e in extras], dtype=torch.int64)
     index = torch.tensor(owners, device=device)
     first = meta.first_block_if_contiguous
     tree_meta = AttentionMetadata(
