@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.speech.loader import LoadedWhisper
-from tokenmill.speech.rules import force_timestamps, timestamp_mask
+from tokenmill.speech.rules import force_timestamps_, timestamp_bans
 from tokenmill.speech.whisper import DecoderCache
 
 logger = logging.getLogger(__name__)
@@ -167,30 +167,40 @@ class SpeechEngine:
         self._emit(list(range(n)), logits)
         self.steps += 1
 
-    def _mask(self, rows: list[_Row], logits: torch.Tensor) -> torch.Tensor:
+    def _mask(self, rows: list[_Row], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [B, V] with the banned tokens at -inf, and their log-probabilities.
+
+        Bans are slice fills in place (a few per row), not [B, V] masks built per step.
+        """
         tokens = self.loaded.tokens
-        ts_begin, vocab = tokens.timestamp_begin, logits.shape[-1]
-        banned = self.suppress.expand(len(rows), vocab).clone()
+        ts_begin, inf = tokens.timestamp_begin, float("-inf")
+        logits = logits.float()
+        only = {
+            b: logits[b, list(r.req.only)] for b, r in enumerate(rows) if r.req.only is not None
+        }
+        logits.masked_fill_(self.suppress, inf)
+        ts_rows: list[int] = []
         for b, r in enumerate(rows):
-            if r.req.only is not None:
-                banned[b] = True
-                banned[b, list(r.req.only)] = False
+            if b in only:
+                logits[b] = inf
+                logits[b, list(r.req.only or ())] = only[b]
                 continue
             if not r.generated:
-                banned[b] |= self.suppress_begin
+                logits[b].masked_fill_(self.suppress_begin, inf)
             if r.req.timestamps:
-                banned[b] |= timestamp_mask(r.generated, ts_begin, tokens.eot, vocab)
+                ts_rows.append(b)
+                for lo, hi in timestamp_bans(r.generated, ts_begin, tokens.eot):
+                    logits[b, lo:hi] = inf
             else:
-                banned[b, ts_begin:] = True
-        logits = logits.float().masked_fill(banned, float("-inf"))
-        ts_rows = torch.tensor([r.req.timestamps and r.req.only is None for r in rows])
-        return force_timestamps(logits, ts_rows, ts_begin)
+                logits[b, ts_begin:] = inf
+        logp = logits.log_softmax(-1)
+        force_timestamps_(logits, logp, ts_rows, ts_begin)
+        return logits, logp
 
     def _emit(self, idx: list[int], logits: torch.Tensor) -> None:
         """Pick a token for each of rows ``idx`` from its logits [len(idx), V]; retire finished."""
         rows = [self.rows[i] for i in idx]
-        logits = self._mask(rows, logits)
-        logp = logits.log_softmax(-1)
+        logits, logp = self._mask(rows, logits)
         picks = logits.argmax(-1)
         for b, r in enumerate(rows):
             if r.req.temperature > 0:

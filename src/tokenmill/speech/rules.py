@@ -13,36 +13,48 @@ MAX_INITIAL_TIMESTAMP = 50
 """The first timestamp is at most 1.0 s (50 x 0.02 s) into the window."""
 
 
-def timestamp_mask(generated: list[int], ts_begin: int, eot: int, vocab: int) -> torch.Tensor:
-    """[V] bool: the tokens the pair/monotonic rules forbid after ``generated``."""
-    banned = torch.zeros(vocab, dtype=torch.bool)
+def timestamp_bans(generated: list[int], ts_begin: int, eot: int) -> list[tuple[int, int | None]]:
+    """Token ranges [lo, hi) (hi None: to the vocabulary's end) the pair/monotonic rules
+    forbid after ``generated``: a few slices to fill, not a [V] mask per row and step."""
     if not generated:
-        banned[:ts_begin] = True
-        banned[ts_begin + MAX_INITIAL_TIMESTAMP + 1 :] = True
-        return banned
+        return [(0, ts_begin), (ts_begin + MAX_INITIAL_TIMESTAMP + 1, None)]
+    bans: list[tuple[int, int | None]] = []
     last_ts = generated[-1] >= ts_begin
     penultimate_ts = len(generated) < 2 or generated[-2] >= ts_begin
     if last_ts:
         if penultimate_ts:
-            banned[ts_begin:] = True  # a pair just closed: text (or eot) next
+            bans.append((ts_begin, None))  # a pair just closed: text (or eot) next
         else:
-            banned[:eot] = True  # an opened pair: its closing timestamp or eot
+            bans.append((0, eot))  # an opened pair: its closing timestamp or eot
     stamps = [t for t in generated if t >= ts_begin]
     if stamps:
         floor = stamps[-1] if last_ts and not penultimate_ts else stamps[-1] + 1
-        banned[ts_begin:floor] = True
+        bans.append((ts_begin, floor))
+    return bans
+
+
+def timestamp_mask(generated: list[int], ts_begin: int, eot: int, vocab: int) -> torch.Tensor:
+    """[V] bool: the tokens the pair/monotonic rules forbid after ``generated``."""
+    banned = torch.zeros(vocab, dtype=torch.bool)
+    for lo, hi in timestamp_bans(generated, ts_begin, eot):
+        banned[lo:hi] = True
     return banned
 
 
-def force_timestamps(logits: torch.Tensor, rows: torch.Tensor, ts_begin: int) -> torch.Tensor:
+def force_timestamps_(
+    logits: torch.Tensor, logp: torch.Tensor, rows: list[int], ts_begin: int
+) -> None:
     """Where a row's timestamp mass beats its best text token, ban its text tokens.
 
-    logits [B, V] (already masked); rows [B] bool: rows in timestamp mode.
+    logits [B, V] float32 (already masked) and their log_softmax ``logp``, both updated in
+    place; ``rows``: the rows in timestamp mode.
     """
-    logp = logits.float().log_softmax(-1)
-    ts_mass = logp[:, ts_begin:].logsumexp(-1)
-    best_text = logp[:, :ts_begin].max(-1).values
-    force = rows & (ts_mass > best_text)
-    text = torch.zeros_like(logits, dtype=torch.bool)
-    text[:, :ts_begin] = True
-    return logits.masked_fill(force[:, None] & text, float("-inf"))
+    if not rows:
+        return
+    sel = logp[rows]  # [R, V]
+    ts_mass = sel[:, ts_begin:].logsumexp(-1)
+    best_text = sel[:, :ts_begin].max(-1).values
+    for b, force in zip(rows, (ts_mass > best_text).tolist()):
+        if force:
+            logits[b, :ts_begin] = float("-inf")
+            logp[b] = logits[b].log_softmax(-1)
