@@ -39,6 +39,11 @@ class AttentionMetadata:
     """[B, E] int64 (-1 padded, valid first): cache slots sequence b also attends past its
     context, a draft-tree node's ancestors and itself (``worker/draft_tree.py``); None:
     contexts only."""
+    bidirectional_spans: tuple[tuple[tuple[int, int], ...], ...] | None = None
+    """Per sequence, position ranges [a, b) whose tokens also see each other (every key of
+    the range, later ones too: Gemma 3's image tokens), on top of the causal / window rule;
+    a range's tokens from this step's first on must all be in this step. None: causal
+    only (every text-only step)."""
     _masks: dict = field(default_factory=dict, compare=False, repr=False)
     """Decode masks built once per step and shared by all layers (keyed by window)."""
 

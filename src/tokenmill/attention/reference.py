@@ -1,7 +1,9 @@
 """Pure-PyTorch paged attention: the reference backend on CPU and CUDA.
 
 Semantics (matching Hugging Face): query token at absolute position p attends to
-key positions k with k <= p and, for a sliding window w, k > p - w.
+key positions k with k <= p and, for a sliding window w, k > p - w. A sequence's
+``bidirectional_spans`` widen the first rule: p and k in one span see each other (the
+window still applies: HF's AND(window, OR(causal, span))).
 """
 
 from __future__ import annotations
@@ -62,11 +64,12 @@ def attend(
             out[start:end] = _decode_tree(q[start:end], kv_cache, one, scale, sliding_window,
                                           softcap)  # fmt: skip
             continue
-        if end - start == meta.seq_lens[i] and softcap is None:  # no cached context
+        spans = meta.bidirectional_spans[i] if meta.bidirectional_spans is not None else ()
+        if end - start == meta.seq_lens[i] and softcap is None and not spans:  # no cache read
             out[start:end] = _attend_new(q[start:end], kv[start:end], scale, sliding_window)
             continue
         out[start:end] = _attend_one(
-            q[start:end], kv_cache, meta, i, scale, sliding_window, softcap
+            q[start:end], kv_cache, meta, i, scale, sliding_window, softcap, spans
         )
     return out
 
@@ -89,9 +92,16 @@ def _gather(
     return kv[0], kv[1]
 
 
-def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+def _mask(
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    window: int | None,
+    spans: tuple[tuple[int, int], ...] = (),
+) -> torch.Tensor:
     """Bool [..., Q, K]: True where attention is allowed."""
     allowed = k_pos[None, :] <= q_pos[:, None]
+    for a, b in spans:  # both ends in one bidirectional span
+        allowed |= ((q_pos >= a) & (q_pos < b))[:, None] & ((k_pos >= a) & (k_pos < b))[None, :]
     if window is not None:
         allowed &= k_pos[None, :] > q_pos[:, None] - window
     return allowed
@@ -127,6 +137,7 @@ def _attend_one(
     scale: float,
     window: int | None,
     softcap: float | None,
+    spans: tuple[tuple[int, int], ...] = (),
 ) -> torch.Tensor:
     q_len, heads, _ = q.shape
     length = meta.seq_lens[i]
@@ -136,7 +147,7 @@ def _attend_one(
     values = values.repeat_interleave(group, dim=1).transpose(0, 1).to(q.dtype)
     q_pos = torch.arange(length - q_len, length, device=q.device)
     k_pos = torch.arange(length, device=q.device)
-    mask = _mask(q_pos, k_pos, window)
+    mask = _mask(q_pos, k_pos, window, spans)
     qh = q.transpose(0, 1)  # [H, Q, D]
     if softcap is None:
         out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale)

@@ -32,7 +32,8 @@ class TritonImpl(AttentionImpl):
     ) -> torch.Tensor:
         p = self.params
         triton_kernels.store_kv(kv_cache, kv, meta.slot_mapping)
-        if meta.extra_slots is not None:  # draft-tree nodes: the PyTorch attention has them
+        # draft-tree nodes and bidirectional media spans: the PyTorch attention has them
+        if meta.extra_slots is not None or meta.bidirectional_spans is not None:
             return attend(q, kv, kv_cache, meta, p.scale, p.sliding_window, p.softcap)
         if meta.is_all_decode:
             return triton_kernels.paged_attention(

@@ -23,6 +23,10 @@ _REGISTRY: dict[str, tuple[str, str]] = {
         "tokenmill.models.qwen3_5",
         "Qwen3_5ForConditionalGeneration",
     ),
+    "Gemma3ForConditionalGeneration": (
+        "tokenmill.models.gemma3_vl",
+        "Gemma3ForConditionalGeneration",
+    ),
     "Qwen2VLForConditionalGeneration": (
         "tokenmill.models.qwen2_vl",
         "Qwen2VLForConditionalGeneration",

@@ -53,6 +53,10 @@ class MultiModalInputs:
     """Position of a token at index i >= prompt_len: i + delta (on all three axes)."""
     preprocess_seconds: float = 0.0
     """Time spent decoding and processing the media (metrics)."""
+    bidirectional: bool = False
+    """Each run's tokens attend to each other, later ones too (Gemma 3's images): the
+    scheduler never ends a prefill chunk inside a run (``encoder_budget.whole_runs``) and
+    the runner hands the runs a chunk holds to attention as bidirectional spans."""
 
     def overlapping(self, start: int, end: int) -> list[int]:
         """Items whose placeholders intersect tokens [start, end)."""

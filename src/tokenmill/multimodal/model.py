@@ -28,6 +28,10 @@ class MultiModalInfo:
     """Idefics3 / SmolVLM: placeholder tokens per image tile."""
     audio_token_id: int = -1
     """Qwen2-Audio's ``<|AUDIO|>`` placeholder (-1: no audio)."""
+    start_token_id: int = -1
+    """Gemma 3: ``<start_of_image>``, what a prompt marks each image with (-1: none)."""
+    end_token_id: int = -1
+    """Gemma 3: ``<end_of_image>``, closing each image's run."""
 
 
 @runtime_checkable

@@ -14,7 +14,9 @@ MODALITIES = ("image", "video", "audio")
 
 _PIXELS = ("min_pixels", "max_pixels")
 _VIDEO_ONLY = ("fps", "nframes")
-_NESTED = {"images_kwargs": _PIXELS, "videos_kwargs": _PIXELS + _VIDEO_ONLY}
+_IMAGE_FLAGS = ("do_pan_and_scan",)
+"""Booleans (Gemma 3's pan-and-scan crops); the processors that have no such step refuse them."""
+_NESTED = {"images_kwargs": _PIXELS + _IMAGE_FLAGS, "videos_kwargs": _PIXELS + _VIDEO_ONLY}
 """Where each option may be given: the top level holds every one of them (pixels apply
 to images and videos), ``images_kwargs`` / ``videos_kwargs`` their modality's."""
 
@@ -25,6 +27,8 @@ class ImageOptions:
 
     min_pixels: int | None = None
     max_pixels: int | None = None
+    do_pan_and_scan: bool | None = None
+    """Gemma 3: also encode crops of an image far from square."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ def parse_processor_kwargs(kwargs: Mapping[str, Any] | None) -> MediaOptions:
             f"mm_processor_kwargs must be a dict, got {type(kwargs).__name__}"
         )
     top = {k: v for k, v in kwargs.items() if k not in _NESTED}
-    _check_names(top, _PIXELS + _VIDEO_ONLY, "")
+    _check_names(top, _PIXELS + _VIDEO_ONLY + _IMAGE_FLAGS, "")
     per: dict[str, dict[str, Any]] = {}
     for name, allowed in _NESTED.items():
         nested = kwargs.get(name) or {}
@@ -87,12 +91,19 @@ def _check_names(values: Mapping[str, Any], allowed: tuple[str, ...], where: str
     if unknown:
         raise InvalidRequestError(
             f"mm_processor_kwargs: unknown option(s) {[where + u for u in unknown]}; known: "
-            f"{list(_PIXELS + _VIDEO_ONLY)} (top level), {list(_NESTED)} for one modality"
+            f"{list(_PIXELS + _VIDEO_ONLY + _IMAGE_FLAGS)} (top level), {list(_NESTED)} for one "
+            "modality"
         )
 
 
 def _check_values(values: Mapping[str, Any]) -> None:
     for name, value in values.items():
+        if name in _IMAGE_FLAGS:
+            if not isinstance(value, bool):
+                raise InvalidRequestError(
+                    f"mm_processor_kwargs: {name} must be true or false, got {value!r}"
+                )
+            continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if name != "fps" and not isinstance(value, int) or not number or value <= 0:
             kind = "a positive number" if name == "fps" else "a positive integer"
@@ -101,6 +112,15 @@ def _check_values(values: Mapping[str, Any]) -> None:
     if lo is not None and hi is not None and lo > hi:
         raise InvalidRequestError(
             f"mm_processor_kwargs: min_pixels={lo} is larger than max_pixels={hi}"
+        )
+
+
+def refuse_pan_and_scan(options: ImageOptions, model: str) -> None:
+    """Processors without Gemma 3's crops: ``do_pan_and_scan`` is an error, not ignored."""
+    if options.do_pan_and_scan is not None:
+        raise InvalidRequestError(
+            f"mm_processor_kwargs: do_pan_and_scan is a Gemma 3 option; {model} has no "
+            "pan-and-scan step: remove it"
         )
 
 

@@ -24,7 +24,12 @@ from tokenmill.multimodal.inputs import MediaItem, MultiModalInputs, Placeholder
 from tokenmill.multimodal.media import load_image
 from tokenmill.multimodal.model import MultiModalInfo
 from tokenmill.multimodal.mrope import mrope_positions
-from tokenmill.multimodal.options import ImageOptions, MediaOptions, check_counts
+from tokenmill.multimodal.options import (
+    ImageOptions,
+    MediaOptions,
+    check_counts,
+    refuse_pan_and_scan,
+)
 from tokenmill.multimodal.video import VideoConfig, video_item
 
 _PROCESSOR_KEYS = (
@@ -106,6 +111,7 @@ class QwenVLProcessor:
         images, videos = _as_list(data.get("image")), _as_list(data.get("video"), video=True)
         check_counts({"image": len(images), "video": len(videos)}, self.limits)
         opts = self.defaults.merged(options)
+        refuse_pan_and_scan(opts.image, "Qwen-VL")
         pils = [load_image(img, self.max_pixels_cap) for img in images]
         image_items = self._items(pils, opts.image)
         shares = self._video_shares(sum(it.num_tokens for it in image_items), len(videos))

@@ -35,6 +35,13 @@ def build_processor(
         from tokenmill.multimodal.audio import Qwen2AudioProcessor, load_feature_extractor
 
         return Qwen2AudioProcessor(info, load_feature_extractor(folder), limits)
+    if info.processor == "gemma3":
+        from tokenmill.multimodal.gemma3 import Gemma3Processor, load_gemma3_image_processor
+
+        return Gemma3Processor(
+            info, load_gemma3_image_processor(folder), tokenizer, limits,
+            config.media_max_pixels, max_prefill_chunk(config),
+        )  # fmt: skip
     if info.processor == "idefics3":
         from tokenmill.multimodal.idefics3 import Idefics3Processor, load_idefics3_image_processor
 
@@ -62,6 +69,13 @@ class MediaProcessor(Protocol):
     def process(
         self, prompt_ids: list[int], data: Mapping[str, Any], options: MediaOptions
     ) -> tuple[list[int], MultiModalInputs]: ...
+
+
+def max_prefill_chunk(config: EngineConfig) -> int:
+    """The most prompt tokens of one request a step can take."""
+    budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+    cap = config.long_prefill_token_threshold
+    return min(budget, cap) if cap else budget
 
 
 def model_name(config: EngineConfig) -> str:

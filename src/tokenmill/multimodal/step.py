@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
-from tokenmill.attention.context import InputEmbeds
+from tokenmill.attention.context import InputEmbeds, StepContext
 from tokenmill.multimodal.encoder_cache import EncoderCache, EncoderStats
 from tokenmill.multimodal.inputs import MediaItem, MultiModalInputs
 from tokenmill.multimodal.model import SupportsMultiModal, multimodal_info
@@ -29,13 +30,26 @@ class MultiModalStep:
         self.stats = EncoderStats()
 
     def prepare(
-        self, seqs: Sequence[ScheduledSeq], qsl: Sequence[int], positions: torch.Tensor
-    ) -> tuple[torch.Tensor, InputEmbeds | None]:
-        """(positions [T] or [3, T], the embeddings to merge or None) of one step."""
+        self, seqs: Sequence[ScheduledSeq], ctx: StepContext, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, StepContext]:
+        """(positions [T] or [3, T], the context with the embeddings to merge and, for
+        bidirectional media, the spans attention widens) of one step."""
         work = [(i, s, s.request.mm_inputs) for i, s in enumerate(seqs)
                 if s.request.mm_inputs is not None]  # fmt: skip
         if not work:
-            return positions, None
+            return positions, ctx
+        qsl = ctx.attn.query_start_loc
+        positions, embeds = self._positions_and_embeds(work, qsl, positions)
+        spans = _bidirectional_spans(len(seqs), work)
+        attn = ctx.attn if spans is None else replace(ctx.attn, bidirectional_spans=spans)
+        return positions, replace(ctx, attn=attn, input_embeds=embeds)
+
+    def _positions_and_embeds(
+        self,
+        work: list[tuple[int, ScheduledSeq, MultiModalInputs]],
+        qsl: Sequence[int],
+        positions: torch.Tensor,
+    ) -> tuple[torch.Tensor, InputEmbeds | None]:
         if self.info.uses_mrope:
             positions = positions.expand(3, -1).clone()
             for i, s, mm in work:
@@ -90,6 +104,24 @@ class MultiModalStep:
                 found[key] = out
                 self.cache.put(key, out, self.stats)
         return found, set(missing)
+
+
+def _bidirectional_spans(
+    num_seqs: int, work: list[tuple[int, ScheduledSeq, MultiModalInputs]]
+) -> tuple[tuple[tuple[int, int], ...], ...] | None:
+    """Per sequence, the bidirectional runs its chunk holds two or more tokens of (one
+    token sees the whole run's past anyway); None when no sequence has one."""
+    found: dict[int, tuple[tuple[int, int], ...]] = {}
+    for i, s, mm in work:
+        if mm.bidirectional:
+            ranges = [mm.ranges[j] for j in mm.overlapping(s.start, s.end)]
+            runs = tuple((r.offset, r.end) for r in ranges
+                         if min(r.end, s.end) - max(r.offset, s.start) > 1)  # fmt: skip
+            if runs:
+                found[i] = runs
+    if not found:
+        return None
+    return tuple(found.get(i, ()) for i in range(num_seqs))
 
 
 def multimodal_step(model: object, cache_bytes: int) -> MultiModalStep | None:

@@ -209,8 +209,7 @@ class ModelRunner:
         inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending, cols)
         ctx, positions = self._ctx(inputs.meta, seqs), inputs.positions
         if self.mm is not None:  # a model with a media encoder (multimodal/step.py)
-            positions, embeds = self.mm.prepare(seqs, inputs.meta.query_start_loc, positions)
-            ctx = dataclasses.replace(ctx, input_embeds=embeds)
+            positions, ctx = self.mm.prepare(seqs, ctx, positions)
         hidden = self.model(inputs.input_ids, positions, ctx)
         return hidden, inputs.meta.query_start_loc
 
