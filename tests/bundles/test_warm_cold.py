@@ -12,6 +12,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.bundles.tensor_file import ALIGN
 from tokenmill.config import EngineConfig
 from tokenmill.engine.loading import load_model
+from tokenmill.tokenizer import hf_folder
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
@@ -40,6 +41,8 @@ def _check(model: str | None, tmp_path, **options) -> None:
     tok = cold.tokenizer
     assert warm.tokenizer.eos_token_ids == tok.eos_token_ids
     assert warm.tokenizer.chat_template == tok.chat_template
+    assert hf_folder.generic_class(next(tmp_path.glob("*/tokenizer")))  # the fast form
+    assert hf_folder.differences(tok.hf, warm.tokenizer.hf) == []
     for prompt in PROMPTS:
         ids = tok.hf.encode(prompt)
         assert warm.tokenizer.hf.encode(prompt) == ids

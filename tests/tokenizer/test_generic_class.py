@@ -10,8 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tokenmill.loader import load_checkpoint
-from tokenmill.tokenizer import load_tokenizer
-from tokenmill.tokenizer import tokenizer as tokenizer_module
+from tokenmill.tokenizer import hf_folder, load_tokenizer
 
 TEXTS = ["Hello world", " The capital of France is", "Ünïcode 日本語 🎉", "a\n\n  b\tc", ""]
 
@@ -23,7 +22,7 @@ def test_generic_folder_loads_directly_and_equals_auto(tok, gguf, request, tmp_p
     ours = request.getfixturevalue(tok)
     folder = tmp_path / "tok"
     ours.hf.save_pretrained(str(folder))
-    assert tokenizer_module._generic_class(folder)
+    assert hf_folder.generic_class(folder)
     auto = AutoTokenizer.from_pretrained(str(folder))
     looked_up: list[str] = []
     real = AutoTokenizer.from_pretrained
@@ -48,6 +47,6 @@ def test_other_classes_go_through_auto(smollm2_tok, tmp_path):
     config = json.loads((folder / "tokenizer_config.json").read_text())
     config["tokenizer_class"] = "GPT2Tokenizer"
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    assert not tokenizer_module._generic_class(folder)
+    assert not hf_folder.generic_class(folder)
     (folder / "tokenizer_config.json").unlink()
-    assert not tokenizer_module._generic_class(folder)
+    assert not hf_folder.generic_class(folder)

@@ -6,7 +6,8 @@ A bundle is a folder::
     weights.safetensors  every parameter and buffer in its final layout (``tensor_file.py``)
     config.json          the checkpoint's resolved config and generation config, the load's
                          resolution (model class, dtype, quantization, max_model_len), aliases
-    tokenizer/           the HF tokenizer as loaded (converted from a GGUF's metadata once)
+    tokenizer/           the HF tokenizer as loaded (converted from a GGUF's metadata once), in
+                         the fast form where it loads back equal (``hf_folder.save_fast``)
 
 Reading (``read_bundle``) checks the manifest (format and tokenmill version, then each file's
 size and checksum; a checksum is skipped while the file's stat stamp shows no write since it
@@ -42,6 +43,7 @@ from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
 from tokenmill.quant.plan import build_plan
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
+from tokenmill.tokenizer.hf_folder import save_fast
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -121,7 +123,7 @@ def write_bundle(folder: Path, key: str, loaded: Prepared, config: EngineConfig)
         "stored_types": {k: int(v) for k, v in _tensor_types(ckpt).items()},
     }  # fmt: skip
     (folder / CONFIG).write_text(json.dumps(resolved, indent=1))
-    loaded.tokenizer.hf.save_pretrained(str(folder / TOKENIZER))
+    save_fast(loaded.tokenizer.hf, folder / TOKENIZER)  # the form that loads fastest
     manifest = Manifest(key=key, model=ckpt.path)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = str(path.relative_to(folder))

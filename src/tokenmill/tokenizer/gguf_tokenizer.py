@@ -19,10 +19,11 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tokenmill.env import cache_dir
+from tokenmill.tokenizer.hf_folder import load_hf_folder, save_fast
 
 logger = logging.getLogger(__name__)
 
-_FORMAT_VERSION = "1"  # bump when what we save changes
+_FORMAT_VERSION = "2"  # bump when what we save changes (2: the fast form, hf_folder.save_fast)
 _COMPLETE_MARK = "tokenizer_config.json"
 
 
@@ -44,8 +45,8 @@ def load_gguf_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
     cached = cache_path(gguf_path)
     if (cached / _COMPLETE_MARK).is_file():
         try:
-            return AutoTokenizer.from_pretrained(str(cached))
-        except (OSError, ValueError) as e:  # a damaged cache entry: convert again
+            return load_hf_folder(cached)
+        except Exception as e:  # noqa: BLE001 - a damaged entry (the Rust parser raises a bare Exception): convert again
             logger.warning("ignoring damaged tokenizer cache %s: %s", cached, e)
     tokenizer = convert_gguf_tokenizer(gguf_path)
     _save(tokenizer, cached)
@@ -69,7 +70,7 @@ def _save(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
         _warn_not_cached(target, e)
         return
     try:
-        tokenizer.save_pretrained(str(tmp))
+        save_fast(tokenizer, tmp)
         shutil.rmtree(target, ignore_errors=True)  # a damaged entry
         os.replace(tmp, target)
     except OSError as e:

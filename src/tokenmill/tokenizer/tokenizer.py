@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -12,6 +11,7 @@ from transformers import PreTrainedTokenizerBase
 from tokenmill.errors import InvalidRequestError, ModelLoadError
 from tokenmill.loader.checkpoint import Checkpoint
 from tokenmill.tokenizer.chat import validate_conversation
+from tokenmill.tokenizer.hf_folder import load_hf_folder
 from tokenmill.tokenizer.token_bytes import spelling_of
 
 
@@ -153,38 +153,12 @@ def _load_hf_tokenizer(source: Path) -> PreTrainedTokenizerBase:
 
         return load_gguf_tokenizer(source)
     try:
-        if _generic_class(source):  # the class AutoTokenizer would pick, without its lookup
-            from transformers import PreTrainedTokenizerFast
-
-            return PreTrainedTokenizerFast.from_pretrained(str(source))
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(source))
-    except (OSError, ValueError, TypeError) as e:
+        return load_hf_folder(source)
+    except Exception as e:  # noqa: BLE001 - the Rust parser of tokenizer.json raises a bare Exception
         raise ModelLoadError(
             f"no usable tokenizer in {source} ({e}); it needs tokenizer.json (or "
             "tokenizer_config.json with its vocabulary files), or pass tokenizer=PATH"
         ) from e
-
-
-GENERIC_CLASSES = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
-"""``tokenizer_class`` names of transformers' generic fast tokenizer (one class in 5.x)."""
-
-
-def _generic_class(folder: Path) -> bool:
-    """Whether the folder's tokenizer is transformers' generic fast tokenizer over its
-    tokenizer.json (what our bundles and GGUF conversions save). Then it is built
-    directly: ``AutoTokenizer`` would first index every model package of transformers
-    (~0.6 s of each start-up here) to resolve the same class."""
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(config, dict)
-        and config.get("tokenizer_class") in GENERIC_CLASSES
-        and (folder / "tokenizer.json").is_file()
-    )
 
 
 def _ids(value: int | list[int] | None) -> list[int]:
