@@ -78,6 +78,22 @@ def test_stream_pieces_join_into_the_whole(tts):
     assert split_sentences("One.  Two!\nThree") == ["One.", "Two!", "Three"]
 
 
+def test_vocoder_pieces_equal_the_one_piece_output(tts):
+    """Latent frames decoded in overlapping pieces (the streaming path) give dec(z)."""
+    g = torch.Generator().manual_seed(7)
+    z = torch.randn(1, tts.voice.model.cfg.inter, 700, generator=g)
+    model = tts.voice.model
+    with torch.inference_mode():
+        whole = model.dec(z)[0, 0]
+        for first, size in ((24, 512), (24, 256), (50, 100)):
+            pieces = list(model.decode_chunks(z, first=first, size=size))
+            assert len(pieces) == 1 + -(-(700 - first) // size)
+            assert len(pieces[0]) == first * model.hop
+            joined = torch.cat(pieces)
+            assert joined.shape == whole.shape
+            assert (joined - whole).abs().max() < 1e-4
+
+
 def test_voices_speed_and_errors(tts):
     assert tts.list_voices() == ["en_US-joe-medium"]
     normal = len(

@@ -297,6 +297,23 @@ class Flow(nn.Module):
         return z
 
 
+def conv_nhwc(x: torch.Tensor, conv: nn.Conv1d | nn.ConvTranspose1d) -> torch.Tensor:
+    """A 1-D (transposed) convolution of x [B, C, 1, T] in channels-last (NHWC) layout.
+
+    oneDNN runs these ~1.5x faster than the same Conv1d on [B, C, T] (tiny channel counts
+    over long signals: 128 channels x 20000 samples, k 3: 62 vs 94 ms on 2 cores), without
+    the layout reorders around each call. The 4-D weight is made once per module.
+    """
+    key, w = getattr(conv, "_nhwc_weight", (None, None))
+    if key != (conv.weight.data_ptr(), conv.weight.dtype) or w is None:
+        w = conv.weight.detach()[:, :, None].contiguous(memory_format=torch.channels_last)
+        conv._nhwc_weight = ((conv.weight.data_ptr(), conv.weight.dtype), w)  # type: ignore[assignment]
+    stride, pad, dil = (1, conv.stride[0]), (0, conv.padding[0]), (1, conv.dilation[0])  # type: ignore[index]
+    if isinstance(conv, nn.ConvTranspose1d):
+        return F.conv_transpose2d(x, w, conv.bias, stride, pad, dilation=dil)
+    return F.conv2d(x, w, conv.bias, stride, pad, dilation=dil)
+
+
 class ResBlock(nn.Module):
     def __init__(self, ch: int, kernel: int, dilations: tuple[int, ...]) -> None:
         super().__init__()
@@ -305,8 +322,9 @@ class ResBlock(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, C, 1, T] channels-last."""
         for conv in self.convs:
-            x = x + conv(F.leaky_relu(x, LRELU))
+            x = conv_nhwc(F.leaky_relu(x, LRELU), conv).add_(x)  # type: ignore[arg-type]
         return x
 
 
@@ -328,12 +346,16 @@ class Generator(nn.Module):
         self.kernels = len(cfg.resblock_kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.conv_pre(x)
+        # [B, C, T] -> [B, C, 1, T] channels-last for every convolution (see conv_nhwc)
+        x = conv_nhwc(x[:, :, None].contiguous(memory_format=torch.channels_last), self.conv_pre)
         for i, up in enumerate(self.ups):
-            x = up(F.leaky_relu(x, LRELU))
+            x = conv_nhwc(F.leaky_relu(x, LRELU), up)  # type: ignore[arg-type]
             blocks = self.resblocks[i * self.kernels : (i + 1) * self.kernels]
-            x = sum(b(x) for b in blocks) / self.kernels
-        return torch.tanh(self.conv_post(F.leaky_relu(x)))
+            acc = blocks[0](x)
+            for block in blocks[1:]:
+                acc.add_(block(x))
+            x = acc.div_(self.kernels)
+        return torch.tanh(conv_nhwc(F.leaky_relu(x), self.conv_post))[:, :, 0]
 
 
 @dataclass(frozen=True)
@@ -381,9 +403,11 @@ class Vits(nn.Module):
         return self.dec(self.latent(ids, scales, generator))[0, 0]
 
     def decode_chunks(
-        self, z: torch.Tensor, first: int = 24, size: int = 256, context: int = 16
+        self, z: torch.Tensor, first: int = 24, size: int = 512, context: int = 16
     ) -> Iterator[torch.Tensor]:
-        """The waveform of latent z [1, inter, F] in pieces: ``first`` frames, then ``size``.
+        """The waveform of latent z [1, inter, F] in pieces: ``first`` frames, then ``size``
+        (512: most sentences' rest is one piece, so the overlap costs ~10% of a 3.8 s
+        sentence's decoding, where 256-frame pieces cost 20%).
 
         Each piece is decoded with ``context`` frames of z on either side and trimmed; the
         generator sees about +-10 frames, so the pieces join into ``dec(z)`` up to rounding.
