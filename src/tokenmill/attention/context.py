@@ -19,6 +19,9 @@ class InputEmbeds:
     """[N] int64 rows of the flattened batch."""
     values: torch.Tensor
     """[N, hidden] in the model dtype."""
+    deepstack: torch.Tensor | None = None
+    """[N, L, hidden]: features the model adds to the same rows of its hidden states after
+    each of its first L layers (Qwen3-VL's DeepStack); None: nothing past the embedding."""
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,10 @@ _REGISTRY: dict[str, tuple[str, str]] = {
         "tokenmill.models.qwen2_vl",
         "Qwen2_5_VLForConditionalGeneration",
     ),
+    "Qwen3VLForConditionalGeneration": (
+        "tokenmill.models.qwen3_vl",
+        "Qwen3VLForConditionalGeneration",
+    ),
     "Qwen2AudioForConditionalGeneration": (
         "tokenmill.models.qwen2_audio",
         "Qwen2AudioForConditionalGeneration",

@@ -32,6 +32,9 @@ class MultiModalInfo:
     """Gemma 3: ``<start_of_image>``, what a prompt marks each image with (-1: none)."""
     end_token_id: int = -1
     """Gemma 3: ``<end_of_image>``, closing each image's run."""
+    deepstack_layers: int = 0
+    """Qwen3-VL: each encoder row also carries this many DeepStack features after its
+    embedding ([(1 + L) * hidden]); the step hands them over as ``InputEmbeds.deepstack``."""
 
 
 @runtime_checkable

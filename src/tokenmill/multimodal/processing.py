@@ -109,6 +109,11 @@ class QwenVLProcessor:
                 "'image' and 'video'"
             )
         images, videos = _as_list(data.get("image")), _as_list(data.get("video"), video=True)
+        if videos and self.info.video_token_id < 0:
+            raise InvalidRequestError(
+                "this model takes images only here (its video input is not built yet); "
+                "send the frames as images"
+            )
         check_counts({"image": len(images), "video": len(videos)}, self.limits)
         opts = self.defaults.merged(options)
         refuse_pan_and_scan(opts.image, "Qwen-VL")

@@ -60,7 +60,13 @@ class MultiModalStep:
         if not rows:
             return positions, None
         row_t = torch.cat(rows).to(positions.device)
-        return positions, InputEmbeds(row_t, torch.cat(values))
+        embeds = InputEmbeds(row_t, torch.cat(values))
+        layers = self.info.deepstack_layers
+        if layers:  # [N, (1 + L) * hidden] -> the embedding and L DeepStack rows
+            n = embeds.values.shape[0]
+            stacked = embeds.values.view(n, 1 + layers, -1)
+            embeds = InputEmbeds(row_t, stacked[:, 0], stacked[:, 1:])
+        return positions, embeds
 
     def _embeddings(
         self, work: list[tuple[int, ScheduledSeq, MultiModalInputs]], qsl: Sequence[int]
