@@ -12,6 +12,7 @@ from tokenmill.structured_output.backend import BACKEND_CHOICES
 
 if TYPE_CHECKING:
     from tokenmill.distributed.config import ParallelConfig
+    from tokenmill.kv_cache.snapshots import ContextCacheConfig
     from tokenmill.spec_decode.config import SpeculativeConfig
 
 DTYPES: dict[str, torch.dtype] = {
@@ -78,6 +79,16 @@ class EngineConfig:
     """Hybrid models: state-slot memory : full-attention KV memory = r : 1 (None means
     1.0), at most ``max_num_seqs`` slots (more could not be used); a model with no
     attention layer gets ``max_num_seqs`` slots. Not together with ``ssm_state_cache_size``."""
+    context_cache_config: dict[str, Any] | None = None
+    """How hybrid and state-space models' prompts are kept for reuse (prefix caching):
+    {"recurrent_snapshot_pool_bytes": n}, the byte budget of recurrent-state snapshots
+    (``kv_cache/snapshots.py``: at every 64 tokens and at every prompt's end, least
+    recently used evicted; 0: none, such a model then reuses no prefix; default: as many
+    bytes as the state slots)."""
+    recurrent_snapshot_pool_bytes: int | None = None
+    """Flat form of ``context_cache_config["recurrent_snapshot_pool_bytes"]``."""
+    context_cache: ContextCacheConfig = field(init=False, compare=False, repr=False)
+    """The resolved context-cache options (from the two fields above)."""
     long_prefill_token_threshold: int | None = None
     """Largest prefill chunk of one request per step, so long prompts never stall decodes
     for a whole budget's worth of compute (None: up to max_num_batched_tokens)."""
@@ -212,6 +223,12 @@ class EngineConfig:
             if value is not None:
                 _check_positive(name, value)
         self._check_state_pool()
+        from tokenmill.kv_cache.snapshots import ContextCacheConfig
+
+        context = ContextCacheConfig.parse(
+            self.context_cache_config, self.recurrent_snapshot_pool_bytes
+        )
+        object.__setattr__(self, "context_cache", context)  # derived once, here
         from tokenmill.multimodal.options import parse_limits, parse_processor_kwargs
 
         parse_limits(self.limit_mm_per_prompt)

@@ -131,9 +131,20 @@ class StateMetadata:
     slot_list: tuple[int, ...]
     """The same slots on the host (for per-sequence loops)."""
     fresh_list: tuple[bool, ...]
+    run_saves: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per sequence, (tokens into its chunk, snapshot row) of the states to keep inside the
+    chunk (``kv_cache/snapshots.py``); (): none this step."""
+    snapshots: Sequence[torch.Tensor | None] | None = None
+    """Each layer's snapshot rows (``kv_cache/snapshot_copies.py``); None: no pool."""
 
     @classmethod
-    def build(cls, slots: Sequence[int], meta: AttentionMetadata) -> StateMetadata:
+    def build(
+        cls,
+        slots: Sequence[int],
+        meta: AttentionMetadata,
+        run_saves: tuple[tuple[tuple[int, int], ...], ...] = (),
+        snapshots: Sequence[torch.Tensor | None] | None = None,
+    ) -> StateMetadata:
         """From each sequence's slot and the step's attention metadata."""
         qsl, device = meta.query_start_loc, meta.slot_mapping.device
         fresh = tuple(
@@ -144,4 +155,6 @@ class StateMetadata:
             torch.tensor(fresh, dtype=torch.bool, device=device),
             tuple(slots),
             fresh,
+            run_saves,
+            snapshots,
         )

@@ -20,6 +20,8 @@ from tokenmill.engine.loading import LoadedModel, kv_cache_blocks, load_model
 from tokenmill.executor import Executor, UniProcExecutor
 from tokenmill.kv_cache import KVCacheCoordinator, KVCacheManager, make_kv_cache
 from tokenmill.kv_cache.coordinator import state_pool_slots
+from tokenmill.kv_cache.snapshot_copies import SnapshotTensors
+from tokenmill.kv_cache.snapshots import snapshot_rows
 from tokenmill.sampling import Sampler
 from tokenmill.scheduler import Scheduler, SchedulerConfig
 from tokenmill.spec_decode import DraftHook
@@ -78,10 +80,12 @@ def _assemble(
         specs, num_blocks, config.block_size, config.max_num_seqs,
         config.ssm_state_cache_size, config.ssm_full_memory_ratio,
     )  # fmt: skip
+    budget_bytes = config.context_cache.recurrent_snapshot_pool_bytes
+    rows = snapshot_rows(specs, config.block_size, budget_bytes, num_slots)
     kv = make_kv_cache(  # the manager itself unless some layer needs state slots
         specs, num_blocks, config.block_size, config.enable_prefix_caching,
         max_blocks_per_seq=-(-loaded.max_model_len // config.block_size),
-        num_slots=num_slots,
+        num_slots=num_slots, snapshot_rows=rows,
     )  # fmt: skip
     budget = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
     scheduler = Scheduler(
@@ -104,12 +108,17 @@ def _assemble(
     processors = tuple(h.logits_processor for h in all_hooks if h.logits_processor is not None)
     sampler = Sampler(generator, extra_processors=processors)
     state_slot = kv.state_slot if isinstance(kv, KVCacheCoordinator) else None
+    state_step, snapshots = None, None
+    if isinstance(kv, KVCacheCoordinator) and kv.snapshots is not None:
+        state_step = kv.state_step
+        snapshots = SnapshotTensors(loaded.model.cache_specs(), caches, kv.snapshots.num_rows)
     runner = make_runner(
-        config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len, state_slot
-    )
+        config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len, state_slot,
+        state_step, snapshots,
+    )  # fmt: skip
     logger.info("KV cache: %d blocks x %d tokens", num_blocks, config.block_size)
     if isinstance(kv, KVCacheCoordinator):
-        logger.info("state cache: %d slots", num_slots)
+        logger.info("state cache: %d slots, %d snapshot rows", num_slots, rows)
     if config.speculative is not None and not any(isinstance(h, DraftHook) for h in hooks):
         target = TargetParts(config, loaded, runner, kv)
         all_hooks = (*all_hooks, build_draft_hook(config.speculative, target, budget))

@@ -196,6 +196,7 @@ class LLMEngine:
             "prefix_cache_reused_tokens": stats.reused_tokens,
             "prefix_cache_cached_blocks": pool.num_cached,
             "prefix_cache_evictions": pool.num_evictions,
+            **self.kv.state_cache_metrics(),  # recurrent-state snapshots; {} without
         }
 
     # -- the loop ---------------------------------------------------------------

@@ -136,6 +136,12 @@ ENGINE_FLAGS = (
         "hybrid models: recurrent-state memory as a multiple of the full-attention KV cache memory (default 1.0, at most --max-num-seqs slots; not with --ssm-state-cache-size)",
     ),
     Flag(
+        "--recurrent-snapshot-pool-bytes",
+        "recurrent_snapshot_pool_bytes",
+        memory_size,
+        "hybrid and state-space models' prefix caching: memory for recurrent-state snapshots (taken every 64 tokens and at each prompt's end, least recently used evicted; 0: none; default: as much as the state slots)",
+    ),
+    Flag(
         "--enforce-eager",
         "enforce_eager",
         None,

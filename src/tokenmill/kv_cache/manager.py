@@ -166,6 +166,27 @@ class KVCacheManager:
         self.tables.write(seq.row, keep, [0] * len(dropped))
         self.pool.release(dropped)
 
+    def state_cache_metrics(self) -> dict[str, int | float]:
+        """No recurrent-state snapshots here (``KVCacheCoordinator``)."""
+        return {}
+
+    def block_hashes(self, request_id: str) -> list[bytes]:
+        """Chain hashes of the request's full blocks known so far (the live list)."""
+        seq = self._seqs.get(request_id)
+        return seq.hashes if seq else []
+
+    def keep_prefix(self, request_id: str, num_blocks: int) -> None:
+        """Give back the cached blocks a lookup took past the first ``num_blocks`` (the
+        coordinator resumes a hybrid model's request where a state snapshot exists)."""
+        seq = self._seqs.get(request_id)
+        if seq is None or len(seq.table) <= num_blocks:
+            return
+        dropped = seq.table[num_blocks:]
+        del seq.table[num_blocks:]
+        self.tables.write(seq.row, num_blocks, [0] * len(dropped))
+        self.pool.release(dropped)
+        seq.committed = min(seq.committed, num_blocks)
+
     def state_slot(self, request_id: str) -> int:
         """Paged layers only: no request holds a state slot (see ``coordinator.py``)."""
         return -1

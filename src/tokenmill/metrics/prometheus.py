@@ -181,6 +181,12 @@ class StatsCollector(Collector):
         for key, doc in _PREFIX_CACHE_COUNTERS.items():
             if key in values:
                 yield self._counter(key, doc, values[key])
+        if "recurrent_snapshot_bytes" in values:
+            yield self._gauge(
+                "recurrent_snapshot_bytes",
+                "Bytes of the recurrent-state snapshot pool holding a snapshot.",
+                values["recurrent_snapshot_bytes"],
+            )
         if "prefix_cache_cached_blocks" in values:
             yield self._gauge(
                 "prefix_cache_cached_blocks",
@@ -220,6 +226,10 @@ _PREFIX_CACHE_COUNTERS = {
     "prefix_cache_matched_tokens": "Prompt tokens whose KV blocks were found in the cache.",
     "prefix_cache_reused_tokens": "Prompt tokens not recomputed thanks to the cache.",
     "prefix_cache_evictions": "Cached blocks evicted to make room.",
+    "recurrent_snapshot_restores": "Admissions of hybrid models resumed from a state snapshot.",
+    "recurrent_snapshot_hit_tokens": "Prompt tokens not recomputed thanks to state snapshots.",
+    "recurrent_snapshot_saves": "Recurrent-state snapshots taken.",
+    "recurrent_snapshot_evictions": "Recurrent-state snapshots evicted to make room.",
 }
 
 

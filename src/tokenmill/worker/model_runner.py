@@ -19,6 +19,8 @@ import torch
 from tokenmill.attention import AttentionMetadata, StateMetadata, StepContext
 from tokenmill.attention.backends import REFERENCE, AttentionBackend
 from tokenmill.config import EngineConfig
+from tokenmill.kv_cache.snapshot_copies import SnapshotTensors
+from tokenmill.kv_cache.snapshots import StateStep
 from tokenmill.kv_cache.spec import FullAttention, allocate_caches
 from tokenmill.models.base import CausalLM
 from tokenmill.multimodal.step import MultiModalStep, multimodal_step
@@ -149,11 +151,20 @@ class ModelRunner:
         backend: AttentionBackend | None = None,
         decode: FastPath | None = None,
         state_slot: Callable[[str], int] | None = None,
+        state_step: Callable[[list[str]], StateStep] | None = None,
+        snapshots: SnapshotTensors | None = None,
     ) -> None:
         self.model = model
         self.state_slot = state_slot
         """Request id -> its state slot (``KVCacheCoordinator.state_slot``) when the model
         has state-slot layers (``kv_cache/spec.py``); None: attention layers only."""
+        self.state_step = state_step
+        """With a recurrent-state snapshot pool (``snapshots``): the step's slots and
+        snapshot copies (``KVCacheCoordinator.state_step``), asked once per step instead
+        of ``state_slot``."""
+        self.snapshots = snapshots
+        self._end_saves: StateStep | None = None
+        """The step's chunk-end snapshots, copied once its forward ran."""
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
@@ -178,6 +189,10 @@ class ModelRunner:
         cols = StepColumns.of(seqs)  # the sequences as columns, read once per step
         pending = self._pending_tokens(seqs, cols)
         hidden, qsl = self._forward(sched, pending, cols)
+        if self._end_saves is not None:  # states at chunk ends -> snapshot rows
+            assert self.snapshots is not None
+            self.snapshots.save(self._end_saves, self.kv_caches)
+            self._end_saves = None
         if self.tap is not None:  # a speculative head reads the target's features
             self.tap.record(seqs, qsl, hidden)
         first_rows, sample_rows, rows = _sample_rows(seqs, qsl, pending, cols)
@@ -292,6 +307,13 @@ class ModelRunner:
 
     def _ctx(self, meta: AttentionMetadata, seqs: tuple[ScheduledSeq, ...] = ()) -> StepContext:
         """The step context; with state-slot layers, each sequence's slot in it."""
+        if self.state_step is not None:  # a snapshot pool: restores first, then the forward
+            assert self.snapshots is not None
+            step = self.state_step([s.request.request_id for s in seqs])
+            self.snapshots.restore(step, self.kv_caches)
+            self._end_saves = step if step.save_rows else None
+            state = StateMetadata.build(step.slots, meta, step.run_saves, self.snapshots.tensors)
+            return StepContext(meta, self.kv_caches, self.backend, state)
         if self.state_slot is None:
             return StepContext(meta, self.kv_caches, self.backend)
         slots = [self.state_slot(s.request.request_id) for s in seqs]
@@ -326,13 +348,16 @@ def make_runner(
     sampler: Sampler,
     max_model_len: int,
     state_slot: Callable[[str], int] | None = None,
+    state_step: Callable[[list[str]], StateStep] | None = None,
+    snapshots: SnapshotTensors | None = None,
 ) -> ModelRunner:
     """The engine's runner: the attention backend the model was built with (chosen once at
     load, ``layers/ops.py``), and one fast path (``fast_path.FastPath``): on CUDA (unless
     ``enforce_eager``) decode graphs for a capturable backend, captured here, up front; on
     CPU the whole-layer native decode when the model runs it. ``state_slot``: the KV
     coordinator's slot lookup for models with state-slot layers (they run eagerly: the
-    fast paths carry no state slots)."""
+    fast paths carry no state slots); ``state_step`` / ``snapshots`` its step lookup and
+    the snapshot tensors when the model keeps recurrent-state snapshots."""
     backend = model.ops.backend
     decode: FastPath | None = cpu_fast_path(model, kv_caches, config.block_size, device)
     mm = multimodal_step(model, config.mm_encoder_cache_bytes)
@@ -346,8 +371,9 @@ def make_runner(
             graphs.capture_all()
         decode = graphs
     runner = ModelRunner(
-        model, kv_caches, config.block_size, device, sampler, backend, decode, state_slot
-    )
+        model, kv_caches, config.block_size, device, sampler, backend, decode, state_slot,
+        state_step, snapshots,
+    )  # fmt: skip
     runner.mm = mm
     return runner
 

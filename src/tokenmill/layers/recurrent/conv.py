@@ -43,6 +43,16 @@ class CausalConv1d(nn.Module):
         new_window = full[:, full.shape[1] - (self.kernel - 1) :]
         return y.T, new_window
 
+    def windows_at(
+        self, x: torch.Tensor, window: torch.Tensor | None, offsets: tuple[int, ...]
+    ) -> torch.Tensor:
+        """The windows after the first o of the new inputs x [L, C] (after ``window``, None:
+        zeros), for each o of ``offsets`` -> [len(offsets), C, K - 1]."""
+        past = torch.zeros(self.state_shape, dtype=x.dtype, device=x.device) if window is None \
+            else window.to(x.dtype)  # fmt: skip
+        full = torch.cat([past, x.T], dim=1)  # [C, K - 1 + L]: input j - (K - 1) at column j
+        return torch.stack([full[:, o : o + self.kernel - 1] for o in offsets])
+
     def forward_step(
         self, x: torch.Tensor, window: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:

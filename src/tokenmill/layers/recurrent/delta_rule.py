@@ -50,12 +50,30 @@ def chunked(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: q, k [H, L, K], v [H, L, V], g, beta [H, L], state [H, K, V] ->
     (o [H, L, V], the state after the L tokens)."""
+    out, state, _ = chunked_keeping(q, k, v, g, beta, state, chunk=chunk)
+    return out, state
+
+
+def chunked_keeping(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    lead: int = 0,
+    keep: tuple[int, ...] = (),
+    chunk: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``chunked``, the chunks starting ``lead`` tokens before the first (padding), and
+    the states after the first o tokens for each o of ``keep`` (each ``lead + o`` a
+    multiple of ``chunk``: one of the scan's own chunk ends) -> (o, state, kept)."""
     heads, length, _ = k.shape
-    pad = -length % chunk  # padded tokens: k = 0, beta = 0, g = 0 change nothing
-    if pad:
-        q, k, v = (torch.nn.functional.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (torch.nn.functional.pad(x, (0, pad)) for x in (g, beta))
-    n = (length + pad) // chunk
+    pad = -(lead + length) % chunk  # padded tokens: k = 0, beta = 0, g = 0 change nothing
+    if pad or lead:
+        q, k, v = (torch.nn.functional.pad(x, (0, 0, lead, pad)) for x in (q, k, v))
+        g, beta = (torch.nn.functional.pad(x, (lead, pad)) for x in (g, beta))
+    n = (lead + length + pad) // chunk
     q, k, v = (x.reshape(heads, n, chunk, -1) for x in (q, k, v))
     cum = g.reshape(heads, n, chunk).cumsum(-1)  # [H, N, C] log decay since the chunk start
     beta = beta.reshape(heads, n, chunk, 1)
@@ -73,11 +91,15 @@ def chunked(
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]  # decay from each token to chunk end
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
     out = torch.empty_like(u)
+    ends = {(lead + o) // chunk - 1: j for j, o in enumerate(keep)}
+    kept: list[torch.Tensor] = [state] * len(keep)
     for c in range(n):
         new_v = u[:, c] - w[:, c] @ state  # the part of v the state does not predict yet
         out[:, c] = q_decayed[:, c] @ state + scores[:, c] @ new_v
         state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ new_v
-    return out.reshape(heads, n * chunk, -1)[:, :length], state
+        if c in ends:
+            kept[ends[c]] = state
+    return out.reshape(heads, n * chunk, -1)[:, lead : lead + length], state, kept
 
 
 def _unit_lower_inverse(system: torch.Tensor) -> torch.Tensor:

@@ -98,7 +98,7 @@ class GatedDeltaNet(nn.Module):
         if plan.num_singles:
             self._singles(mixed, g, beta, windows, states, plan, core)
         for run in plan.runs:
-            self._run(mixed, g, beta, windows, states, run, core)
+            self._run(mixed, g, beta, windows, states, run, core, plan)
         normed = self.norm(core.to(hidden.dtype), z.reshape(tokens, s.num_v_heads, s.head_v_dim))
         return self.out_proj(normed.reshape(tokens, s.value_dim), ctx)
 
@@ -126,17 +126,23 @@ class GatedDeltaNet(nn.Module):
         states.index_copy_(0, plan.slots, state)
         plan.scatter(core, out)
 
-    def _run(self, mixed, g, beta, windows, states, run, core) -> None:
-        """One sequence's tokens: the conv over its window, the chunked delta rule."""
+    def _run(self, mixed, g, beta, windows, states, run, core, plan: StatePlan) -> None:
+        """One sequence's tokens: the conv over its window, the chunked delta rule; the
+        states of ``run.saves`` go to their snapshot rows."""
         rows = slice(run.start, run.end)
         window = None if run.fresh else windows[run.slot]
+        kept_windows = None  # taken before the slot's window (which `window` views) changes
+        if run.saves:
+            kept_windows = self.conv1d.windows_at(mixed[rows], window, run.offsets)
         conv_out, window = self.conv1d.forward_seq(mixed[rows], window)
         windows[run.slot] = window
         q, k, v = self._qkv(conv_out)
         state = torch.zeros_like(states[run.slot]) if run.fresh else states[run.slot]
-        out, state = delta_rule.chunked(
+        out, state, kept = delta_rule.chunked_keeping(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-            g[rows].T, beta[rows].T, state,
+            g[rows].T, beta[rows].T, state, run.lead(delta_rule.CHUNK), run.offsets,
         )  # fmt: skip
         states[run.slot] = state
         core[rows] = out.transpose(0, 1)
+        if kept_windows is not None:
+            plan.save(self.layer_idx, self.state_spec, run, (kept_windows, torch.stack(kept)))

@@ -105,7 +105,7 @@ class Mamba2Mixer(nn.Module):
         if plan.num_singles:
             self._singles(xbc, dt, windows, states, plan, y)
         for run in plan.runs:
-            self._run(xbc, dt, windows, states, run, y)
+            self._run(xbc, dt, windows, states, run, y, plan)
         normed = self.norm(y.reshape(tokens, s.inner).to(hidden.dtype), z)
         return self.out_proj(normed, ctx)
 
@@ -137,17 +137,22 @@ class Mamba2Mixer(nn.Module):
         states.index_copy_(0, plan.slots, state)
         plan.scatter(y, out)
 
-    def _run(self, xbc, dt, windows, states, run: Run, y) -> None:
+    def _run(self, xbc, dt, windows, states, run: Run, y, plan: StatePlan) -> None:
         rows = slice(run.start, run.end)
-        conv_out, window = self.conv1d.forward_seq(
-            xbc[rows], None if run.fresh else windows[run.slot]
-        )
+        window = None if run.fresh else windows[run.slot]
+        kept_windows = None  # taken before the slot's window (which `window` views) changes
+        if run.saves:
+            kept_windows = self.conv1d.windows_at(xbc[rows], window, run.offsets)
+        conv_out, window = self.conv1d.forward_seq(xbc[rows], window)
         windows[run.slot] = window
         x, b, c = self._xbc(conv_out)
         state = torch.zeros_like(states[run.slot]) if run.fresh else states[run.slot]
         a, d = self._params()
-        out, state = ssd.chunked(
-            x.transpose(0, 1), dt[rows].T, a, b.transpose(0, 1), c.transpose(0, 1), d, state
-        )
+        out, state, kept = ssd.chunked_keeping(
+            x.transpose(0, 1), dt[rows].T, a, b.transpose(0, 1), c.transpose(0, 1), d, state,
+            run.lead(ssd.CHUNK), run.offsets,
+        )  # fmt: skip
         states[run.slot] = state
         y[rows] = out.transpose(0, 1)
+        if kept_windows is not None:
+            plan.save(self.layer_idx, self.state_spec, run, (kept_windows, torch.stack(kept)))

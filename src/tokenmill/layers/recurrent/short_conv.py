@@ -39,7 +39,11 @@ class ShortConv(nn.Module):
             plan.scatter(y, out)
         for run in plan.runs:
             rows = slice(run.start, run.end)
-            out, window = self.conv.forward_seq(bx[rows], None if run.fresh else windows[run.slot])
+            window = None if run.fresh else windows[run.slot]
+            if run.saves:  # before the slot's window (viewed by `window`) changes
+                kept = self.conv.windows_at(bx[rows], window, run.offsets)
+                plan.save(self.layer_idx, self.state_spec, run, (kept,))
+            out, window = self.conv.forward_seq(bx[rows], window)
             windows[run.slot] = window
             y[rows] = out
         return self.out_proj(c * y, ctx)

@@ -26,13 +26,23 @@ def step(x, dt, a, b, c, d, state) -> tuple[torch.Tensor, torch.Tensor]:
 def chunked(x, dt, a, b, c, d, state, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence: x [H, L, P], dt [H, L], a, d [H], b, c [H, L, N], state [H, P, N] ->
     (y [H, L, P], the state after the L tokens)."""
+    y, state, _ = chunked_keeping(x, dt, a, b, c, d, state, chunk=chunk)
+    return y, state
+
+
+def chunked_keeping(
+    x, dt, a, b, c, d, state, lead: int = 0, keep: tuple[int, ...] = (), chunk: int = CHUNK
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``chunked``, the chunks starting ``lead`` tokens before the first (padding), and
+    the states after the first o tokens for each o of ``keep`` (each ``lead + o`` a
+    multiple of ``chunk``) -> (y, state, kept)."""
     heads, length, _ = x.shape
-    pad = -length % chunk  # padded tokens: dt = 0 changes nothing
+    pad = -(lead + length) % chunk  # padded tokens: dt = 0 changes nothing
     skip = d[:, None, None] * x
-    if pad:
-        x, b, c = (torch.nn.functional.pad(t, (0, 0, 0, pad)) for t in (x, b, c))
-        dt = torch.nn.functional.pad(dt, (0, pad))
-    n = (length + pad) // chunk
+    if pad or lead:
+        x, b, c = (torch.nn.functional.pad(t, (0, 0, lead, pad)) for t in (x, b, c))
+        dt = torch.nn.functional.pad(dt, (lead, pad))
+    n = (lead + length + pad) // chunk
     x, b, c = (t.reshape(heads, n, chunk, -1) for t in (x, b, c))
     dt = dt.reshape(heads, n, chunk)
     cum = (dt * a[:, None, None]).cumsum(-1)  # [H, N, C] log decay since the chunk start
@@ -44,7 +54,11 @@ def chunked(x, dt, a, b, c, d, state, chunk: int = CHUNK) -> tuple[torch.Tensor,
     to_end = (cum[..., -1:] - cum).exp()[..., None]  # from each token to the chunk end
     chunk_decay = cum[..., -1].exp()[..., None, None]
     out = torch.empty_like(within)
+    ends = {(lead + o) // chunk - 1: j for j, o in enumerate(keep)}
+    kept: list[torch.Tensor] = [state] * len(keep)
     for i in range(n):
         out[:, i] = within[:, i] + from_start[:, i] * (c[:, i] @ state.transpose(-1, -2))
         state = state * chunk_decay[:, i] + (x_dt[:, i] * to_end[:, i]).transpose(-1, -2) @ b[:, i]
-    return out.reshape(heads, n * chunk, -1)[:, :length] + skip, state
+        if i in ends:
+            kept[ends[i]] = state
+    return out.reshape(heads, n * chunk, -1)[:, lead : lead + length] + skip, state, kept
