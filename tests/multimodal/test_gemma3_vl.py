@@ -153,6 +153,11 @@ def test_same_image_twice_encodes_once_and_hits_past_it(ckpt):
     start = third.prompt_token_ids.index(IMAGE)
     assert third.num_cached_tokens == start // 4 * 4  # the blocks before the other image
     assert list(third.outputs[0].token_ids) == hf_generate(ckpt, prompt, [other], STEPS)
+    moved = USER.format("Another text first, then: <start_of_image> what is it?")
+    fourth = _run(llm, moved, [img])  # the prefix cache misses, the encoder cache hits
+    m = llm.get_multimodal_metrics()
+    assert m["mm_encoder_runs"] == 2 and m["mm_encoder_cache_hits"] == 1
+    assert fourth == hf_generate(ckpt, moved, [img], STEPS)
 
 
 def test_options_that_do_not_apply_are_errors(llm):
