@@ -58,3 +58,25 @@ def test_more_stages_than_layers_is_refused_before_any_worker(tmp_path, smollm2_
     path = save_family("llama_tied", tmp_path / "m", smollm2_hf_tokenizer)
     with pytest.raises(ValueError, match="more than the model's 2 layers"):
         LLM(str(path), pipeline_parallel_size=3)
+
+
+LONG = [TokensPrompt(prompt_token_ids=[(7 * i + 3 * j) % 300 + 5 for j in range(90 + 40 * i)])
+        for i in range(3)]  # fmt: skip
+
+
+def test_micro_batched_prefill_equals_pp1(tmp_path, smollm2_hf_tokenizer):
+    """A 330-row prefill step is cut into 2 micro-batches inside a prompt: the stages
+    overlap, and the tokens are the one-process ones. The floats agree to rounding, not
+    bit for bit (smaller GEMMs; the cut prompt's second piece attends through the cache)."""
+    path = save_family("llama_tied", tmp_path / "m", smollm2_hf_tokenizer)
+
+    def run(**options):
+        with LLM(str(path), num_kv_blocks=64, dtype="float32", **options) as llm:
+            return [o.outputs[0] for o in llm.generate(LONG, GREEDY, use_tqdm=False)]
+
+    ref, got = run(), run(pipeline_parallel_size=2)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for a, b in zip(got, ref):
+        for mine, theirs in zip(a.logprobs, b.logprobs, strict=True):
+            assert mine.keys() == theirs.keys()
+            assert all(abs(mine[t].logprob - theirs[t].logprob) < 1e-4 for t in mine)

@@ -6,7 +6,8 @@ last stage holds the final norm, the output head and the sampler, and is the dri
 (rank 0), so the scheduler and sampler stay where they are with one device. Ranks 1..P-1
 are stages 0..P-2. Per step each stage receives the previous stage's (hidden, residual)
 [2, T, hidden] (stage 0: the token ids of the broadcast), runs its layers over them and
-sends the pair on. No micro-batches: one step is in one stage at a time.
+sends the pair on, one micro-batch of rows at a time (``micro_batches``), so the stages
+overlap within a step.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from tokenmill.attention import StepContext
 from tokenmill.distributed.group import RankGroup
 from tokenmill.distributed.messages import Forward
+from tokenmill.distributed.micro_batches import split_step
 from tokenmill.errors import InvalidRequestError
 from tokenmill.models.base import CausalLM
 from tokenmill.models.config import ArchConfig
@@ -131,7 +133,25 @@ class PPStage:
     def run(
         self, model: CausalLM, m: Forward, caches: Sequence[torch.Tensor | None]
     ) -> torch.Tensor | None:
-        """This stage of one step: the final hidden [T, hidden] on the last stage."""
+        """This stage of one step, piece by piece (``micro_batches``): the final hidden
+        [T, hidden] on the last stage. Pieces go on without waiting for the next stage to
+        take them; the step ends when every send has been taken."""
+        sends: list[tuple[Any, torch.Tensor]] = []
+        outs = [self._run_piece(model, piece, caches, sends)
+                for piece in split_step(m, self.num_stages)]  # fmt: skip
+        for work, _ in sends:
+            work.wait()
+        if not self.last:
+            return None
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _run_piece(
+        self,
+        model: CausalLM,
+        m: Forward,
+        caches: Sequence[torch.Tensor | None],
+        sends: list[tuple[Any, torch.Tensor]],
+    ) -> torch.Tensor | None:
         ctx = StepContext(m.attn, caches, None, None, m.adapter_ids, m.input_embeds)
         decoder: Any = model.model
         hidden_size, tokens = self.cfg.hidden_size, m.input_ids.shape[0]
@@ -148,6 +168,7 @@ class PPStage:
         assert residual is not None  # every stage has a layer
         if self.last:
             return decoder.norm.forward_residual(hidden, residual)[0]
-        dist.send(torch.stack([hidden, residual]), dst=self.rank_of(self.stage + 1),
-                  group=self.group.device)  # fmt: skip
+        pair = torch.stack([hidden, residual])  # kept alive until its send is taken
+        work = dist.isend(pair, dst=self.rank_of(self.stage + 1), group=self.group.device)
+        sends.append((work, pair))
         return None
