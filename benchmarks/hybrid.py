@@ -11,6 +11,14 @@ prompt: the time of ``--tokens`` output tokens minus that of one, over ``--token
 each for both engines in float32 and as a ratio (medians of 3 runs, the engines taking
 turns run by run). The scans are the PyTorch reference (chunked for prefill, one
 step for decode) in both.
+
+Then the time to first token of a second request that shares a ``--shared-prefix``-token
+prefix (default 1,000) with a first one: restored from the first request's state snapshot
+(``kv_cache/snapshots.py``) vs recomputed (the same engine, the second request with
+``reuse_context=False``), the two taking turns round by round, the prefix cache reset
+before each round's first request; wall and process CPU time (medians of ``--rounds``).
+
+    python benchmarks/hybrid.py --only-ttft --shared-prefix 1000
 """
 
 from __future__ import annotations
@@ -103,6 +111,36 @@ def measure(runners: dict[str, Callable], prompt: list[int], tokens: int, repeat
     }
 
 
+def ttft(path: Path, shared: int, rounds: int) -> dict[str, tuple[float, float]]:
+    """Per variant (restored, recomputed): median (wall s, process CPU s) of the second
+    request's first token."""
+    from tokenmill import LLM, SamplingParams
+
+    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=shared + 64,
+              max_num_batched_tokens=max(2048, shared + 64),
+              context_cache_config={"recurrent_snapshot_pool_bytes": 1 << 30})  # fmt: skip
+    prefix = prompt_ids(shared)
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    times: dict[str, list[tuple[float, float]]] = {"restored": [], "recomputed": []}
+    for r in range(rounds):
+        llm.reset_prefix_cache()
+        first = prefix + [5 + r] * 16
+        llm.generate([{"prompt_token_ids": first}], params, use_tqdm=False)
+        order = ["restored", "recomputed"] if r % 2 == 0 else ["recomputed", "restored"]
+        for variant in order:
+            tail = [9 + r] * 24 if variant == "restored" else [11 + r] * 24  # not each other's
+            second = {"prompt_token_ids": prefix + tail,
+                      "reuse_context": variant == "restored"}  # fmt: skip
+            wall, cpu = time.perf_counter(), time.process_time()
+            llm.generate([second], params, use_tqdm=False)
+            times[variant].append((time.perf_counter() - wall, time.process_time() - cpu))
+    metrics = llm.get_prefix_cache_metrics()
+    assert metrics["recurrent_snapshot_restores"] == rounds, metrics
+    llm.close()
+    return {v: (statistics.median(w for w, _ in t), statistics.median(c for _, c in t))
+            for v, t in times.items()}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -111,9 +149,27 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512, help="prompt tokens")
     ap.add_argument("--tokens", type=int, default=32, help="output tokens of the decode run")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tokenmill-bench")
+    ap.add_argument("--shared-prefix", type=int, default=1000, help="tokens the two share")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the TTFT comparison")
+    ap.add_argument("--only-ttft", action="store_true", help="skip prefill / decode")
     args = ap.parse_args()
     start = time.perf_counter()
     path = make_checkpoint(args.cache, args.layers)
+    if not args.only_ttft:
+        throughput(path, args)
+    rows = [["second request", "TTFT s (wall)", "TTFT s (CPU)"]]
+    result = ttft(path, args.shared_prefix, args.rounds)
+    for variant, (wall, cpu) in result.items():
+        rows.append([variant, f"{wall:.3f}", f"{cpu:.3f}"])
+    (rw, rc), (cw, cc) = result["restored"], result["recomputed"]
+    rows.append(["speed-up", f"{cw / rw:.1f}x", f"{cc / rc:.1f}x"])
+    print(f"time to first token, {args.shared_prefix}-token shared prefix, {args.rounds} rounds "
+          f"({time.perf_counter() - start:.0f} s)")  # fmt: skip
+    print(table(rows))
+
+
+def throughput(path: Path, args: argparse.Namespace) -> None:
+    start = time.perf_counter()
     prompt = prompt_ids(args.prompt)
     longest = len(prompt) + args.tokens + 8
     runners = {"tokenmill": tokenmill_runner(path, longest),
