@@ -51,6 +51,7 @@ def make_qwen3_vl(path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
+    (path / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PREPROCESSOR))
     return path
 
 
@@ -82,3 +83,34 @@ def hf_generate(path: Path, prompt: str, images: list, steps: int) -> list[int]:
     inputs = hf_processor(path)(text=[prompt], images=images or None, return_tensors="pt")
     out = model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+VIDEO_PREPROCESSOR = {
+    "size": {"shortest_edge": 128 * 32 * 32, "longest_edge": 32 * 32 * 768}, "patch_size": 16,
+    "temporal_patch_size": 2, "merge_size": 2, "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5], "min_frames": 4, "max_frames": 768, "fps": 2,
+    "video_processor_type": "Qwen3VLVideoProcessor",
+}  # fmt: skip
+"""transformers' Qwen3VLVideoProcessor defaults, written out (``make_qwen3_vl`` saves them)."""
+
+
+@torch.no_grad()
+def hf_generate_inputs(path: Path, ids: list[int], mm, steps: int) -> list[int]:
+    """transformers' greedy tokens from our processed inputs (its video processor needs
+    torchvision): expanded ids, pixels, one grid per image and per video frame pair."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    input_ids = torch.tensor([ids])
+    kwargs = {
+        "mm_token_type_ids": (input_ids == IMAGE_PAD).int() + 2 * (input_ids == VIDEO_PAD).int()
+    }
+    for kind, px, grid in (("image", "pixel_values", "image_grid_thw"),
+                           ("video", "pixel_values_videos", "video_grid_thw")):  # fmt: skip
+        items = [it for it in mm.items if it.modality == kind]
+        if items:
+            kwargs[px] = torch.cat([it.pixel_values for it in items])
+            kwargs[grid] = torch.tensor([it.grid_thw for it in items])
+    out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=steps,
+                         min_new_tokens=steps, do_sample=False, **kwargs)  # fmt: skip
+    return out[0, len(ids) :].tolist()

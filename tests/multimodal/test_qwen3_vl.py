@@ -2,7 +2,9 @@
 M-RoPE, DeepStack from two tower blocks, Qwen3-VL-2B's processor settings): the expanded
 prompt and patches equal its processor's; 32 greedy tokens equal its ``generate`` for one
 image, two of other sizes, a batch with a text-only request, and chunked prefill cutting
-the runs (DeepStack rows follow the chunks); the encoder and prefix caches; video refused."""
+the runs (DeepStack rows follow the chunks); the encoder and prefix caches; video as
+timestamped frame pairs (sampling, sizes and timestamps as transformers' rules, its
+``generate`` on our processed inputs: its video processor needs torchvision)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ from qwen3_vl_checkpoints import hf_generate, hf_processor, make_qwen3_vl
 from qwen_vl_checkpoints import IMAGE_PAD, random_image, random_video
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.errors import InvalidRequestError
 
 STEPS = 32
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -94,8 +95,60 @@ def test_encoder_and_prefix_caches(ckpt):
     assert list(third.outputs[0].token_ids) == hf_generate(ckpt, other_text, [img], STEPS)
 
 
-def test_video_is_refused_with_a_clear_error(llm):
-    prompt = USER.format("<|vision_start|><|video_pad|><|vision_end|>")
-    with pytest.raises(InvalidRequestError, match="images only"):
-        llm.generate({"prompt": prompt, "multi_modal_data": {"video": random_video(4, 64, 64, 1)}},
-                     _greedy(), use_tqdm=False)  # fmt: skip
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+
+
+def test_video_sampling_resizing_and_timestamps_follow_transformers():
+    from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_resize
+    from transformers.video_utils import VideoMetadata
+
+    from tokenmill.multimodal.qwen3_video import (
+        QWEN3_VIDEO,
+        pair_timestamps,
+        sample_indices,
+        smart_resize,
+    )
+    from tokenmill.multimodal.video import VideoOptions
+
+    hf = Qwen3VLVideoProcessor()
+    for total, fps, opts in ((30, 10.0, VideoOptions()), (300, 30.0, VideoOptions()),
+                             (9, None, VideoOptions()), (50, 25.0, VideoOptions(fps=4.0)),
+                             (50, 25.0, VideoOptions(nframes=7))):  # fmt: skip
+        meta = VideoMetadata(total_num_frames=total, fps=fps)
+        ours = sample_indices(total, fps, QWEN3_VIDEO, opts)
+        assert ours == hf.sample_frames(meta, num_frames=opts.nframes, fps=opts.fps).tolist()
+        for tp in (2,):
+            assert pair_timestamps(ours, fps or 24.0, tp) == Qwen3VLProcessor._calculate_timestamps(
+                None, list(ours), fps or 24.0, tp
+            )
+    for frames, h, w in ((4, 48, 64), (40, 720, 1280), (7, 20, 300)):
+        assert smart_resize(frames, h, w, QWEN3_VIDEO, 131072, 786432) == hf_resize(
+            frames, h, w, temporal_factor=2, factor=32, min_pixels=131072, max_pixels=786432
+        )
+
+
+@pytest.mark.parametrize("with_image", [False, True])
+def test_video_greedy_equals_transformers_on_our_inputs(llm, ckpt, with_image):
+    """Timestamped frame pairs as transformers' processor writes them (checked against the
+    text it builds from the same grid and timestamps), then its generate on our pixels."""
+    from qwen3_vl_checkpoints import hf_generate_inputs
+
+    video = (random_video(8, 64, 48, 21), {"fps": 4.0})  # 4 frames sampled: two pairs
+    images = [random_image(90, 70, 22)] if with_image else []
+    prompt = USER.format((IMG if with_image else "") + VIDEO + "What happens?")
+    data = {"video": [video], **({"image": images} if images else {})}
+    proc = llm.llm_engine.mm_processor
+    ids, mm = proc.process(llm.tokenizer.encode(prompt), data, proc.defaults)
+    pairs = [it for it in mm.items if it.modality == "video"]
+    assert len(pairs) == 2 and all(it.grid_thw[0] == 1 for it in pairs)
+    per_pair = pairs[0].num_tokens
+    text = "".join(f"<{t:.1f} seconds><|vision_start|>" + "<|video_pad|>" * per_pair
+                   + "<|vision_end|>" for t in (0.25, 1.5))  # frames 0, 2 / 5, 7 at 4 fps  # fmt: skip
+    expected = prompt.replace("<|video_pad|>", text)
+    if with_image:
+        expected = expected.replace("<|image_pad|>", "<|image_pad|>" * mm.items[0].num_tokens)
+    assert ids == llm.tokenizer.encode(expected)
+    [out] = llm.generate({"prompt": prompt, "multi_modal_data": data}, _greedy(), use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == hf_generate_inputs(ckpt, ids, mm, STEPS)

@@ -7,8 +7,8 @@ Interleaved M-RoPE: frequency j rotates by the height axis when j % 3 == 1 (for 
 DeepStack: the tower also gives L feature rows per image token (from intermediate
 blocks); they reach the decoder through the step context (``InputEmbeds.deepstack``,
 split by the runner's multimodal step) and are added to the residual stream at the
-image rows after each of the first L layers. Images only: video takes transformers'
-per-frame timestamps, not built (a video is refused at the boundary). Weights:
+image rows after each of the first L layers. Videos are timestamped frame pairs, each
+one item (``multimodal/qwen3_vl.py``). Weights:
 ``model.language_model.*`` / ``lm_head`` and ``model.visual.*`` (or ``visual.*``).
 """
 
@@ -106,9 +106,12 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         )
         self.multimodal = MultiModalInfo(
             image_token_id=int(hf_config.get("image_token_id", 151655)),
-            video_token_id=-1,
+            video_token_id=int(hf_config.get("video_token_id", 151656)),
             merge_size=spec.merge_size,
             uses_mrope=True,
+            processor="qwen3_vl",
+            start_token_id=int(hf_config.get("vision_start_token_id", 151652)),
+            end_token_id=int(hf_config.get("vision_end_token_id", 151653)),
             deepstack_layers=len(deepstack),
         )
 

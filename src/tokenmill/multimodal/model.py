@@ -29,9 +29,10 @@ class MultiModalInfo:
     audio_token_id: int = -1
     """Qwen2-Audio's ``<|AUDIO|>`` placeholder (-1: no audio)."""
     start_token_id: int = -1
-    """Gemma 3: ``<start_of_image>``, what a prompt marks each image with (-1: none)."""
+    """Gemma 3: ``<start_of_image>``, what a prompt marks each image with; Qwen3-VL:
+    ``<|vision_start|>``, opening each video frame pair's segment (-1: none)."""
     end_token_id: int = -1
-    """Gemma 3: ``<end_of_image>``, closing each image's run."""
+    """Gemma 3: ``<end_of_image>``; Qwen3-VL: ``<|vision_end|>``."""
     deepstack_layers: int = 0
     """Qwen3-VL: each encoder row also carries this many DeepStack features after its
     embedding ([(1 + L) * hidden]); the step hands them over as ``InputEmbeds.deepstack``."""

@@ -9,6 +9,7 @@ encoder's output rows for that image.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -52,9 +53,10 @@ def load_image_processor(folder: Path | None) -> Any:
     return Qwen2VLImageProcessorPil(**{k: v for k, v in config.items() if k in _PROCESSOR_KEYS})
 
 
-def load_video_config(folder: Path | None) -> VideoConfig:
+def load_video_config(folder: Path | None, base: VideoConfig | None = None) -> VideoConfig:
     """The video settings: ``video_preprocessor_config.json``, else the image processor's
-    ``preprocessor_config.json`` (transformers' fallback), else its video defaults."""
+    ``preprocessor_config.json`` (transformers' fallback), else ``base`` (default: the
+    Qwen2-VL video processor's defaults)."""
     for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
         path = None if folder is None else Path(folder) / name
         if path is not None and path.is_file():
@@ -67,8 +69,8 @@ def load_video_config(folder: Path | None) -> VideoConfig:
             for key in ("image_mean", "image_std"):
                 if key in known:
                     known[key] = tuple(known[key])
-            return VideoConfig(**known)
-    return VideoConfig()
+            return dataclasses.replace(base or VideoConfig(), **known)
+    return base or VideoConfig()
 
 
 class QwenVLProcessor:

@@ -47,6 +47,15 @@ def build_processor(
 
         image_processor = load_idefics3_image_processor(folder, type(model).__name__)
         return Idefics3Processor(info, image_processor, tokenizer, limits, config.media_max_pixels)
+    if info.processor == "qwen3_vl":
+        from tokenmill.multimodal.qwen3_video import QWEN3_VIDEO
+        from tokenmill.multimodal.qwen3_vl import Qwen3VLProcessor
+
+        return Qwen3VLProcessor(
+            info, load_image_processor(folder), parse_processor_kwargs(config.mm_processor_kwargs),
+            limits, config.media_max_pixels, load_video_config(folder, QWEN3_VIDEO),
+            tokenizer=tokenizer,
+        )  # fmt: skip
     return QwenVLProcessor(
         info,
         load_image_processor(folder),
