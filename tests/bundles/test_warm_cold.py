@@ -31,6 +31,9 @@ def _check(model: str | None, tmp_path, **options) -> None:
     cold = load_model(config)  # builds and writes the bundle
     warm = load_model(config)  # maps it
     assert warm.model is not cold.model
+    assert {"resolve", "tokenizer", "weights", "bundle write"} <= set(cold.phases)
+    assert {"resolve", "tokenizer", "weights"} <= set(warm.phases)
+    assert "bundle write" not in warm.phases
     assert (warm.dtype, warm.quantization, warm.max_model_len) == (
         cold.dtype, cold.quantization, cold.max_model_len
     )  # fmt: skip

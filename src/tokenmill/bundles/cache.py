@@ -20,6 +20,7 @@ Leftovers of a process that died while writing or deleting are swept by ``evict`
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import logging
 import os
@@ -108,7 +109,9 @@ class BundleCache:
             except (OSError, ModelLoadError) as e:  # costs the next start, never this one
                 logger.warning("could not write the prepared bundle %s: %s", key, e)
                 return loaded
-            logger.info("prepared bundle %s written in %.2f s", key, time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            logger.info("prepared bundle %s written in %.2f s", key, seconds)
+            loaded = dataclasses.replace(loaded, phases={**loaded.phases, "bundle write": seconds})
         self.evict(keep=key)
         return loaded
 
@@ -267,7 +270,7 @@ def _alive(pid: int) -> bool:
 
 def _fields(loaded: LoadedModel) -> tuple:
     return (loaded.checkpoint, loaded.model, loaded.tokenizer, loaded.max_model_len,
-            loaded.dtype, loaded.device, loaded.quantization)  # fmt: skip
+            loaded.dtype, loaded.device, loaded.quantization, loaded.phases)  # fmt: skip
 
 
 def _open_lock(path: Path) -> int:

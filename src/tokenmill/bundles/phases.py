@@ -3,7 +3,9 @@
 ``engine/loading.py`` (cold) and ``store.read_bundle`` (warm) time the same phases so the
 two logs compare line for line: resolve (checkpoint, config, options; the bundle's key and
 checksums), tokenizer, kernels (``select_ops``: the native library loaded or compiled),
-weights (read, convert and pack; or map and assign).
+weights (read, convert and pack; or map and assign). The builder adds the engine's own:
+kv cache (sizing and allocation) and runner (on CUDA the decode-graph capture), then logs the
+whole start once more; ``/metrics`` exposes the seconds (``metrics.startup``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ logger = logging.getLogger("tokenmill.startup")
 class Phases:
     """Seconds per phase name, in first-use order."""
 
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
+    def __init__(self, seconds: dict[str, float] | None = None) -> None:
+        self.seconds: dict[str, float] = dict(seconds or {})  # a copy: the caller's stays
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:

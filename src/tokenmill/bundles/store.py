@@ -77,6 +77,7 @@ class Prepared(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     quantization: str
+    phases: dict[str, float]
 
 
 @dataclass
@@ -191,7 +192,8 @@ def read_bundle(
     with phases("tokenizer"):
         tokenizer = load_tokenizer(ckpt, str(folder / TOKENIZER))
     phases.log(f"model ready (warm, mapped from {folder})")
-    return Prepared(ckpt, model, tokenizer, resolved["max_model_len"], dtype, device, quantization)
+    return Prepared(ckpt, model, tokenizer, resolved["max_model_len"], dtype, device, quantization,
+                    phases.seconds)  # fmt: skip
 
 
 def _build_unfilled(model_cls, hf_config, dtype, max_model_len, ops, kwargs) -> CausalLM:

@@ -141,9 +141,10 @@ class PPStage:
                 for piece in split_step(m, self.num_stages)]  # fmt: skip
         for work, _ in sends:
             work.wait()
-        if not self.last:
+        hidden = [h for h in outs if h is not None]  # the last stage's pieces
+        if not hidden:
             return None
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        return hidden[0] if len(hidden) == 1 else torch.cat(hidden)
 
     def _run_piece(
         self,

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenmill.bundles.phases import Phases
 from tokenmill.config import EngineConfig
 from tokenmill.engine.hooks import RequestHook
 from tokenmill.engine.loading import LoadedModel, kv_cache_blocks, load_model
@@ -51,6 +52,9 @@ class EngineParts:
     hook of ``config.speculative`` unless the caller passed one."""
     runner: ModelRunner
     executor: Executor
+    startup: dict[str, float]
+    """Seconds per start-up phase: the load's (``LoadedModel.phases``), then kv cache and
+    runner (on CUDA the decode-graph capture)."""
 
 
 def build_engine(
@@ -96,10 +100,12 @@ def _assemble(
     )
     if ranks is not None:  # the workers allocate the same blocks; the model broadcasts
         loaded = ranks.drive(loaded, num_blocks, num_slots)
-    caches = allocate_kv_caches(
-        loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device,
-        num_slots=num_slots,
-    )  # fmt: skip
+    phases = Phases(loaded.phases)
+    with phases("kv cache"):
+        caches = allocate_kv_caches(
+            loaded.model, num_blocks, config.block_size, loaded.dtype, loaded.device,
+            num_slots=num_slots,
+        )  # fmt: skip
     generator = torch.Generator(device=loaded.device).manual_seed(config.seed)
     structured = StructuredOutputManager.from_config(
         config, loaded.tokenizer, loaded.model.vocab_size
@@ -112,19 +118,22 @@ def _assemble(
     if isinstance(kv, KVCacheCoordinator) and kv.snapshots is not None:
         state_step = kv.state_step
         snapshots = SnapshotTensors(loaded.model.cache_specs(), caches, kv.snapshots.num_rows)
-    runner = make_runner(
-        config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len, state_slot,
-        state_step, snapshots,
-    )  # fmt: skip
+    with phases("runner"):
+        runner = make_runner(
+            config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len,
+            state_slot, state_step, snapshots,
+        )  # fmt: skip
     logger.info("KV cache: %d blocks x %d tokens", num_blocks, config.block_size)
     if isinstance(kv, KVCacheCoordinator):
         logger.info("state cache: %d slots, %d snapshot rows", num_slots, rows)
     if config.speculative is not None and not any(isinstance(h, DraftHook) for h in hooks):
         target = TargetParts(config, loaded, runner, kv)
         all_hooks = (*all_hooks, build_draft_hook(config.speculative, target, budget))
+    phases.log("engine ready")
     return EngineParts(
-        loaded, kv, scheduler, structured, all_hooks, runner, _executor(runner, ranks)
-    )
+        loaded, kv, scheduler, structured, all_hooks, runner, _executor(runner, ranks),
+        phases.seconds,
+    )  # fmt: skip
 
 
 def _start_ranks(config: EngineConfig, loaded: LoadedModel | None) -> Ranks | None:

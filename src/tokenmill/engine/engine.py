@@ -53,6 +53,8 @@ class LLMEngine:
         self.executor = parts.executor
         self.pipeline = StepPipeline(parts.executor)
         self.hooks = parts.hooks
+        self.startup_phases = parts.startup
+        """Seconds per start-up phase (``/metrics``: ``tokenmill:startup_phase_seconds``)."""
         """Request hooks, called in order (``engine/hooks.py``): structured output, then
         the caller's."""
         self._draft_hook = next((h for h in self.hooks if isinstance(h, DraftHook)), None)

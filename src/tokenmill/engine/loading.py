@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,6 +35,8 @@ class LoadedModel:
     device: torch.device
     quantization: str = "none"
     """The resolved weight format (``EngineConfig.quantization`` with auto decided)."""
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per start-up phase of this load (``bundles.phases``), in order."""
 
 
 def model_context_limit(hf_config: dict) -> int:
@@ -120,7 +122,9 @@ def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> Loaded
         model.load_weights(weights if shard is None else shard.weights(weights))
         model.eval()
     phases.log(f"model ready (cold load of {ckpt.path})")
-    return LoadedModel(ckpt, model, tokenizer, max_model_len, dtype, device, quantization)
+    return LoadedModel(
+        ckpt, model, tokenizer, max_model_len, dtype, device, quantization, phases.seconds
+    )
 
 
 def _stored_types(ckpt: Checkpoint) -> dict:

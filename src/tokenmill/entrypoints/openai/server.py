@@ -43,6 +43,7 @@ from tokenmill.entrypoints.openai.serving_pooling import add_pooling_routes, mod
 from tokenmill.entrypoints.openai.serving_responses import ResponsesHandler
 from tokenmill.entrypoints.openai.state import ServerState
 from tokenmill.metrics.prometheus import make_registry
+from tokenmill.metrics.startup import StartupCollector, engine_startup_phases
 from tokenmill.multimodal.prometheus import MultiModalCollector, engine_multimodal_metrics
 
 logger = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         lambda: state.llm.engine.prefix_cache_metrics() if state.llm is not None else {},
     )
     registry.register(RouterCollector(lambda: state.llm, state.model_name))  # replicas
+    registry.register(StartupCollector(lambda: engine_startup_phases(state.llm), state.model_name))
     registry.register(MultiModalCollector(  # tokenmill:mm_* (none for a text-only model)
         lambda: engine_multimodal_metrics(getattr(state.llm, "engine", None)), state.model_name
     ))  # fmt: skip
