@@ -46,9 +46,18 @@ class Gemma3VisionTower(SiglipTower):
         emb = self.embeddings
         x = emb.patch_embedding(patches.reshape(n, g * g, c * p * p))
         x = x + emb.position_embedding.weight[None]
-        for layer in self.encoder.layers:
+        layers: list[nn.Module] = list(self.encoder.layers)  # type: ignore[arg-type]
+        for layer in layers:
             x = layer(x, None)
         return self.post_layernorm(x)
+
+
+class _Weight(nn.Module):
+    """A norm's scale under HF's name (``mm_soft_emb_norm.weight``)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight)
 
 
 class Gemma3Projector(nn.Module):
@@ -61,10 +70,7 @@ class Gemma3Projector(nn.Module):
         self.mm_input_projection_weight = nn.Parameter(
             torch.empty(spec.width, spec.out_dim, dtype=dtype, device=device)
         )
-        self.mm_soft_emb_norm = nn.Module()
-        self.mm_soft_emb_norm.weight = nn.Parameter(
-            torch.empty(spec.width, dtype=dtype, device=device)
-        )
+        self.mm_soft_emb_norm = _Weight(torch.empty(spec.width, dtype=dtype, device=device))
         self.eps = spec.eps
         self.side = spec.per_side
         out_side = int(tokens**0.5)

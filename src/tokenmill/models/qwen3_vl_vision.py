@@ -117,7 +117,8 @@ class Qwen3VisionTower(nn.Module):
         self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         pos = hw_positions(grid_thw, self.spec.merge_size).to(self.inv_freq.device)  # [N, 2]
-        x = self.patch_embed.proj(pixels.to(self.dtype)) + self._learned(pos, grid_thw)
+        proj: nn.Linear = self.patch_embed.proj  # type: ignore[assignment]
+        x = proj(pixels.to(self.dtype)) + self._learned(pos, grid_thw)
         freqs = (pos[..., None].float() * self.inv_freq).flatten(1)  # [N, head_dim / 2]
         freqs = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = freqs.cos(), freqs.sin()
