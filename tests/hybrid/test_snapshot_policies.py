@@ -138,3 +138,16 @@ def test_a_budget_of_zero_reuses_nothing(qwen_dir, reference):
 def test_bad_options_are_value_errors(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
+
+
+def test_server_flag_sets_the_budget():
+    import argparse
+
+    from tokenmill.entrypoints.args import add_engine_flags
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    args = parser.parse_args(["--recurrent-snapshot-pool-bytes", "64MiB"])
+    assert args.recurrent_snapshot_pool_bytes == 64 << 20
+    config = EngineConfig(recurrent_snapshot_pool_bytes=args.recurrent_snapshot_pool_bytes)
+    assert config.context_cache.recurrent_snapshot_pool_bytes == 64 << 20
