@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 from qwen3_vl_checkpoints import hf_generate, hf_processor, make_qwen3_vl
-from qwen_vl_checkpoints import IMAGE_PAD, random_image, random_video
+from qwen_vl_checkpoints import IMAGE_PAD, VIDEO_PAD, random_image, random_video
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.errors import InvalidRequestError
 
 STEPS = 32
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -152,3 +153,15 @@ def test_video_greedy_equals_transformers_on_our_inputs(llm, ckpt, with_image):
     assert ids == llm.tokenizer.encode(expected)
     [out] = llm.generate({"prompt": prompt, "multi_modal_data": data}, _greedy(), use_tqdm=False)
     assert list(out.outputs[0].token_ids) == hf_generate_inputs(ckpt, ids, mm, STEPS)
+
+
+def test_visual_token_budget_is_a_limit(ckpt):
+    llm = _llm(ckpt, max_visual_tokens_per_prompt=60)
+    data = {"video": [(random_video(8, 64, 48, 21), {"fps": 4.0})]}  # two pairs of 35 tokens
+    prompt = USER.format(VIDEO)
+    with pytest.raises(InvalidRequestError, match="max_visual_tokens_per_prompt"):
+        llm.generate({"prompt": prompt, "multi_modal_data": data}, _greedy(), use_tqdm=False)
+    small = {"videos_kwargs": {"min_pixels": 4096}}  # 64 x 64 frames: two pairs of 4 tokens
+    [out] = llm.generate({"prompt": prompt, "multi_modal_data": data, "mm_processor_kwargs": small},
+                         _greedy(), use_tqdm=False)  # fmt: skip
+    assert out.prompt_token_ids.count(VIDEO_PAD) == 8

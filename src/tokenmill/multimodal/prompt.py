@@ -54,7 +54,7 @@ def build_processor(
         return Qwen3VLProcessor(
             info, load_image_processor(folder), parse_processor_kwargs(config.mm_processor_kwargs),
             limits, config.media_max_pixels, load_video_config(folder, QWEN3_VIDEO),
-            tokenizer=tokenizer,
+            config.max_visual_tokens_per_prompt, tokenizer=tokenizer,
         )  # fmt: skip
     return QwenVLProcessor(
         info,
