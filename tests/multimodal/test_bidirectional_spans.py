@@ -1,6 +1,8 @@
 """Bidirectional media spans: the reference attention's mask against a dense one written
 out here (HF's AND(window, OR(causal, span))), for a whole prompt and for a chunk that
-starts inside a span whose first tokens are cached; the scheduler's whole-run rule."""
+starts inside a span whose first tokens are cached; the scheduler's whole-run rule; the
+runner's step sets spans only for bidirectional runs in the chunk (a text-only step's
+context comes back untouched)."""
 
 from __future__ import annotations
 
@@ -62,12 +64,12 @@ def test_spans_widen_the_causal_mask_exactly(window, cached):
     assert not torch.allclose(causal, ref, atol=1e-3)  # the spans change the result
 
 
-def _request(runs: list[tuple[int, int]], computed: int = 0) -> Request:
+def _request(runs: list[tuple[int, int]], computed: int = 0, bidirectional: bool = True) -> Request:
     items = tuple(MediaItem("image", bytes([i]), None, (1, 1, n), n)  # type: ignore[arg-type]
                   for i, (_, n) in enumerate(runs))  # fmt: skip
     req = Request("r", [0] * 100, SamplingParams(), 10, frozenset())
     req.mm_inputs = MultiModalInputs(items, tuple(PlaceholderRange(o, n) for o, n in runs),
-                                     bidirectional=True)  # fmt: skip
+                                     bidirectional=bidirectional)  # fmt: skip
     req.num_computed_tokens = computed
     return req
 
@@ -80,3 +82,43 @@ def test_a_chunk_never_ends_inside_a_bidirectional_run():
     assert budget.cap(_request([(0, 30)]), 20) == 0  # starts at the run, can not finish it
     assert budget.cap(_request([(0, 30)], computed=12), 18) == 18  # a cached start: to its end
     assert budget.cap(_request([(0, 30)], computed=12), 10) == 0
+
+
+class _Tower:
+    """An encoder stub: item j's rows are all j + 1 (no real tower needed here)."""
+
+    def __init__(self) -> None:
+        from tokenmill.multimodal.model import MultiModalInfo
+
+        self.multimodal = MultiModalInfo(image_token_id=7, video_token_id=-1, merge_size=1)
+        self.calls = 0
+
+    def encode(self, items):
+        self.calls += 1
+        return [torch.full((it.num_tokens, 4), float(it.content_hash[0] + 1)) for it in items]
+
+
+def _seq(req: Request, start: int, n: int):
+    from tokenmill.scheduler.output import ScheduledSeq
+
+    return ScheduledSeq(req, start, n, [0], False)
+
+
+def test_the_step_sets_spans_only_for_bidirectional_runs_in_the_chunk():
+    from tokenmill.attention.context import StepContext
+    from tokenmill.multimodal.step import MultiModalStep
+
+    step = MultiModalStep(_Tower(), 1 << 20)  # type: ignore[arg-type]
+    text = Request("t", [0] * 40, SamplingParams(), 10, frozenset())
+    meta = AttentionMetadata.build([20], [20], [[0, 1, 2, 3, 4]], BS)
+    ctx = StepContext(meta, [])
+    positions = torch.arange(20)
+    assert step.prepare([_seq(text, 0, 20)], ctx, positions)[1] is ctx  # text only: untouched
+    req = _request([(4, 10), (20, 8)])
+    meta = AttentionMetadata.build([20, 20], [20, 20], [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]], BS)
+    _, out = step.prepare([_seq(text, 0, 20), _seq(req, 0, 20)], StepContext(meta, []), positions)
+    assert out.attn.bidirectional_spans == ((), ((4, 14),))  # the second run is not in the chunk
+    assert out.input_embeds is not None and out.input_embeds.rows.tolist() == list(range(24, 34))
+    plain = _request([(4, 10)], bidirectional=False)
+    _, out = step.prepare([_seq(plain, 0, 20)], StepContext(meta, []), positions)
+    assert out.attn.bidirectional_spans is None and out.input_embeds is not None
