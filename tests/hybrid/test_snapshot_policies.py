@@ -151,3 +151,21 @@ def test_server_flag_sets_the_budget():
     assert args.recurrent_snapshot_pool_bytes == 64 << 20
     config = EngineConfig(recurrent_snapshot_pool_bytes=args.recurrent_snapshot_pool_bytes)
     assert config.context_cache.recurrent_snapshot_pool_bytes == 64 << 20
+
+
+def test_snapshot_metrics_reach_prometheus(qwen_dir):
+    from prometheus_client import generate_latest
+
+    from tokenmill.metrics.prometheus import make_registry
+
+    llm = hybrid_llm(qwen_dir, **OPTIONS)
+    prompt = _tokens(20, seed=13)
+    _generate(llm, prompt)
+    _generate(llm, prompt + [5])
+    engine = llm.engine
+    registry = make_registry(lambda: engine.stats, lambda: engine.kv.usage, "m",
+                             engine.prefix_cache_metrics)  # fmt: skip
+    text = generate_latest(registry).decode()
+    assert 'tokenmill:recurrent_snapshot_restores_total{model_name="m"} 1.0' in text
+    assert 'tokenmill:recurrent_snapshot_hit_tokens_total{model_name="m"} 20.0' in text
+    assert "tokenmill:recurrent_snapshot_bytes{" in text
