@@ -83,6 +83,7 @@ def load_piper(path: str | Path) -> PiperVoice:
         )
     model.load_state_dict({k: weights[k] for k in model.state_dict()}, strict=True, assign=True)
     model.eval().requires_grad_(False)
+    model.dec.to_nhwc()
     inf = meta.get("inference", {})
     scales = Scales(
         inf.get("noise_scale", 0.667), inf.get("length_scale", 1.0), inf.get("noise_w", 0.8)
