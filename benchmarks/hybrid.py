@@ -18,7 +18,10 @@ prefix (default 1,000) with a first one: restored from the first request's state
 ``reuse_context=False``), the two taking turns round by round, the prefix cache reset
 before each round's first request; wall and process CPU time (medians of ``--rounds``).
 
-    python benchmarks/hybrid.py --only-ttft --shared-prefix 1000
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/hybrid.py --only-ttft --shared-prefix 1000
+
+(On a loaded shared machine, spinning OpenMP threads slow small forwards most: the
+restored request's 64 tokens more than the recomputed 1,024.)
 """
 
 from __future__ import annotations
