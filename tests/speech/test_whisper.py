@@ -149,3 +149,34 @@ def test_no_speech_probability(transcriber, clips):
     # Whisper's rule (OpenAI's and faster-whisper's): silence is skipped only when the text
     # is also unsure; tiny.en says a confident "you" here, so the segment stays, flagged.
     assert all(s.no_speech_prob > 0.6 for s in silence.segments)
+
+
+def test_independent_windows_decode_together_as_transformers(transcriber, long_audio, hf_folder):
+    """Without timestamps or previous text the windows of one audio decode batched; each
+    window's greedy tokens are transformers' on that window alone."""
+    from transformers import WhisperForConditionalGeneration
+    from transformers.generation.utils import GenerationMixin
+
+    hf = WhisperForConditionalGeneration.from_pretrained(hf_folder).eval()
+    loaded, tokens = transcriber.loaded, transcriber.loaded.tokens
+    audio = long_audio[: 480000 + 160000]  # 30 s + 10 s: two windows
+    banned = [*loaded.suppress, tokens.no_timestamps, *range(tokens.timestamp_begin, 51864)]
+    want = []
+    with torch.inference_mode():
+        for i in (0, 480000):
+            out = GenerationMixin.generate(
+                hf, input_features=log_mel(torch.from_numpy(audio[i : i + 480000])[None]),
+                decoder_input_ids=torch.tensor([[tokens.sot, tokens.no_timestamps]]),
+                suppress_tokens=banned, begin_suppress_tokens=list(loaded.suppress_begin),
+                max_new_tokens=224, do_sample=False, num_beams=1,
+            )  # fmt: skip
+            want.append([t for t in out[0, 2:].tolist() if t != tokens.eot])
+    steps = transcriber.engine.steps
+    result = transcriber.transcribe(
+        audio, timestamps=False, condition_on_previous_text=False, fallback=False
+    )
+    assert [s.tokens for s in result.segments] == want
+    assert [s.start for s in result.segments] == [0.0, 30.0]
+    assert result.segments[1].end == 40.0
+    # batched: fewer decoder steps than both windows' tokens one after the other
+    assert transcriber.engine.steps - steps <= max(map(len, want)) + 1

@@ -73,6 +73,16 @@ class TranscribeOptions:
     """Seeds sampling (temperature > 0)."""
 
 
+@dataclass(frozen=True)
+class _Verdict:
+    """A decoded window against the thresholds."""
+
+    ratio: float
+    avg: float
+    silence: bool
+    failed: bool
+
+
 def compression_ratio(text: str) -> float:
     data = text.encode()
     return len(data) / max(1, len(zlib.compress(data)))
@@ -95,6 +105,8 @@ class TranscriptionJob:
     on_segment: Callable[[Segment], None] | None = None
     """Called (in the speech engine's thread) with each segment as soon as it is final."""
     cancelled: threading.Event = field(default_factory=threading.Event)
+    temperatures: dict[int, float] = field(default_factory=dict)
+    """Independent-windows mode: the temperature each window was decoded at."""
 
     def cancel(self) -> None:
         """Stop decoding; the future then fails with ``Cancelled``."""
@@ -126,11 +138,63 @@ class TranscriptionJob:
         elif self.tokens.multilingual and self.options.language is None:
             self._submit(self._detect_request())
         else:
-            self._next_window()
+            self._begin()
         return self.future
 
-    def _mel(self) -> torch.Tensor:
-        begin = self.seek * HOP
+    @property
+    def independent_windows(self) -> bool:
+        """Without timestamps or previous text every window starts at a multiple of 30 s
+        and is prompted alike, so all of them decode at once, batched (one audio's
+        windows share each decoder step instead of taking turns)."""
+        return not self.options.timestamps and not self.options.condition_on_previous_text
+
+    def _begin(self) -> None:
+        if not self.independent_windows:
+            return self._next_window()
+        n = -(-self.frames // WINDOW_FRAMES)
+        self.pending: dict[int, WindowResult | None] = dict.fromkeys(range(n))
+        for w in range(n):
+            self._submit_window(w, self.options.temperature)
+
+    def _submit_window(self, w: int, temperature: float) -> None:
+        """Window ``w`` (frames w * 3000 ...) of the independent-windows mode."""
+        prompt = self._prompt() if w == 0 else self._plain_prompt()
+        req = WindowRequest(
+            self._mel(w * WINDOW_FRAMES), prompt, lambda r: self._on_independent(w, temperature, r),
+            timestamps=False, temperature=temperature, max_new_tokens=224,
+            generator=self.generator, cancelled=self.cancelled,
+        )  # fmt: skip
+        self._submit(req)
+
+    def _on_independent(self, w: int, temperature: float, result: WindowResult) -> None:
+        try:
+            if result.error is not None:
+                return self._fail(result.error)
+            verdict = self._judge(result)
+            if verdict.failed and self.options.fallback and temperature < 1.0 - 1e-6:
+                return self._submit_window(w, round(temperature + 0.2, 2))
+            self.pending[w] = result
+            self.temperatures[w] = temperature
+            if all(r is not None for r in self.pending.values()):
+                self._merge_independent()
+        except Exception as e:  # never leave the caller waiting on a bug
+            self._fail(e)
+
+    def _merge_independent(self) -> None:
+        """Segments in window order, once every window is decoded."""
+        for w, result in sorted(self.pending.items()):
+            assert result is not None
+            verdict = self._judge(result)
+            if verdict.silence:
+                continue
+            self.seek, self.temperature = w * WINDOW_FRAMES, self.temperatures[w]
+            self.no_speech_prob = result.no_speech_prob
+            self._cut(result.tokens, verdict.avg, verdict.ratio)
+        self._finish()
+
+    def _mel(self, seek: int | None = None) -> torch.Tensor:
+        """The 30 s window's features from mel frame ``seek`` (default: ``self.seek``)."""
+        begin = (self.seek if seek is None else seek) * HOP
         chunk = torch.from_numpy(self.audio[begin : begin + WINDOW_FRAMES * HOP])
         return log_mel(chunk[None], self.engine.cfg.n_mels)[0]
 
@@ -146,15 +210,15 @@ class TranscriptionJob:
             return self._fail(result.error)
         by_id = {i: code for code, i in self.tokens.languages.items()}
         self.language = by_id.get(result.tokens[0], "en") if result.tokens else "en"
-        self._next_window()
+        self._begin()
+
+    def _plain_prompt(self) -> list[int]:
+        sot = self.tokens.sot_sequence(self.language, self.options.task)
+        return sot + ([] if self.options.timestamps else [self.tokens.no_timestamps])
 
     def _prompt(self) -> list[int]:
-        opts = self.options
-        sot = self.tokens.sot_sequence(self.language, opts.task)
-        if not opts.timestamps:
-            sot = sot + [self.tokens.no_timestamps]
         prev = self.all_tokens[-MAX_PROMPT:] if self.all_tokens else []
-        return ([self.tokens.sot_prev] + prev if prev else []) + sot
+        return ([self.tokens.sot_prev] + prev if prev else []) + self._plain_prompt()
 
     def _next_window(self, temperature: float | None = None) -> None:
         if self.seek >= self.frames:
@@ -185,22 +249,24 @@ class TranscriptionJob:
         except Exception as e:  # never leave the caller waiting on a bug
             self._fail(e)
 
+    def _judge(self, result: WindowResult) -> _Verdict:
+        ratio = compression_ratio(self.tokens.decode_text(result.tokens))
+        avg = result.sum_logprob / (len(result.tokens) + 1)
+        silence = result.no_speech_prob > NO_SPEECH_THRESHOLD and avg < LOGPROB_THRESHOLD
+        failed = not silence and (ratio > COMPRESSION_RATIO_THRESHOLD or avg < LOGPROB_THRESHOLD)
+        return _Verdict(ratio, avg, silence, failed)
+
     def _window_done(self, result: WindowResult) -> None:
         if result.error is not None:
             return self._fail(result.error)
-        tokens = result.tokens
-        text = self.tokens.decode_text(tokens)
-        ratio = compression_ratio(text)
-        avg = result.sum_logprob / (len(tokens) + 1)
-        silence = result.no_speech_prob > NO_SPEECH_THRESHOLD and avg < LOGPROB_THRESHOLD
-        failed = not silence and (ratio > COMPRESSION_RATIO_THRESHOLD or avg < LOGPROB_THRESHOLD)
-        if failed and self.options.fallback and self.temperature < 1.0 - 1e-6:
+        verdict = self._judge(result)
+        if verdict.failed and self.options.fallback and self.temperature < 1.0 - 1e-6:
             return self._next_window(round(self.temperature + 0.2, 2))
-        if silence:
+        if verdict.silence:
             self.seek += min(WINDOW_FRAMES, self.frames - self.seek)  # silence: no segment
             return self._next_window()
         self.no_speech_prob = result.no_speech_prob
-        self._cut(tokens, avg, ratio)
+        self._cut(result.tokens, verdict.avg, verdict.ratio)
         if not self.options.condition_on_previous_text or self.temperature > 0.5:
             self.all_tokens = []
         self._next_window()
