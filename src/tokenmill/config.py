@@ -187,8 +187,8 @@ class EngineConfig:
     """Stages that split the layers (each a process; the last, with the sampler, is this
     one). Not together with tensor_parallel_size yet."""
     distributed_executor_backend: str | None = None
-    """How tensor-parallel ranks run: mp (processes of this machine; the default) or ray
-    (not built for tensor or pipeline parallelism yet)."""
+    """How tensor / pipeline ranks run: mp (processes of this machine; the default) or ray
+    (Ray actors on the cluster of ``ray_address``: ``distributed/ray_ranks.py``)."""
     data_parallel_size: int = 1
     """Engine replicas behind one server, each a Ray actor (``tokenmill[ray]``), requests
     routed by cached prefix (``distributed/router.py``); ``tokenmill serve`` only, not

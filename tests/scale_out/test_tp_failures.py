@@ -41,7 +41,6 @@ def test_smollm2_is_refused_with_its_head_counts(smollm2_gguf):
     [
         ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "combining both is not"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
-        ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, "'ray' is not"),
         ({"distributed_executor_backend": "slurm"}, "unknown; use one of mp, ray"),
     ],
 )

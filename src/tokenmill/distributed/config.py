@@ -25,12 +25,14 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     """Stages that split the layers (the last one, with the sampler, is the driver)."""
     distributed_executor_backend: str = "mp"
-    """How the workers run: mp (processes of this machine, torch.distributed over gloo
-    on CPU, NCCL on CUDA) or ray (not built for tensor or pipeline parallelism yet)."""
+    """How tensor / pipeline ranks 1.. run: mp (spawned processes of this machine) or ray
+    (Ray actors, on any node of the cluster ``ray_address`` names); torch.distributed
+    over gloo on CPU, NCCL on CUDA, either way."""
     data_parallel_size: int = 1
     """Engine replicas (Ray actors) behind one server (``router.py``)."""
     ray_address: str | None = None
-    """The Ray cluster the replicas join (``ray.init(address=...)``); None: a local one."""
+    """The Ray cluster the replicas (or Ray ranks) join (``ray.init(address=...)``); None:
+    the running one, else a local one."""
     data_parallel_routing: str = "cache_aware"
     """How the server picks a replica: cache_aware (longest cached prefix, balanced with
     requests in flight) or round_robin."""
@@ -62,11 +64,6 @@ class ParallelConfig:
             raise InvalidRequestError(
                 f"tensor_parallel_size={self.tensor_parallel_size} with pipeline_parallel_size="
                 f"{self.pipeline_parallel_size}: combining both is not built yet; use one"
-            )
-        if self.distributed_executor_backend == "ray" and self.world_size > 1:
-            raise InvalidRequestError(
-                "distributed_executor_backend='ray' is not built for tensor or pipeline "
-                "parallelism yet; use 'mp' (worker processes on this machine)"
             )
 
     @property

@@ -1,7 +1,8 @@
 """Starting an engine's tensor-parallel ranks: checks, worker processes, the driver's rank.
 
 ``start_ranks(config)`` checks the sizes against the checkpoint (before any process
-starts), spawns ranks 1.. as processes (they begin loading their shards at once), and
+starts), starts ranks 1.. as spawned processes or Ray actors (``ray_ranks``; they begin
+loading their shards at once), and
 joins the process group as rank 0. ``Ranks.drive`` then tells the workers the KV cache
 size the driver chose and wraps the driver's shard (``TensorParallelDriver``).
 """
@@ -13,9 +14,11 @@ import logging
 import multiprocessing as mp
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -34,6 +37,9 @@ from tokenmill.models.config import ArchConfig
 from tokenmill.models.decoder import DecoderForCausalLM
 from tokenmill.threads import configure_threads
 
+if TYPE_CHECKING:
+    from tokenmill.distributed.ray_ranks import RayOwner
+
 logger = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT = 600.0
@@ -45,12 +51,32 @@ class WorkerDiedError(EngineDeadError):
     run no more steps."""
 
 
+class Proc(Protocol):
+    """What the driver watches of a rank: a ``multiprocessing`` process or a Ray actor
+    (``ray_ranks.RayProc``)."""
+
+    @property
+    def pid(self) -> int | None: ...
+    @property
+    def exitcode(self) -> int | None: ...
+    def is_alive(self) -> bool: ...
+    def join(self, timeout: float | None = None) -> None: ...
+    def kill(self) -> None: ...
+
+
+class Pipe(Protocol):
+    def poll(self, timeout: float | None = 0.0) -> bool: ...
+    def recv(self) -> Any: ...
+
+
 @dataclass
 class Workers:
-    """Ranks 1.. as processes, each with a pipe for its startup reports."""
+    """Ranks 1.., each with a pipe for its startup reports."""
 
-    procs: list[BaseProcess]
-    pipes: list[Connection]
+    procs: Sequence[Proc]
+    pipes: Sequence[Pipe]
+    ray: RayOwner | None = None
+    """The Ray this engine started for its actors: shut down with them."""
 
     def wait(self, timeout: float = STARTUP_TIMEOUT) -> None:
         """Wait for one ``Ready`` from every worker; raise on an error report or an exit."""
@@ -78,7 +104,7 @@ class Workers:
             time.sleep(0.05)
         return dead
 
-    def describe(self, proc: BaseProcess, what: str) -> str:
+    def describe(self, proc: Proc, what: str) -> str:
         rank = self.procs.index(proc) + 1
         return (
             f"worker rank {rank} (pid {proc.pid}) {what} "
@@ -91,6 +117,8 @@ class Workers:
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
+        if self.ray is not None:
+            self.ray.stop()
 
 
 @dataclass
@@ -139,14 +167,35 @@ def start_ranks(config: EngineConfig) -> Ranks:
     """Check, spawn ranks 1.., join as rank 0. Each rank gets usable CPUs / ranks threads."""
     check_parallel_model(config)
     tp = config.parallel.world_size
+    threads = max(1, configure_threads() // tp)
+    torch.set_num_threads(threads)
+    port = _free_port()
+    if config.parallel.distributed_executor_backend == "ray":
+        from tokenmill.distributed.ray_ranks import start_actors
+
+        procs, pipes, address, owner = start_actors(config, tp, threads, port)
+        workers = Workers(procs, pipes, owner)
+    else:
+        address = f"tcp://127.0.0.1:{port}"
+        workers = _spawn(config, tp, threads, address)
+    try:
+        workers.wait()  # imported: they are about to join
+        group = init_ranks(0, tp, address, config.torch_device())
+    except BaseException:
+        workers.stop(timeout=0)
+        raise
+    logger.info("%s: %d ranks, %d CPU threads each", config.parallel, tp, threads)
+    return Ranks(group, model_part(config, group), workers)
+
+
+def _spawn(config: EngineConfig, tp: int, threads: int, address: str) -> Workers:
+    """Ranks 1.. as spawned processes of this machine (they begin loading at once)."""
     if mp.current_process().daemon:
         raise ValueError(
             f"{tp} ranks means worker processes, which a daemonic process (the server's "
-            "--engine-process on) can not have; use --engine-process off"
+            "--engine-process on) can not have; use --engine-process off or "
+            "distributed_executor_backend='ray'"
         )
-    threads = max(1, configure_threads() // tp)
-    torch.set_num_threads(threads)
-    address = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     procs: list[BaseProcess] = []
     pipes: list[Connection] = []
@@ -158,15 +207,7 @@ def start_ranks(config: EngineConfig) -> Ranks:
         proc.start()
         procs.append(proc)
         pipes.append(ours)
-    workers = Workers(procs, pipes)
-    try:
-        workers.wait()  # imported: they are about to join
-        group = init_ranks(0, tp, address, config.torch_device())
-    except BaseException:
-        workers.stop(timeout=0)
-        raise
-    logger.info("%s: %d ranks, %d CPU threads each", config.parallel, tp, threads)
-    return Ranks(group, model_part(config, group), workers)
+    return Workers(procs, pipes)
 
 
 def _free_port() -> int:

@@ -1,4 +1,4 @@
-"""A tensor-parallel worker process (ranks 1..): load its shard, then run what the driver
+"""A tensor- or pipeline-parallel worker (ranks 1.., a process or a Ray actor): load its shard, then run what the driver
 broadcasts until told to stop.
 
 The worker never schedules or samples: per step it receives the step's model inputs
@@ -14,7 +14,7 @@ import logging
 import traceback
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -40,12 +40,15 @@ class WorkerArgs:
     address: str
     """tcp://host:port of the process group's rendezvous (the driver's)."""
     num_threads: int
+    device_index: int | None = None
+    """The CUDA device to use; None: the rank's own (``device_of``). A Ray actor sees only
+    the one GPU Ray gave it, as device 0."""
 
 
-def device_of(config: EngineConfig, rank: int) -> torch.device:
-    """Rank r's device: cuda:r (of the visible devices) on CUDA, else the CPU."""
+def device_of(config: EngineConfig, index: int) -> torch.device:
+    """cuda:index (of the visible devices; a rank's is its rank) on CUDA, else the CPU."""
     device = config.torch_device()
-    return torch.device("cuda", rank) if device.type == "cuda" else device
+    return torch.device("cuda", index) if device.type == "cuda" else device
 
 
 def model_part(config: EngineConfig, group: RankGroup) -> ModelPart:
@@ -56,11 +59,17 @@ def model_part(config: EngineConfig, group: RankGroup) -> ModelPart:
     return TPShard(cfg, group)
 
 
-def worker_main(args: WorkerArgs, conn: Connection) -> None:
+class Reports(Protocol):
+    """Where a worker sends its startup reports: a pipe's end, or a Ray queue's."""
+
+    def send(self, obj: Any) -> None: ...
+
+
+def worker_main(args: WorkerArgs, conn: Connection | Reports) -> None:
     """The process's entry point (multiprocessing ``spawn``)."""
     torch.set_num_threads(args.num_threads)
     config = args.config
-    device = device_of(config, args.rank)
+    device = device_of(config, args.rank if args.device_index is None else args.device_index)
     if device.type == "cuda":
         torch.cuda.set_device(device)
         config = dataclasses.replace(config, device=str(device))

@@ -368,7 +368,8 @@ ENGINE_FLAGS = (
         "--ray-address",
         "ray_address",
         str,
-        "the Ray cluster the replicas join (default: start a local one)",
+        "the Ray cluster the replicas (or the Ray ranks) join (default: the running one, else "
+        "start a local one)",
     ),
     Flag(
         "--data-parallel-routing",
@@ -383,7 +384,8 @@ ENGINE_FLAGS = (
         "--distributed-executor-backend",
         "distributed_executor_backend",
         str,
-        "how tensor-parallel ranks run: mp (worker processes of this machine) or ray",
+        "how tensor / pipeline-parallel ranks run: mp (worker processes of this machine) or "
+        "ray (Ray actors, on the cluster --ray-address names, else a local one)",
         choices=("mp", "ray"),
     ),
 )
