@@ -6,7 +6,8 @@
 On a 2-core CPU machine only overheads mean something (two ranks share the two cores
 the one-process engine had to itself), so the parts are:
 
-- ``tp``: offline greedy decode (8 prompts x 64 tokens, a random Llama, float32) in one
+- ``tp``: offline greedy decode (8 prompts x 64 tokens, a random Llama, float32) and
+  prefill (8 x 200-token prompts: the step the pipeline cuts into micro-batches) in one
   process (with the default threads, and with one) vs ``tensor_parallel_size=2`` and
   ``pipeline_parallel_size=2`` (worker processes, gloo, one thread per rank). The
   one-process engine is also what TP=1 runs (no executor is added then), so TP=1's
@@ -59,27 +60,43 @@ def bench_tp(path: Path, repeat: int) -> list[list[str]]:
 
     from tokenmill import LLM, SamplingParams
 
-    sp = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    rows, base = [], None
     threads = torch.get_num_threads()
     runs = (("one process (= TP=1)", threads, {}), ("one process, 1 thread", 1, {}),
             ("TP=2 (mp, gloo), 1 thread/rank", threads, {"tensor_parallel_size": 2}),
             ("PP=2 (mp, gloo), 1 thread/rank", threads, {"pipeline_parallel_size": 2}))  # fmt: skip
+    rows, base = [], None
     for name, n, options in runs:
         torch.set_num_threads(n)  # the engine keeps it (at most the usable CPUs)
-        with LLM(str(path), dtype="float32", max_model_len=256, **options) as llm:
-            llm.generate(prompts[:1], sp, use_tqdm=False)  # warm up
-            best = float("inf")
-            for _ in range(repeat):
-                t = time.perf_counter()
-                llm.generate(prompts, sp, use_tqdm=False)
-                best = min(best, time.perf_counter() - t)
-        rate = len(prompts) * 64 / best
-        base = base or rate
-        rows.append([name, f"{rate:.0f}", f"{rate / base:.2f}x"])
+        with LLM(str(path), dtype="float32", max_model_len=256, enable_prefix_caching=False,
+                 **options) as llm:  # fmt: skip
+            warm_up = [{"prompt_token_ids": PROMPTS[0]}]
+            llm.generate(warm_up, SamplingParams(max_tokens=2), use_tqdm=False)
+            rates = [_rate(llm, prompts, tokens, repeat) for prompts, tokens in _WORK]
+        base = base or rates
+        rows.append([name, *(f"{r:.0f} ({r / b:.2f}x)" for r, b in zip(rates, base))])
     torch.set_num_threads(threads)
     return rows
+
+
+_WORK = (
+    ([{"prompt_token_ids": p} for p in PROMPTS], 64),  # decode: 8 x 64 tokens
+    ([{"prompt_token_ids": [(7 * i + j) % 500 + 5 for j in range(200)]} for i in range(8)], 1),
+)
+"""Decode (8 prompts x 64 tokens: output tokens/s) and prefill (8 x 200-token prompts, one
+step of 1,600 rows that the pipeline cuts into micro-batches: prompt tokens/s)."""
+
+
+def _rate(llm, prompts: list[dict], tokens: int, repeat: int) -> float:
+    from tokenmill import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        best = min(best, time.perf_counter() - t)
+    counted = tokens if tokens > 1 else len(prompts[0]["prompt_token_ids"])
+    return len(prompts) * counted / best
 
 
 async def _clients(front, rounds: int, max_tokens: int) -> float:
@@ -177,8 +194,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp) / "llama")
         if "tp" in args.parts:
-            print("decode, 8 x 64 tokens (tokens/s)")
-            print(table([["engine", "tok/s", "vs one process"], *bench_tp(path, args.repeat)]))
+            print("tokens/s (vs one process); prefix cache off")
+            print(table([["engine", "decode 8 x 64", "prefill 8 x 200"],
+                         *bench_tp(path, args.repeat)]))  # fmt: skip
         if "dp" in args.parts:
             print("\n8 concurrent clients x 2 rounds x 32 tokens (tokens/s)")
             print(table([["front end", "tok/s", "vs plain"], *bench_dp(path, args.repeat)]))

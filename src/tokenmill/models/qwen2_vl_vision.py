@@ -275,20 +275,29 @@ class VisionTower(nn.Module):
         return t.reshape(t.shape[0] // unit, unit, *t.shape[1:])[order].reshape(t.shape)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """One checkpoint tensor (its name under ``visual.``); the Conv3d kernel flattens."""
-        params = dict(self.named_parameters())
-        if name not in params:
-            raise ModelLoadError(f"checkpoint tensor 'visual.{name}' has no place in the model")
-        dst = params[name]
-        src = tensor.reshape(dst.shape) if name == "patch_embed.proj.weight" else tensor
-        if src.shape != dst.shape:
-            raise ModelLoadError(
-                f"'visual.{name}': checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}"
-            )
-        with torch.no_grad():
-            dst.copy_(src)
+        load_visual_weight(self, name, tensor)
 
     def check_loaded(self, filled: set[str]) -> None:
-        missing = sorted(dict(self.named_parameters()).keys() - filled)
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing vision weights: {', '.join(missing)}")
+        check_visual_loaded(self, filled)
+
+
+def load_visual_weight(tower: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """One checkpoint tensor of a Qwen vision tower (its name under ``visual.``); the
+    Conv3d patch kernel is stored flattened."""
+    params = dict(tower.named_parameters())
+    if name not in params:
+        raise ModelLoadError(f"checkpoint tensor 'visual.{name}' has no place in the model")
+    dst = params[name]
+    src = tensor.reshape(dst.shape) if name == "patch_embed.proj.weight" else tensor
+    if src.shape != dst.shape:
+        raise ModelLoadError(
+            f"'visual.{name}': checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}"
+        )
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def check_visual_loaded(tower: nn.Module, filled: set[str]) -> None:
+    missing = sorted(dict(tower.named_parameters()).keys() - filled)
+    if missing:
+        raise ModelLoadError(f"checkpoint is missing vision weights: {', '.join(missing)}")

@@ -18,8 +18,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from tokenmill.errors import ModelLoadError
-from tokenmill.models.qwen2_vl_vision import ACTIVATIONS, VisionAttention, VisionSpec, _linear
+from tokenmill.models.qwen2_vl_vision import (
+    ACTIVATIONS,
+    VisionAttention,
+    VisionSpec,
+    _linear,
+    check_visual_loaded,
+    load_visual_weight,
+)
 from tokenmill.multimodal.vision_layout import frame_bounds, hw_positions
 
 
@@ -148,20 +154,7 @@ class Qwen3VisionTower(nn.Module):
         return (self.pos_embed(index) * weight[:, :, None]).sum(1).to(self.dtype)
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> None:
-        """One checkpoint tensor (its name under ``visual.``); the Conv3d kernel flattens."""
-        params = dict(self.named_parameters())
-        if name not in params:
-            raise ModelLoadError(f"checkpoint tensor 'visual.{name}' has no place in the model")
-        dst = params[name]
-        src = tensor.reshape(dst.shape) if name == "patch_embed.proj.weight" else tensor
-        if src.shape != dst.shape:
-            raise ModelLoadError(
-                f"'visual.{name}': checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}"
-            )
-        with torch.no_grad():
-            dst.copy_(src)
+        load_visual_weight(self, name, tensor)
 
     def check_loaded(self, filled: set[str]) -> None:
-        missing = sorted(dict(self.named_parameters()).keys() - filled)
-        if missing:
-            raise ModelLoadError(f"checkpoint is missing vision weights: {', '.join(missing)}")
+        check_visual_loaded(self, filled)
