@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-PREFIX = "tokenmill:"
+from tokenmill.metrics.prometheus import PREFIX, counter, gauge
 
 
 class RouterCollector(Collector):
@@ -51,11 +51,7 @@ class RouterCollector(Collector):
             yield family
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
-        g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        g.add_metric([self._model], value)
-        return g
+        return gauge(name, doc, self._model, value)
 
     def _counter(self, name: str, doc: str, value: float) -> Metric:
-        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        c.add_metric([self._model], value)
-        return c
+        return counter(name, doc, self._model, value)

@@ -195,20 +195,30 @@ class StatsCollector(Collector):
             )
 
     def _gauge(self, name: str, doc: str, value: float) -> Metric:
-        g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        g.add_metric([self._model], value)
-        return g
+        return gauge(name, doc, self._model, value)
 
     def _counter(self, name: str, doc: str, value: float) -> Metric:
-        c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
-        c.add_metric([self._model], value)
-        return c
+        return counter(name, doc, self._model, value)
 
     def _histogram(self, name: str, doc: str, h: Histogram) -> Metric:
         m = HistogramMetricFamily(PREFIX + name, doc, labels=["model_name"])
         buckets = [("+Inf" if b == float("inf") else repr(b), n) for b, n in h.cumulative()]
         m.add_metric([self._model], buckets, h.sum)
         return m
+
+
+def gauge(name: str, doc: str, model: str, value: float) -> Metric:
+    """``tokenmill:<name>{model_name=model}`` = value."""
+    g = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+    g.add_metric([model], value)
+    return g
+
+
+def counter(name: str, doc: str, model: str, value: float) -> Metric:
+    """``tokenmill:<name>_total{model_name=model}`` = value."""
+    c = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+    c.add_metric([model], value)
+    return c
 
 
 def _renamed(family: Metric, name: str) -> Metric:

@@ -26,6 +26,7 @@ from tokenmill.multimodal.hashing import content_hash
 from tokenmill.multimodal.inputs import MediaItem, MultiModalInputs, PlaceholderRange
 from tokenmill.multimodal.model import MultiModalInfo
 from tokenmill.multimodal.options import MediaOptions, check_counts
+from tokenmill.multimodal.processing import check_modalities, placeholder_marks
 
 
 def audio_tokens(frames: int) -> int:
@@ -57,22 +58,15 @@ class Qwen2AudioProcessor:
         self, prompt_ids: list[int], data: Mapping[str, Any], options: MediaOptions
     ) -> tuple[list[int], MultiModalInputs]:
         t0 = time.perf_counter()
-        if set(data) - {"audio"}:
-            raise InvalidRequestError(
-                f"multi_modal_data: {sorted(set(data) - {'audio'})} not supported by this model; it takes 'audio'"
-            )
+        check_modalities(data, ("audio",))
         if options != MediaOptions():
             raise InvalidRequestError("mm_processor_kwargs are not supported for this model yet")
         raw = data.get("audio")
         audios = [] if raw is None else list(raw) if isinstance(raw, list) else [raw]
         check_counts({"audio": len(audios)}, self.limits)
         token = self.info.audio_token_id
-        marks = [i for i, t in enumerate(prompt_ids) if t == token]
-        if len(marks) != len(audios):
-            raise InvalidRequestError(
-                f"the prompt has {len(marks)} <|AUDIO|> placeholder(s) and {len(audios)} audio "
-                "item(s) were given; put one <|audio_bos|><|AUDIO|><|audio_eos|> per audio"
-            )
+        marks = placeholder_marks(prompt_ids, token, len(audios),
+                                  "<|AUDIO|> audio item", "<|audio_bos|><|AUDIO|><|audio_eos|>")  # fmt: skip
         windows = [self._windows(a) for a in audios]
         ids: list[int] = []
         items: list[MediaItem] = []

@@ -30,6 +30,7 @@ from tokenmill.multimodal.inputs import MediaItem, MultiModalInputs
 from tokenmill.multimodal.media import load_image
 from tokenmill.multimodal.model import MultiModalInfo
 from tokenmill.multimodal.options import MediaOptions, check_counts
+from tokenmill.multimodal.processing import media_list, placeholder_marks
 
 _PROCESSOR_KEYS = (
     "do_convert_rgb", "do_resize", "size", "resample", "do_rescale", "rescale_factor",
@@ -85,14 +86,10 @@ class Gemma3Processor:
             )
         pan = self._pan_and_scan(options)
         raw = data.get("image")
-        images = [] if raw is None else list(raw) if isinstance(raw, (list, tuple)) else [raw]
+        images = media_list(raw)
         check_counts({"image": len(images)}, self.limits)
-        marks = [i for i, t in enumerate(prompt_ids) if t == self.info.start_token_id]
-        if len(marks) != len(images):
-            raise InvalidRequestError(
-                f"the prompt has {len(marks)} <start_of_image> placeholder(s) and {len(images)} "
-                "image(s) were given; put one <start_of_image> per image in the prompt"
-            )
+        marks = placeholder_marks(prompt_ids, self.info.start_token_id, len(images),
+                                  "<start_of_image> image", "<start_of_image>")  # fmt: skip
         if not images:
             return prompt_ids, MultiModalInputs((), ())
         pils = [load_image(img, self.max_pixels_cap) for img in images]

@@ -27,6 +27,7 @@ from tokenmill.multimodal.inputs import MediaItem, MultiModalInputs, Placeholder
 from tokenmill.multimodal.media import load_image
 from tokenmill.multimodal.model import MultiModalInfo
 from tokenmill.multimodal.options import MediaOptions, check_counts
+from tokenmill.multimodal.processing import check_modalities, media_list, placeholder_marks
 
 _PROCESSOR_KEYS = (
     "do_convert_rgb", "do_resize", "size", "resample", "do_image_splitting", "max_image_size",
@@ -69,25 +70,18 @@ class Idefics3Processor:
         self, prompt_ids: list[int], data: Mapping[str, Any], options: MediaOptions
     ) -> tuple[list[int], MultiModalInputs]:
         t0 = time.perf_counter()
-        if set(data) - {"image"}:
-            raise InvalidRequestError(
-                f"multi_modal_data: {sorted(set(data) - {'image'})} not supported by this model; it takes 'image'"
-            )
+        check_modalities(data, ("image",))
         if options != MediaOptions():
             raise InvalidRequestError(
                 "mm_processor_kwargs are not supported for this model yet (its image splitting "
                 "follows the checkpoint's preprocessor_config.json)"
             )
         raw = data.get("image")
-        images = [] if raw is None else list(raw) if isinstance(raw, (list, tuple)) else [raw]
+        images = media_list(raw)
         check_counts({"image": len(images)}, self.limits)
         token = self.info.image_token_id
-        marks = [i for i, t in enumerate(prompt_ids) if t == token]
-        if len(marks) != len(images):
-            raise InvalidRequestError(
-                f"the prompt has {len(marks)} <image> placeholder(s) and {len(images)} image(s) "
-                "were given; put one <image> per image in the prompt"
-            )
+        marks = placeholder_marks(prompt_ids, token, len(images),
+                                  "<image> image", "<image>")  # fmt: skip
         if not images:
             return prompt_ids, MultiModalInputs((), ())
         pils = [load_image(img, self.max_pixels_cap) for img in images]

@@ -104,13 +104,8 @@ class QwenVLProcessor:
         self, prompt_ids: list[int], data: Mapping[str, Any], options: MediaOptions
     ) -> tuple[list[int], MultiModalInputs]:
         t0 = time.perf_counter()
-        unknown = sorted(set(data) - {"image", "video"})
-        if unknown:
-            raise InvalidRequestError(
-                f"multi_modal_data: {unknown} not supported by this model yet; it takes "
-                "'image' and 'video'"
-            )
-        images, videos = _as_list(data.get("image")), _as_list(data.get("video"), video=True)
+        check_modalities(data, ("image", "video"))
+        images, videos = media_list(data.get("image")), media_list(data.get("video"), video=True)
         if videos and self.info.video_token_id < 0:
             raise InvalidRequestError(
                 "this model takes images only here (its video input is not built yet); "
@@ -185,7 +180,30 @@ class QwenVLProcessor:
 _NAMES = {0: "image", 1: "video"}
 
 
-def _as_list(raw: Any, video: bool = False) -> list[Any]:
+def check_modalities(data: Mapping[str, Any], accepted: tuple[str, ...]) -> None:
+    """Refuse ``multi_modal_data`` keys this model does not take."""
+    unknown = sorted(set(data) - set(accepted))
+    if unknown:
+        takes = " and ".join(repr(k) for k in accepted)
+        raise InvalidRequestError(
+            f"multi_modal_data: {unknown} not supported by this model yet; it takes {takes}"
+        )
+
+
+def placeholder_marks(ids: list[int], token: int, count: int, what: str, hint: str) -> list[int]:
+    """Positions of ``token`` in ``ids``; there must be one per item (``count`` of them).
+    ``what``: the placeholder and the item ("<image>", "image"); ``hint``: what to put."""
+    marks = [i for i, t in enumerate(ids) if t == token]
+    if len(marks) != count:
+        spelling, item = what.split(" ", 1) if " " in what else (what, what)
+        raise InvalidRequestError(
+            f"the prompt has {len(marks)} {spelling} placeholder(s) and {count} {item}(s) were "
+            f"given; put one {hint} per {item} in the prompt"
+        )
+    return marks
+
+
+def media_list(raw: Any, video: bool = False) -> list[Any]:
     """One item or a list of them. A video is itself an array [T, H, W, 3], a list of
     frames or a (frames, metadata) tuple, so a list is of videos only when its first
     element is one of those (not a frame)."""

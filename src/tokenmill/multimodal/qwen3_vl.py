@@ -13,7 +13,13 @@ from tokenmill.multimodal.inputs import MediaItem, MultiModalInputs, Placeholder
 from tokenmill.multimodal.media import load_image
 from tokenmill.multimodal.mrope import mrope_positions
 from tokenmill.multimodal.options import MediaOptions, check_counts, refuse_pan_and_scan
-from tokenmill.multimodal.processing import QwenVLProcessor, _as_list, expand_placeholders
+from tokenmill.multimodal.processing import (
+    QwenVLProcessor,
+    check_modalities,
+    expand_placeholders,
+    media_list,
+    placeholder_marks,
+)
 from tokenmill.multimodal.qwen3_video import VideoSegments, runs_of, segment_ids, video_segments
 
 
@@ -28,13 +34,8 @@ class Qwen3VLProcessor(QwenVLProcessor):
         self, prompt_ids: list[int], data: Mapping[str, Any], options: MediaOptions
     ) -> tuple[list[int], MultiModalInputs]:
         t0 = time.perf_counter()
-        unknown = sorted(set(data) - {"image", "video"})
-        if unknown:
-            raise InvalidRequestError(
-                f"multi_modal_data: {unknown} not supported by this model; it takes 'image' and "
-                "'video'"
-            )
-        images, videos = _as_list(data.get("image")), _as_list(data.get("video"), video=True)
+        check_modalities(data, ("image", "video"))
+        images, videos = media_list(data.get("image")), media_list(data.get("video"), video=True)
         check_counts({"image": len(images), "video": len(videos)}, self.limits)
         opts = self.defaults.merged(options)
         refuse_pan_and_scan(opts.image, "Qwen3-VL")
@@ -66,13 +67,8 @@ class Qwen3VLProcessor(QwenVLProcessor):
 
     def _expand_videos(self, ids: list[int], segments: list[VideoSegments]) -> list[int]:
         pad = self.info.video_token_id
-        marks = [i for i, t in enumerate(ids) if t == pad]
-        if len(marks) != len(segments):
-            raise InvalidRequestError(
-                f"the prompt has {len(marks)} video placeholder(s) and {len(segments)} video(s) "
-                "were given; put one <|vision_start|><|video_pad|><|vision_end|> per video in "
-                "the prompt (the chat template does this for video parts)"
-            )
+        marks = placeholder_marks(ids, pad, len(segments), "video",
+                                  "<|vision_start|><|video_pad|><|vision_end|>")  # fmt: skip
         encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         out: list[int] = []
         prev = 0
