@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from tokenmill.speech.espeak import phonemize
 from tokenmill.speech.piper import load_piper
+from tokenmill.speech.vits import Piece, pieces
+from tokenmill.speech.workers import TaskPool
 
 DEFAULT_VOICE = "default"
 """A single-voice model answers to its own voice name and to this."""
@@ -43,15 +49,30 @@ def to_pcm16(audio: torch.Tensor) -> bytes:
     return (audio.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
 
 
-class TTS:
-    """A Piper voice (its folder or its ``.onnx``); ``generate_speech_stream`` is thread-safe."""
+AHEAD = 3
+"""Sentences of a stream whose latents may be computed before the listener reaches them."""
+FIRST = 24
+"""Latent frames in a stream's first piece (0.28 s of audio): out soon, decoded fast."""
+PIECE = 512
+"""At most this many latent frames (6 s) in a vocoder piece after the first."""
 
-    def __init__(self, model: str | Path, warmup: bool = True) -> None:
+
+class TTS:
+    """A Piper voice (its folder or its ``.onnx``); ``generate_speech_stream`` is thread-safe.
+
+    The model runs on ``workers`` single-threaded workers (default: torch's thread count):
+    a stream's sentence latents and vocoder pieces are tasks, the earliest audio first, so
+    the next sentences are computed while the current one is decoded.
+    """
+
+    def __init__(self, model: str | Path, warmup: bool = True, workers: int | None = None) -> None:
         self.voice = load_piper(model)
-        self._lock = threading.Lock()
+        self.workers = workers or torch.get_num_threads()
+        self._pool = TaskPool(self.workers)
+        self._streams = itertools.count()
         self._closed = False
         if warmup:  # the first forward pays oneDNN's setup (seconds): not the first request
-            self.synthesize("Hello.")
+            self.generate_speech("Hello.")
 
     @property
     def sample_rate(self) -> int:
@@ -68,45 +89,41 @@ class TTS:
                 f"unknown voice {params.voice!r}; known voices: {self.list_voices()} (or 'default')"
             )
 
-    def synthesize(self, sentence: str, params: AudioParams = AudioParams()) -> torch.Tensor:
-        """One sentence -> float waveform [samples] at ``sample_rate``."""
-        self._check(params)
+    def _latent(self, sentence: str, params: AudioParams) -> torch.Tensor:
+        """One sentence -> the vocoder's input [1, inter, frames]."""
         ids = self.voice.ids(phonemize(sentence, self.voice.espeak_voice))
         base = self.voice.scales
         scales = replace(base, length=base.length / params.speed)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        with self._lock, torch.inference_mode():
-            return self.voice.model(torch.tensor([ids]), scales, gen)
+        with torch.inference_mode():
+            return self.voice.model.latent(torch.tensor([ids]), scales, gen)
+
+    def synthesize(self, sentence: str, params: AudioParams = AudioParams()) -> torch.Tensor:
+        """One sentence -> float waveform [samples] at ``sample_rate``, in one piece."""
+        self._check(params)
+
+        def run() -> torch.Tensor:
+            z = self._latent(sentence, params)
+            with torch.inference_mode():
+                return self.voice.model.dec(z)[0, 0]
+
+        return self._pool.submit((next(self._streams),), run).result()  # type: ignore[no-any-return]
 
     def generate_speech_stream(
         self, text: str, params: AudioParams = AudioParams()
     ) -> Iterator[bytes]:
-        """int16 LE mono PCM chunks as soon as each is synthesized (sentence by sentence,
-        each sentence in vocoder pieces)."""
+        """int16 LE mono PCM chunks in order, each as soon as it is synthesized: sentence
+        by sentence, the first one's first ``FIRST`` frames on their own (the same bytes
+        whatever the timing: the pieces depend on the text only)."""
         self._check(params)
         sentences = split_sentences(text)
         if not sentences:
             raise ValueError("the input text is empty")
-        for sentence in sentences:
-            yield from self._sentence_chunks(sentence, params)
-
-    def _sentence_chunks(self, sentence: str, params: AudioParams) -> Iterator[bytes]:
-        """A sentence's PCM in pieces: the vocoder runs on frame windows, so the first piece
-        is out before the rest of the sentence is decoded."""
-        ids = self.voice.ids(phonemize(sentence, self.voice.espeak_voice))
-        base = self.voice.scales
-        scales = replace(base, length=base.length / params.speed)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        model = self.voice.model
-        with self._lock, torch.inference_mode():
-            z = model.latent(torch.tensor([ids]), scales, gen)
-        pieces = model.decode_chunks(z)
-        while True:
-            with self._lock, torch.inference_mode():
-                piece = next(pieces, None)
-            if piece is None:
-                return
-            yield to_pcm16(piece)
+        stream = _Stream(self, next(self._streams), sentences, params)
+        try:
+            yield from stream.chunks()
+        finally:
+            stream.cancel()
 
     def generate_speech(self, text: str, params: AudioParams = AudioParams()) -> np.ndarray:
         """The whole text as int16 samples."""
@@ -115,3 +132,56 @@ class TTS:
 
     def close(self) -> None:
         self._closed = True
+        self._pool.close()
+
+
+class _Stream:
+    """One ``generate_speech_stream`` call's tasks: key (stream, sentence, 0) computes a
+    sentence's latent and submits its pieces as (stream, sentence, 1 + piece)."""
+
+    def __init__(self, tts: TTS, sid: int, sentences: list[str], params: AudioParams) -> None:
+        self.tts, self.sid, self.sentences, self.params = tts, sid, sentences, params
+        self.futures: list[Future[Any]] = []
+        self.lock = threading.Lock()
+        self.stopped = False
+
+    def chunks(self) -> Iterator[bytes]:
+        n = len(self.sentences)
+        latents = {i: self._submit_latent(i) for i in range(min(AHEAD, n))}
+        for i in range(n):
+            if i + AHEAD < n:
+                latents[i + AHEAD] = self._submit_latent(i + AHEAD)
+            for piece in latents.pop(i).result():
+                yield piece.result()
+
+    def _submit_latent(self, i: int) -> Future[list[Future[bytes]]]:
+        with self.lock:
+            future = self.tts._pool.submit((self.sid, i, 0), lambda: self._latent(i))
+            self.futures.append(future)
+        return future
+
+    def _latent(self, i: int) -> list[Future[bytes]]:
+        tts = self.tts
+        z = tts._latent(self.sentences[i], self.params)
+        last = i == len(self.sentences) - 1  # nothing left to overlap it: split for the workers
+        plan = pieces(z.shape[2], FIRST if i == 0 else 0, PIECE, tts.workers if last else 1)
+        with self.lock:
+            if self.stopped:
+                return []
+            out = [
+                tts._pool.submit((self.sid, i, 1 + j), partial(self._decode, z, p))
+                for j, p in enumerate(plan)
+            ]
+            self.futures += out
+        return out
+
+    def _decode(self, z: torch.Tensor, piece: Piece) -> bytes:
+        with torch.inference_mode():
+            return to_pcm16(self.tts.voice.model.decode_piece(z, piece))
+
+    def cancel(self) -> None:
+        """The tasks not started yet are dropped (the running ones finish)."""
+        with self.lock:
+            self.stopped = True
+            for future in self.futures:
+                future.cancel()

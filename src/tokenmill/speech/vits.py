@@ -412,20 +412,46 @@ class Vits(nn.Module):
         """ids [1, T] -> audio [samples] in [-1, 1] (one utterance)."""
         return self.dec(self.latent(ids, scales, generator))[0, 0]
 
-    def decode_chunks(
-        self, z: torch.Tensor, first: int = 24, size: int = 512, context: int = 16
-    ) -> Iterator[torch.Tensor]:
-        """The waveform of latent z [1, inter, F] in pieces: ``first`` frames, then ``size``
-        (512: most sentences' rest is one piece, so the overlap costs ~10% of a 3.8 s
-        sentence's decoding, where 256-frame pieces cost 20%).
+    def decode_piece(self, z: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """The waveform [samples] of ``piece`` of latent z [1, inter, F]."""
+        audio = self.dec(z[:, :, piece.lo : piece.hi])[0, 0]
+        return audio[(piece.start - piece.lo) * self.hop : (piece.end - piece.lo) * self.hop]
 
-        Each piece is decoded with ``context`` frames of z on either side and trimmed; the
-        generator sees about +-10 frames, so the pieces join into ``dec(z)`` up to rounding.
-        """
-        total, start, hop = z.shape[2], 0, self.hop
-        while start < total:
-            end = min(total, start + (first if start == 0 else size))
-            lo, hi = max(0, start - context), min(total, end + context)
-            audio = self.dec(z[:, :, lo:hi])[0, 0]
-            yield audio[(start - lo) * hop : (end - lo) * hop]
-            start = end
+    def decode_chunks(
+        self, z: torch.Tensor, first: int = 24, size: int = 512
+    ) -> Iterator[torch.Tensor]:
+        """The waveform of latent z [1, inter, F] in pieces (see ``pieces``)."""
+        for piece in pieces(z.shape[2], first, size):
+            yield self.decode_piece(z, piece)
+
+
+CONTEXT = 12
+"""Latent frames decoded on either side of a piece: an output sample at frame position p
+depends on z frames p - 11.02 .. p + 9.96 (the generator's receptive field, measured)."""
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Waveform frames [start, end), decoded from latent frames [lo, hi) and trimmed."""
+
+    start: int
+    end: int
+    lo: int
+    hi: int
+
+
+def pieces(total: int, first: int = 0, size: int = 512, parts: int = 1) -> list[Piece]:
+    """Cut ``total`` latent frames into pieces that join into ``dec(z)`` up to rounding:
+    ``first`` frames (0: none), then the rest in equal pieces of at most ``size`` frames,
+    at least ``parts`` of them where each gets 64 frames or more (pieces for parallel
+    workers). Each piece costs 2 x ``CONTEXT`` frames more than its own (512: most
+    sentences' rest is one piece, ~8% of a 3.8 s sentence's decoding)."""
+    cuts = [0]
+    if 0 < first < total:
+        cuts.append(first)
+    rest = total - cuts[-1]
+    n = max(-(-rest // size), min(parts, rest // 64), 1)
+    cuts += [cuts[-1] + rest * i // n for i in range(1, n + 1)]
+    return [
+        Piece(a, b, max(0, a - CONTEXT), min(total, b + CONTEXT)) for a, b in zip(cuts, cuts[1:])
+    ]
