@@ -55,6 +55,9 @@ FIRST = 24
 """Latent frames in a stream's first piece (0.28 s of audio): out soon, decoded fast."""
 PIECE = 512
 """At most this many latent frames (6 s) in a vocoder piece after the first."""
+LAST_PARTS = 2
+"""The last sentence's pieces (no next sentence's latent to overlap it: each to a worker);
+a constant, so that the bytes depend on the text only."""
 
 
 class TTS:
@@ -114,7 +117,7 @@ class TTS:
     ) -> Iterator[bytes]:
         """int16 LE mono PCM chunks in order, each as soon as it is synthesized: sentence
         by sentence, the first one's first ``FIRST`` frames on their own (the same bytes
-        whatever the timing: the pieces depend on the text only)."""
+        whatever the timing and the workers: the pieces depend on the text only)."""
         self._check(params)
         sentences = split_sentences(text)
         if not sentences:
@@ -163,8 +166,8 @@ class _Stream:
     def _latent(self, i: int) -> list[Future[bytes]]:
         tts = self.tts
         z = tts._latent(self.sentences[i], self.params)
-        last = i == len(self.sentences) - 1  # nothing left to overlap it: split for the workers
-        plan = pieces(z.shape[2], FIRST if i == 0 else 0, PIECE, tts.workers if last else 1)
+        parts = LAST_PARTS if i == len(self.sentences) - 1 else 1
+        plan = pieces(z.shape[2], FIRST if i == 0 else 0, PIECE, parts)
         with self.lock:
             if self.stopped:
                 return []

@@ -43,6 +43,7 @@ class TaskPool:
         torch.set_num_threads(default)
 
     def _work(self, started: threading.Barrier) -> None:
+        torch.get_num_threads()  # torch's per-thread setup first: it would undo the next line
         torch.set_num_threads(1)
         started.wait()
         while True:
