@@ -23,6 +23,7 @@ from tokenmill.models.registry import resolve_pooling_class
 from tokenmill.pooling.causal import CausalPoolingModel
 from tokenmill.pooling.params import PoolingParams
 from tokenmill.pooling.pooler import Pooler, check_dimensions, finish_embedding, finish_logits
+from tokenmill.pooling.quantize import quantize_int8, resolve_pooling_quantization
 from tokenmill.pooling.runner import PoolingRunner
 from tokenmill.pooling.task import PoolingPlan
 from tokenmill.pooling.tokenize import Encoded, PoolingTokenizer
@@ -86,6 +87,9 @@ class PoolingEngine:
         """Built on the meta device (encoders) or in place (decoder stacks), then loaded once."""
         plan, hf_config = self.plan, self.plan.checkpoint.hf_config
         if plan.causal:
+            resolve_pooling_quantization(
+                self.config.quantization, self.config.dtype, device, CausalPoolingModel, True
+            )
             tokens = plan.pooler.classifier_from_token
             ids = None if tokens is None else self._token_ids(tokens)
             weights = plan.checkpoint.weights(dtype)
@@ -93,6 +97,9 @@ class PoolingEngine:
                 plan.architecture, hf_config, weights, dtype, device, ids
             )
         cls = resolve_pooling_class(plan.architecture)
+        quant = resolve_pooling_quantization(
+            self.config.quantization, self.config.dtype, device, cls, plan.causal
+        )
         if getattr(cls, "builds_in_place", False):  # decoder stacks: rotary tables at init
             with torch.device(device):
                 model = cls(hf_config, dtype)
@@ -102,6 +109,8 @@ class PoolingEngine:
             model = cls(hf_config)
         model = model.to_empty(device=device).to(dtype)
         model.load_weights(plan.checkpoint.weights(dtype))
+        if quant == "int8":
+            quantize_int8(model)
         return model.eval()
 
     def _token_ids(self, tokens: tuple[str, str]) -> tuple[int, int]:

@@ -174,3 +174,121 @@ void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_
         }
     }
 }
+
+/* -- many rows: affine_gemm_rows ------------------------------------------------------
+ * The batched path of an encoder (thousands of tokens per call): 8-bit weights only,
+ * float32 in and out, bias added. ``terms`` = 1 quantizes each activation group of 32 to
+ * one int8 term (d = max|x| / 127, half the dot products of two terms); 2 is the two-term
+ * scheme above. A register block is RB tokens x NB tiles (32 output rows): each weight
+ * load serves RB tokens and each broadcast activation NB tiles. Tokens go in chunks of
+ * RCHUNK so a chunk's quantized activations stay in L2 while every tile passes over them. */
+#define RB 4
+#define NB 2
+#define RCHUNK 256
+#define GROUP8_BYTES (8 * 64 + 64)
+
+static void quantize_row1(const float *x, int64_t K, int8_t *qx, float *dx, float *sx) {
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        __m512 v0 = _mm512_loadu_ps(x + g * GROUP), v1 = _mm512_loadu_ps(x + g * GROUP + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        dx[g] = amax / 127.f;
+        __m512 vinv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m512i a0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, vinv));
+        __m512i a1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, vinv));
+        /* the sum of the quantized group, not of x: the offset term then pairs with the
+         * same activations as the codes (w = scale q + offset), and with unsigned codes
+         * that halves the error (|scale q| is about |offset| larger than |w|) */
+        sx[g] = dx[g] * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(a0, a1));
+        _mm_storeu_si128((__m128i *)(qx + g * GROUP), _mm512_cvtepi32_epi8(a0));
+        _mm_storeu_si128((__m128i *)(qx + g * GROUP + 16), _mm512_cvtepi32_epi8(a1));
+    }
+}
+
+/* mb tokens x nt tiles; qx rows of terms * K bytes (a group's terms side by side). */
+static inline __attribute__((always_inline)) void rows_kernel(
+    const uint8_t *w, int64_t tile_bytes, const int nt, const int mb, const int terms,
+    int64_t groups, const int8_t *qx, const float *dx, const float *sx, int64_t K,
+    const float *bias, float *y, int64_t N) {
+    __m512 acc[RB][NB];
+    for (int m = 0; m < RB; m++)
+        for (int t = 0; t < NB; t++) acc[m][t] = _mm512_setzero_ps();
+    const int64_t qrow = terms * K;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *gw = w + g * GROUP8_BYTES;
+        __m512i a[RB][NB][2];
+        for (int m = 0; m < RB; m++)
+            for (int t = 0; t < NB; t++) a[m][t][0] = a[m][t][1] = _mm512_setzero_si512();
+        for (int s = 0; s < 8; s++) {
+            __m512i v[NB];
+            for (int t = 0; t < nt; t++)
+                v[t] = _mm512_loadu_si512((const void *)(gw + t * tile_bytes + s * 64));
+            for (int m = 0; m < mb; m++) {
+                const int8_t *q = qx + m * qrow + g * GROUP * terms + 4 * s;
+                for (int u = 0; u < terms; u++) {
+                    __m512i b = _mm512_set1_epi32(*(const int32_t *)(q + u * GROUP));
+                    for (int t = 0; t < nt; t++) a[m][t][u] = _mm512_dpbusd_epi32(a[m][t][u], v[t], b);
+                }
+            }
+        }
+        __m512 scale[NB], offset[NB];
+        for (int t = 0; t < nt; t++) {
+            const uint8_t *sc = gw + t * tile_bytes + 8 * 64;
+            scale[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+            offset[t] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));
+        }
+        for (int m = 0; m < mb; m++) {
+            __m512 d = _mm512_set1_ps(dx[m * groups + g]), sm = _mm512_set1_ps(sx[m * groups + g]);
+            for (int t = 0; t < nt; t++) {
+                __m512i i = terms == 2 ? _mm512_add_epi32(_mm512_slli_epi32(a[m][t][0], 8), a[m][t][1])
+                                       : a[m][t][0];
+                acc[m][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i), _mm512_mul_ps(scale[t], d), acc[m][t]);
+                acc[m][t] = _mm512_fmadd_ps(offset[t], sm, acc[m][t]);
+            }
+        }
+    }
+    for (int t = 0; t < nt; t++) {
+        __m512 b = bias ? _mm512_loadu_ps(bias + t * TILE) : _mm512_setzero_ps();
+        for (int m = 0; m < mb; m++) _mm512_storeu_ps(y + m * N + t * TILE, _mm512_add_ps(acc[m][t], b));
+    }
+}
+
+#define ROWS_CASE(U, NT, MB)                                                                 \
+    case (U) * 100 + (NT) * 10 + (MB):                                                       \
+        rows_kernel(w, tile_bytes, NT, MB, U, groups, qx, dx, sx, K, bias, y, N);            \
+        break;
+#define ROWS_MB(U, NT) ROWS_CASE(U, NT, 1) ROWS_CASE(U, NT, 2) ROWS_CASE(U, NT, 3) ROWS_CASE(U, NT, 4)
+
+static void rows_dispatch(const uint8_t *w, int64_t tile_bytes, int nt, int mb, int terms,
+                          int64_t groups, const int8_t *qx, const float *dx, const float *sx,
+                          int64_t K, const float *bias, float *y, int64_t N) {
+    switch (terms * 100 + nt * 10 + mb) {
+        ROWS_MB(1, 1) ROWS_MB(1, 2) ROWS_MB(2, 1) ROWS_MB(2, 2)
+    }
+}
+
+/* x [M, K] float32, w: 8-bit tiles [N / 16][...], bias [N] float32 or NULL, y [M, N]
+ * float32. work: terms * M * K int8 + 2 * M * K / 32 floats. */
+void affine_gemm_rows(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                      const float *bias, int terms, float *y, int8_t *qx, float *dx, float *sx) {
+    const int64_t groups = K / GROUP, tiles = N / TILE, tile_bytes = groups * GROUP8_BYTES;
+#pragma omp parallel for schedule(static) if (M * K > 8192)
+    for (int64_t m = 0; m < M; m++) {
+        if (terms == 2)
+            quantize_row(x + m * K, 0, K, qx + 2 * m * K, dx + m * groups, sx + m * groups);
+        else
+            quantize_row1(x + m * K, K, qx + m * K, dx + m * groups, sx + m * groups);
+    }
+    const int64_t chunks = (M + RCHUNK - 1) / RCHUNK, pairs = (tiles + NB - 1) / NB;
+#pragma omp parallel for schedule(static)
+    for (int64_t job = 0; job < chunks * pairs; job++) {
+        const int64_t c = job / pairs, t0 = (job % pairs) * NB;
+        const int nt = (int)(tiles - t0 < NB ? tiles - t0 : NB);
+        const int64_t end = (c + 1) * RCHUNK < M ? (c + 1) * RCHUNK : M;
+        for (int64_t m0 = c * RCHUNK; m0 < end; m0 += RB) {
+            const int mb = (int)(end - m0 < RB ? end - m0 : RB);
+            rows_dispatch(w + t0 * tile_bytes, tile_bytes, nt, mb, terms, groups,
+                          qx + terms * m0 * K, dx + m0 * groups, sx + m0 * groups, K,
+                          bias ? bias + t0 * TILE : 0, y + m0 * N + t0 * TILE, N);
+        }
+    }
+}

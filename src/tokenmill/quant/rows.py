@@ -1,0 +1,99 @@
+"""8-bit affine-group linears for many rows at once: the int8 path of encoder models.
+
+An encoder's forward pass multiplies thousands of tokens by each weight, so the
+per-token kernel of decode (``native.affine_gemm``, two int8 terms per activation) is
+not the fast shape. ``affine_gemm_rows`` (``kernels/affine_gemm.c``) keeps the same
+weight tiles (``native.pack_tiles``: groups of 32 inputs, ``w = scale * q + offset``)
+and register-blocks 4 tokens x 32 output rows. ``terms`` picks the activation precision:
+1 = one int8 per input (scale per group of 32; half the integer work), 2 = the two-term
+scheme (~15 bits) for the layers whose inputs need it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+import torch
+from torch import nn
+
+from tokenmill import native
+from tokenmill.quant.gguf_blocks import GROUP, affine_groups
+
+
+@functools.cache
+def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    lib = native._library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are unavailable (AVX512-VNNI and cc needed)")
+    fn = lib.affine_gemm_rows
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr]
+    fn.restype = None
+    return fn
+
+
+class _Scratch(threading.local):
+    """Per-thread buffer for the quantized activations, grown on demand."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.int8)
+
+    def pointers(self, m: int, k: int, terms: int) -> tuple[int, int, int]:
+        """(terms M K int8, M K / 32 float scales, M K / 32 float sums) addresses."""
+        groups = m * k // GROUP
+        need = terms * m * k + 8 * groups + 64
+        if need > self.buffer.numel():
+            self.buffer = torch.empty(max(need, 2 * self.buffer.numel()), dtype=torch.int8)
+        base = self.buffer.data_ptr()
+        scales = (base + terms * m * k + 63) // 64 * 64
+        return base, scales, scales + 4 * groups
+
+
+_scratch = _Scratch()
+
+
+def gemm_rows(
+    x: torch.Tensor, tiles: torch.Tensor, n: int, bias: torch.Tensor | None, terms: int
+) -> torch.Tensor:
+    """x [M, K] float32 contiguous, 8-bit ``tiles`` of W [n, K] -> x W^T + bias [M, n]."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    b = 0 if bias is None else bias.data_ptr()
+    qx, dx, sx = _scratch.pointers(m, k, terms)
+    _kernel()(x.data_ptr(), m, k, tiles.data_ptr(), n, b, terms, y.data_ptr(), qx, dx, sx)
+    return y
+
+
+class RowsInt8Linear(nn.Module):
+    """A linear layer whose weight is stored as 8-bit affine groups (float32 in and out)."""
+
+    qtiles: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, terms: int) -> None:
+        super().__init__()
+        out_features, in_features = weight.shape
+        if in_features % GROUP or out_features % native.TILE:
+            raise ValueError(
+                f"int8 needs in_features divisible by {GROUP} and out_features by "
+                f"{native.TILE}, got [{out_features}, {in_features}]"
+            )
+        self.in_features, self.out_features, self.terms = in_features, out_features, terms
+        g = affine_groups(weight.float(), 8)
+        self.register_buffer("qtiles", native.pack_tiles(g.codes, g.scale, g.offset, 8))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @staticmethod
+    def of(linear: nn.Linear, terms: int) -> RowsInt8Linear:
+        return RowsInt8Linear(linear.weight.detach(), linear.bias, terms)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] float32 -> [..., out] float32."""
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        y = gemm_rows(flat, self.qtiles, self.out_features, self.bias, self.terms)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, terms={self.terms}"

@@ -1,0 +1,70 @@
+"""The many-row 8-bit kernel (affine_gemm_rows) against a float reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import native
+from tokenmill.quant.gguf_blocks import affine_groups
+from tokenmill.quant.rows import RowsInt8Linear, gemm_rows
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+
+
+def _dequantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tiles, the float weights they stand for)."""
+    n, k = w.shape
+    g = affine_groups(w, 8)
+    scale, offset = g.scale.half().float(), g.offset.half().float()  # as the tiles hold them
+    deq = g.codes.float().view(n, -1, 32) * scale[..., None] + offset[..., None]
+    return native.pack_tiles(g.codes, g.scale, g.offset, 8), deq.view(n, k)
+
+
+def _one_term(x: torch.Tensor) -> torch.Tensor:
+    """What one int8 term per group of 32 keeps of x (the kernel's float32 steps)."""
+    g = x.view(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    return (torch.round(g * (127 / amax)) * (amax / 127)).view_as(x)
+
+
+# M: a register block's tail (7), several 256-token chunks plus a tail (517); N: an odd
+# number of 16-row tiles (48) leaves a one-tile block
+@pytest.mark.parametrize("m, k, n", [(1, 64, 32), (7, 96, 48), (517, 384, 160), (33, 1536, 64)])
+@pytest.mark.parametrize("terms", [1, 2])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_rows_match_reference(m, k, n, terms, with_bias):
+    gen = torch.Generator().manual_seed(m * 1000 + k + n)
+    x = torch.randn(m, k, generator=gen)
+    x[:, 5] *= 30  # an outlier channel, as encoder streams have
+    w = torch.randn(n, k, generator=gen) * 0.05
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    tiles, deq = _dequantized(w)
+    y = gemm_rows(x, tiles, n, bias, terms)
+    xq = _one_term(x) if terms == 1 else x
+    ref = xq @ deq.t() + (0 if bias is None else bias)
+    rel = ((y - ref).norm() / ref.norm()).item()
+    assert rel < (2e-5 if terms == 1 else 2e-4), rel
+    exact = x @ w.t() + (0 if bias is None else bias)
+    assert ((y - exact).norm() / exact.norm()).item() < (0.02 if terms == 1 else 0.01)
+
+
+def test_two_terms_are_finer():
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(64, 256, generator=gen), torch.randn(32, 256, generator=gen)
+    tiles, deq = _dequantized(w)
+    ref = x @ deq.t()
+    err = [(gemm_rows(x, tiles, 32, None, t) - ref).norm().item() for t in (1, 2)]
+    assert err[1] < err[0] / 20
+
+
+def test_linear_module_and_shape_checks():
+    gen = torch.Generator().manual_seed(2)
+    lin = torch.nn.Linear(64, 48)
+    q = RowsInt8Linear.of(lin, terms=2)
+    x = torch.randn(2, 5, 64, generator=gen)
+    with torch.no_grad():
+        assert torch.allclose(q(x), lin(x), atol=0.02, rtol=0)
+    assert q(x).shape == (2, 5, 48)
+    with pytest.raises(ValueError, match="divisible"):
+        RowsInt8Linear.of(torch.nn.Linear(60, 48), terms=1)
