@@ -94,9 +94,9 @@ def count_runs(decode: PaddedDecode, monkeypatch) -> list[int]:
     sizes: list[int] = []
     run = decode.run
 
-    def spy(seqs, tables=None, pending=None, cols=None):
-        sizes.append(len(seqs))
-        return run(seqs, tables, pending, cols)
+    def spy(step, tables=None, pending=None, cols=None):
+        sizes.append(len(cols.requests) if cols is not None else len(step))
+        return run(step, tables, pending, cols)
 
     monkeypatch.setattr(decode, "run", spy)
     return sizes
@@ -343,10 +343,11 @@ def test_verify_steps_run_as_padded_decode_rows(llm, monkeypatch):
     rows: list[int] = []
     run = decode.run
 
-    def spy(seqs, tables=None, pending=None, cols=None):
+    def spy(step, tables=None, pending=None, cols=None):
+        seqs = step.seqs
         rows.append(sum(s.num_new_tokens for s in seqs) if any(s.draft_token_ids for s in seqs)
                     else 0)  # fmt: skip
-        return run(seqs, tables, pending, cols)
+        return run(step, tables, pending, cols)
 
     monkeypatch.setattr(decode, "run", spy)
     ids = [engine.add_request(p, params) for p, params in zip(PROMPTS, PARAMS)]

@@ -235,7 +235,7 @@ class LLMEngine:
         # yields is unknown), so they would skip every other step.
         keep = overlap and self.scheduler.has_unfinished()
         if keep and self._draft_hook is not None:
-            keep = not any(s.draft_token_ids for s in sched.seqs)
+            keep = not sched.has_drafts
         outputs += self._apply(self.pipeline.launch(sched, keep_in_flight=keep))
         self._update_gauges()
         return outputs
@@ -254,7 +254,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         for result in results:
             if result.output is None:
-                outputs += self._fail([s.request for s in result.sched.seqs], result.error or "")
+                outputs += self._fail(list(result.sched.cols.requests), result.error or "")
             else:
                 outputs += self._apply_tokens(result)
         if results and self.config.check_kv_integrity:
@@ -268,14 +268,15 @@ class LLMEngine:
         for rid, (start, entries) in out.prompt_logprobs.items():
             self.processor.record_prompt_logprobs(rid, start, entries)
         row_of = (
-            {s.request.request_id: i for i, s in enumerate(result.sched.seqs)}
+            {r.request_id: i for i, r in enumerate(result.sched.cols.requests)}
             if (out.logprobs is not None)
             else None
         )
         outputs: list[RequestOutput] = []
         progressed = self.scheduler.update(result.sched, out.tokens)
         processor = self.processor
-        for k, (req, num_new) in enumerate(progressed):
+        counts = progressed.counts
+        for k, (req, num_new) in enumerate(zip(progressed.requests, counts)):
             logprobs = None
             if out.logprobs is not None and row_of is not None:
                 logprobs = out.logprobs[row_of[req.request_id]]
@@ -283,7 +284,7 @@ class LLMEngine:
             if stop is not None:
                 req.truncate_output(req.num_output_tokens - num_new + consumed)
                 num_new = consumed
-                progressed[k] = (req, num_new)
+                counts[k] = num_new
                 if not req.is_finished:
                     self.scheduler.finish(req.request_id, RequestStatus.FINISHED_STOPPED)
             error = self._run_after_tokens(req, num_new) if req.token_hooks else None

@@ -215,6 +215,9 @@ class KVCacheCoordinator:
     def table_and_row(self, request_id: str) -> tuple[list[int], int]:
         return self.paged.table_and_row(request_id)
 
+    def table_row(self, request_id: str) -> int:
+        return self.paged.table_row(request_id)
+
     def block_table(self, request_id: str) -> list[int]:
         return self.paged.block_table(request_id)
 

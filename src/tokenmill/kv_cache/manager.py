@@ -196,6 +196,11 @@ class KVCacheManager:
         seq = self._seqs.get(request_id)
         return seq.table if seq else []
 
+    def table_row(self, request_id: str) -> int:
+        """The request's row of ``tables`` (-1 when it holds nothing)."""
+        seq = self._seqs.get(request_id)
+        return seq.row if seq else -1
+
     def table_and_row(self, request_id: str) -> tuple[list[int], int]:
         """The live block list and its row of ``tables`` ([], -1 when it holds nothing)."""
         seq = self._seqs.get(request_id)

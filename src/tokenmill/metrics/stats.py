@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -157,13 +156,12 @@ class EngineStats:
         """A user request's first sequence was scheduled for the first time."""
         self.queue_time.observe(now - arrival)
 
-    def on_tokens(self, progressed: Iterable[Progress], now: float) -> None:
-        """Each (request, n) got n output tokens this step (one inter-token gap)."""
+    def on_tokens(self, progressed: Progress, now: float) -> None:
+        """Each request got its count of output tokens this step (one inter-token gap)."""
         firsts: list[float] = []
         gaps: list[float] = []
-        total = 0
-        for req, num_new in progressed:
-            total += num_new
+        total = sum(progressed.counts)
+        for req in progressed.requests:
             last = req.last_token_time
             if last is None:
                 firsts.append(now - req.arrival_time)

@@ -14,22 +14,41 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.multimodal.encoder_budget import EncoderBudget, text_prefill_pending
-from tokenmill.scheduler.output import ScheduledSeq, SchedulerOutput
+from tokenmill.scheduler.output import SchedulerOutput, SeqColumns
 from tokenmill.scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from tokenmill.kv_cache.coordinator import KVCacheCoordinator
 
 
-Progress = tuple[Request, int]
-"""Event record of ``Scheduler.update``: a request and how many new tokens it got (the
-last that many of its outputs). A plain tuple: one is built per sequence per step."""
+@dataclass(slots=True)
+class _StepBuilder:
+    """The requests chosen for a step so far and their token counts (parallel lists)."""
+
+    requests: list[Request] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Progress:
+    """Event record of ``Scheduler.update``: the requests that got new tokens and how many
+    each (the last that many of its outputs), as two parallel lists. Iterating gives
+    (request, n) pairs."""
+
+    requests: list[Request] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[tuple[Request, int]]:
+        return zip(self.requests, self.counts)
+
+    def __len__(self) -> int:
+        return len(self.requests)
 
 
 @dataclass(frozen=True)
@@ -89,7 +108,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self.encoder_budget is not None:  # a model with a media encoder
             self.encoder_budget.reset(text_prefill_pending(self.waiting, self.running))
-        chosen: list[tuple[Request, int]] = []
+        step = _StepBuilder()
         preempted: list[str] = []
         allocate = self.kv.allocate_slots
         for req in list(self.running):  # (per request per step: kept to plain attribute reads)
@@ -109,35 +128,53 @@ class Scheduler:
                 self._preempt_until_fits(req, n, preempted)
             ):
                 continue
-            chosen.append((req, n))
+            step.requests.append(req)
+            step.num_new.append(n)
             budget -= n
         first: list[Request] = []
         if not preempted:
-            self._admit_waiting(budget, chosen, preempted, first)
-        seqs = tuple([self._scheduled(req, n) for req, n in chosen])
-        return SchedulerOutput(seqs, tuple(preempted), self.kv.tables, tuple(first))
+            self._admit_waiting(budget, step, preempted, first)
+        return SchedulerOutput(
+            None, tuple(preempted), self.kv.tables, tuple(first),
+            cols=self._columns(step), table_of=self.kv.block_table,
+        )  # fmt: skip
 
-    def _scheduled(self, req: Request, n: int) -> ScheduledSeq:
-        """Record the chunk as computed now (the model runs it before anything reads the
+    def _columns(self, step: _StepBuilder) -> SeqColumns:
+        """Record each chunk as computed now (the model runs it before anything reads the
         count again) and, when it reaches the last token, one more token as a placeholder
-        (and the drafts it carries as in flight). Drafts are consumed either way."""
-        start = req.num_computed_tokens
-        known_end = len(req.all_token_ids) + req.num_placeholders
-        samples = start + n >= known_end
-        drafts: tuple[int, ...] = ()
-        parents: tuple[int, ...] = ()
-        if req.spec_token_ids:  # (built per sequence per step: no list when no drafts)
-            if samples:
-                drafts = tuple(req.spec_token_ids[: start + n - known_end])
-                req.num_drafts_in_flight = len(drafts)
-                if req.spec_parents is not None:  # a tree: its first nodes are still one
-                    parents = tuple(req.spec_parents[: len(drafts)])
-            req.spec_token_ids = []
-            req.spec_parents = None
-        req.num_computed_tokens = start + n
-        req.num_placeholders += samples
-        table, row = self.kv.table_and_row(req.request_id)
-        return ScheduledSeq(req, start, n, table, samples, row, drafts, parents)
+        (and the drafts it carries as in flight). Drafts are consumed either way. One pass
+        over the chosen requests, appending to columns: no object per sequence."""
+        starts: list[int] = []
+        samples: list[bool] = []
+        rows: list[int] = []
+        drafts: dict[int, tuple[int, ...]] = {}
+        parents: dict[int, tuple[int, ...]] = {}
+        row_of = self.kv.table_row
+        num_sampling = 0
+        for i, (req, n) in enumerate(zip(step.requests, step.num_new)):
+            start = req.num_computed_tokens
+            known_end = len(req.all_token_ids) + req.num_placeholders
+            sample = start + n >= known_end
+            if req.spec_token_ids:
+                if sample:
+                    taken = tuple(req.spec_token_ids[: start + n - known_end])
+                    req.num_drafts_in_flight = len(taken)
+                    if taken:
+                        drafts[i] = taken
+                    if req.spec_parents is not None and taken:  # a tree: its first nodes
+                        parents[i] = tuple(req.spec_parents[: len(taken)])
+                req.spec_token_ids = []
+                req.spec_parents = None
+            req.num_computed_tokens = start + n
+            req.num_placeholders += sample
+            num_sampling += sample
+            starts.append(start)
+            samples.append(sample)
+            rows.append(row_of(req.request_id))
+        return SeqColumns(
+            tuple(step.requests), starts, step.num_new, rows, samples, drafts, parents,
+            num_sampling,
+        )  # fmt: skip
 
     def _ends_with_placeholders(self, req: Request) -> bool:
         """The tokens in flight will end the request by length whatever they are: nothing
@@ -194,11 +231,11 @@ class Scheduler:
     def _admit_waiting(
         self,
         budget: int,
-        chosen: list[tuple[Request, int]],
+        step: _StepBuilder,
         preempted: list[str],
         first: list[Request],
     ) -> None:
-        scheduled = {r.request_id for r, _ in chosen}
+        scheduled = {r.request_id for r in step.requests}
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             if not self._admit(req, budget, scheduled, preempted):
@@ -211,7 +248,8 @@ class Scheduler:
                 first.append(req)
             bisect.insort(self.running, req, key=lambda r: r.sort_key)
             n = self._chunk(req, budget)
-            chosen.append((req, n))
+            step.requests.append(req)
+            step.num_new.append(n)
             scheduled.add(req.request_id)
             budget -= n
 
@@ -242,56 +280,74 @@ class Scheduler:
         return True
 
     # -- after the model ran ---------------------------------------------------
-    def update(self, out: SchedulerOutput, tokens: Sequence[Sequence[int]]) -> list[Progress]:
-        """Apply a step's results: ``tokens[i]`` are the new tokens of ``out.seqs[i]`` (none
+    def update(self, out: SchedulerOutput, tokens: Sequence[Sequence[int]]) -> Progress:
+        """Apply a step's results: ``tokens[i]`` are the new tokens of sequence i (none
         when it did not sample; else its accepted drafts and one more token). Rejected
         drafts are rolled back (``num_computed_tokens`` and KV blocks), full blocks are
         cached, and tokens are appended one by one until a token-level stop, which cuts
-        the rest. Returns the requests that got tokens, with how many."""
-        progressed: list[Progress] = []
-        kv, caching = self.kv, self.kv.enable_prefix_caching
-        max_model_len = self.config.max_model_len
-        for seq, new in zip(out.seqs, tokens):
-            req = seq.request
+        the rest. Returns the requests that got tokens, with how many. A decode step's
+        tokens may come as one flat list (``StepTokens.flat``): no list per sequence."""
+        c = out.cols
+        flat = getattr(tokens, "flat", None) if not c.drafts else None
+        if flat is not None and len(flat) == c.num_sampling == len(c.requests):
+            return self._apply_decode(c, flat)
+        progressed = Progress()
+        for i, (req, new) in enumerate(zip(c.requests, tokens)):
             if req.is_finished:  # aborted, or ended by the step before (async scheduling)
                 continue
-            # Preempted while the step was in flight (it waits, holding no blocks, until
-            # this result lands): its tokens count, its KV is gone anyway.
-            preempted = req.status is RequestStatus.WAITING
-            if len(new) == 1 and not seq.draft_token_ids and not preempted:  # the common step
-                req.num_placeholders -= 1
-                if caching:
-                    kv.commit(req.request_id, req.cacheable_tokens, seq.end, req.cache_key)
-                req.output_token_ids.append(new[0])
-                req.all_token_ids.append(new[0])
-                status = req.check_stop(max_model_len)
-                if status is not None:
-                    self.finish(req.request_id, status)
-                progressed.append((req, 1))
-                continue
-            end = seq.end
-            if seq.samples:
-                req.num_placeholders -= 1
-                req.num_drafts_in_flight = 0
-                rejected = len(seq.draft_token_ids) - (len(new) - 1)
-                if rejected and not preempted:
-                    end -= rejected
-                    req.num_computed_tokens -= rejected
-                    self.kv.truncate(req.request_id, req.num_computed_tokens)
-            if not preempted:
-                self.kv.commit(req.request_id, req.cacheable_tokens, end, req.cache_key)
-            if not new:
-                continue
-            count = 0
-            for token in new:
-                req.append_token(token)
-                count += 1
-                status = req.check_stop(self.config.max_model_len)
-                if status is not None:
-                    self.finish(req.request_id, status)
-                    break
-            progressed.append((req, count))
+            self._apply(req, c, i, new, progressed)
         return progressed
+
+    def _apply_decode(self, c: SeqColumns, flat: list[int]) -> Progress:
+        """``update`` of a step in which every sequence sampled one token (no drafts)."""
+        kv, caching = self.kv, self.kv.enable_prefix_caching
+        max_model_len = self.config.max_model_len
+        got: list[Request] = []
+        for req, token, start, n in zip(c.requests, flat, c.starts, c.num_new):
+            if req.is_finished:  # aborted, or ended by the step before (async scheduling)
+                continue
+            req.num_placeholders -= 1
+            # Preempted while in flight: the token counts, its KV is gone anyway.
+            if caching and req.status is not RequestStatus.WAITING:
+                kv.commit(req.request_id, req.cacheable_tokens, start + n, req.cache_key)
+            req.output_token_ids.append(token)
+            req.all_token_ids.append(token)
+            status = req.check_stop(max_model_len)
+            if status is not None:
+                self.finish(req.request_id, status)
+            got.append(req)
+        return Progress(got, [1] * len(got))
+
+    def _apply(
+        self, req: Request, c: SeqColumns, i: int, new: Sequence[int], progressed: Progress
+    ) -> None:
+        """``update`` of sequence i of a step with drafts, prompt chunks or preemptions."""
+        # Preempted while the step was in flight (it waits, holding no blocks, until this
+        # result lands): its tokens count, its KV is gone anyway.
+        preempted = req.status is RequestStatus.WAITING
+        end = c.starts[i] + c.num_new[i]
+        if c.samples[i]:
+            req.num_placeholders -= 1
+            req.num_drafts_in_flight = 0
+            rejected = len(c.drafts.get(i, ())) - (len(new) - 1)
+            if rejected and not preempted:
+                end -= rejected
+                req.num_computed_tokens -= rejected
+                self.kv.truncate(req.request_id, req.num_computed_tokens)
+        if not preempted:
+            self.kv.commit(req.request_id, req.cacheable_tokens, end, req.cache_key)
+        if not new:
+            return
+        count = 0
+        for token in new:
+            req.append_token(token)
+            count += 1
+            status = req.check_stop(self.config.max_model_len)
+            if status is not None:
+                self.finish(req.request_id, status)
+                break
+        progressed.requests.append(req)
+        progressed.counts.append(count)
 
     def reset_prefix_cache(self) -> int:
         return self.kv.reset_prefix_cache()

@@ -171,16 +171,13 @@ class DraftHook(RequestHook):
         return self.length.choose(num_running - len(requests), rates, lengths, nodes)
 
     def on_scheduled(self, sched: SchedulerOutput) -> None:
-        for seq in sched.seqs:
-            if seq.draft_token_ids:
-                req = seq.request
-                # a tree counts as deep as it goes: at most that many drafts are accepted
-                drafted = (
-                    max(depths(seq.draft_parents))
-                    if seq.draft_parents
-                    else len(seq.draft_token_ids)
-                )
-                self._verifying.append((req, drafted, req.num_output_tokens))
+        c = sched.cols
+        for i, drafts in c.drafts.items():
+            req = c.requests[i]
+            parents = c.parents.get(i)
+            # a tree counts as deep as it goes: at most that many drafts are accepted
+            drafted = max(depths(parents)) if parents else len(drafts)
+            self._verifying.append((req, drafted, req.num_output_tokens))
 
     def on_finish(self, request: Request) -> None:
         self._count_verified()

@@ -247,10 +247,11 @@ class StructuredOutputManager:
         """Start filling this step's bitmask in the background (llguidance releases the GIL),
         so that it overlaps the model's forward pass; ``mask_logits`` collects it. A
         sequence with drafts has a row per draft and one after them (``_fill``)."""
+        c = sched.cols
         tasks = [
-            (s.request.structured, s.draft_token_ids)
-            for s in sched.seqs
-            if s.samples and s.request.structured is not None and s.request.structured.masks
+            (req.structured, c.drafts.get(i, ()))
+            for i, (req, samples) in enumerate(zip(c.requests, c.samples))
+            if samples and req.structured is not None and req.structured.masks
         ]
         self._prepared = None
         if tasks:

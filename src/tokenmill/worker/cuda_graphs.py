@@ -30,9 +30,11 @@ from tokenmill.worker.inputs import (
     PendingTokens,
     PinnedStaging,
     StepColumns,
+    StepLike,
     fill_block_tables,
     known_tokens,
     packed_numel,
+    records,
     sections,
 )
 
@@ -137,21 +139,19 @@ class PaddedDecode:
             return None
         return next((b for b in self.buckets if b >= batch), None)
 
-    def takes(self, seqs: tuple[ScheduledSeq, ...], cols: StepColumns | None = None) -> bool:
+    def takes(self, step: StepLike, cols: StepColumns | None = None) -> bool:
         """An all-decode step (one new token per sequence) that fits a bucket; or a step
         verifying draft chains (each sequence: its last token and its drafts, none in
         flight), run as one decode row per token, whose rows fit one."""
-        one_each = (
-            cols.one_token_each if cols is not None
-            else all(s.num_new_tokens == 1 and not s.draft_token_ids for s in seqs)
-        )  # fmt: skip
-        if one_each:
-            return self.bucket_for(len(seqs)) is not None
+        cols = cols or StepColumns.of(step, self.block_size)
+        if cols.one_token_each:
+            return self.bucket_for(len(cols.requests)) is not None
+        seqs = records(step)
         return _verifies_chains(seqs, cols) and self.bucket_for(_rows(seqs)) is not None
 
     def run(
         self,
-        seqs: tuple[ScheduledSeq, ...],
+        step: StepLike,
         tables: BlockTableArray | None = None,
         pending: PendingTokens | None = None,
         cols: StepColumns | None = None,
@@ -159,19 +159,19 @@ class PaddedDecode:
         """Hidden states [B, hidden] of the step's B one-token sequences (``takes`` holds);
         ``tables``: the scheduler's block-table array (None: the sequences' lists);
         ``pending``: input tokens still on the device (asynchronous scheduling)."""
-        cols = cols or StepColumns.of(seqs)
-        rows = len(seqs) if cols.one_token_each else _rows(seqs)
+        cols = cols or StepColumns.of(step, self.block_size)
+        rows = len(cols.requests) if cols.one_token_each else _rows(records(step))
         n = self.bucket_for(rows)
         assert n is not None
         # Capture first: it fills the buffers with padding rows of its own.
         graph = (self.graphs.get(n) or self._capture(n)) if self.capture else None
         views = self._views(n)
         if cols.one_token_each:
-            self._upload(seqs, n, tables, pending, cols)
+            self._upload(step, n, tables, pending, cols)
             lens = cols.starts + 1
         else:  # a verify step: its tokens as decode rows (graphs see only row tensors)
             assert pending is None
-            lens = self._upload_rows(seqs, n, tables, cols)
+            lens = self._upload_rows(records(step), n, tables, cols)
         if graph is None:  # eager through the same buffers (also after a failed capture)
             seq_lens = tuple(lens.tolist()) + (0,) * (n - rows)
             hidden = self.model(views.input_ids, views.positions, self._ctx(views, seq_lens))
@@ -229,7 +229,7 @@ class PaddedDecode:
 
     def _upload(
         self,
-        seqs: tuple[ScheduledSeq, ...],
+        step: StepLike,
         n: int,
         tables: BlockTableArray | None,
         pending: PendingTokens | None,
@@ -239,8 +239,10 @@ class PaddedDecode:
         pending input tokens are filled in on the device, before the replay. Only the
         block-table columns the step uses go up: with max_model_len 131072 the full
         [256, 8192] tables would be 16.8 MB a step."""
-        b, bs = len(seqs), self.block_size
-        cols = (cols or StepColumns.of(seqs)) if b else None  # none: capture's padding only
+        bs = self.block_size
+        if cols is None and step:  # () from capture: padding rows only
+            cols = StepColumns.of(step, bs)
+        b = len(cols.requests) if cols is not None else 0
         used = cols.width if cols is not None else 0  # block-table columns in use
         k = len(pending.seqs) if pending is not None else 0
         sizes = [*self._head_sizes(n), b * used, k, k]
@@ -253,7 +255,7 @@ class PaddedDecode:
             assert cols.decode_ids is not None, "one token per sequence"
             ids[:b] = cols.decode_ids
             pos[:b] = cols.starts
-            fill_block_tables(seqs, tables, table, cols.table_rows)
+            fill_block_tables(step, tables, table, cols.table_rows)
         lens[:b] = pos[:b] + 1
         qsl[:] = np.arange(n + 1)
         slots[:b] = table[np.arange(b), pos[:b] // bs] * bs + pos[:b] % bs

@@ -18,21 +18,26 @@ from tokenmill.attention.backends import AttentionBackend
 from tokenmill.kv_cache.block_table import BlockTableArray
 from tokenmill.models.base import CausalLM
 from tokenmill.models.native_decode import NativeDecode
-from tokenmill.scheduler import ScheduledSeq
-from tokenmill.worker.inputs import PendingTokens, PinnedStaging, StepColumns, build_step_inputs
+from tokenmill.worker.inputs import (
+    PendingTokens,
+    PinnedStaging,
+    StepColumns,
+    StepLike,
+    build_step_inputs,
+)
 
 
 class FastPath(Protocol):
     """A way to run some steps' forward pass, chosen once when the runner is built."""
 
-    def takes(self, seqs: tuple[ScheduledSeq, ...], cols: StepColumns | None = None) -> bool:
-        """Whether this step (its scheduled sequences; ``cols``: the same as columns, made
-        once per step by the runner) runs here."""
+    def takes(self, step: StepLike, cols: StepColumns | None = None) -> bool:
+        """Whether this step (as scheduled, or its sequences' records; ``cols``: the same
+        as columns, made once per step by the runner) runs here."""
         ...
 
     def run(
         self,
-        seqs: tuple[ScheduledSeq, ...],
+        step: StepLike,
         tables: BlockTableArray | None = None,
         pending: PendingTokens | None = None,
         cols: StepColumns | None = None,
@@ -61,21 +66,24 @@ class NativeDecodePath:
         self.backend = backend
         self.staging = PinnedStaging(device)
 
-    def takes(self, seqs: tuple[ScheduledSeq, ...], cols: StepColumns | None = None) -> bool:
+    def takes(self, step: StepLike, cols: StepColumns | None = None) -> bool:
         """Decode steps, also verifying drafts: each sequence's new tokens are its last
         known token and its drafts."""
-        if cols is not None and cols.one_token_each:
+        cols = cols or StepColumns.of(step, self.block_size)
+        if cols.one_token_each:
             return True
-        return all(s.num_new_tokens == 1 + len(s.draft_token_ids) for s in seqs)
+        c = cols.seq
+        drafts = c.drafts
+        return all(n == 1 + len(drafts.get(i, ())) for i, n in enumerate(c.num_new))
 
     def run(
         self,
-        seqs: tuple[ScheduledSeq, ...],
+        step: StepLike,
         tables: BlockTableArray | None = None,
         pending: PendingTokens | None = None,
         cols: StepColumns | None = None,
     ) -> torch.Tensor:
-        inputs = build_step_inputs(seqs, self.block_size, self.staging, tables, pending, cols)
+        inputs = build_step_inputs(step, self.block_size, self.staging, tables, pending, cols)
         meta = inputs.meta
         if not meta.is_all_decode:
             meta = per_token_rows(meta, inputs.positions)

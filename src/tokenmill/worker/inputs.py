@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
+from operator import add
 from typing import TypeVar
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 
 from tokenmill.attention import AttentionMetadata
 from tokenmill.kv_cache.block_table import BlockTableArray
-from tokenmill.scheduler import ScheduledSeq
+from tokenmill.scheduler import ScheduledSeq, SchedulerOutput, SeqColumns
 from tokenmill.scheduler.request import Request
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
@@ -27,9 +28,9 @@ ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
 @dataclass(frozen=True)
 class StepColumns:
-    """A step's sequences as columns, read once from the ``ScheduledSeq`` objects (one
-    pass per field, in C) so that input building, the fast paths' checks and the sampling
-    rows do not each walk the objects again."""
+    """A step's sequences as the runner reads them: the scheduler's columns
+    (``SeqColumns``) plus what input building, the fast paths' checks and the sampling
+    rows derive from them, computed once per step. No object per sequence."""
 
     requests: tuple[Request, ...]
     """Each sequence's request: the rows of a decode step's sampling (the sampler's plan
@@ -42,7 +43,7 @@ class StepColumns:
     """Each sequence's row of the scheduler's block-table array; None when one has none
     (steps built by hand): the tables come from the sequences' lists then."""
     width: int
-    """The longest block table (at least 1)."""
+    """Block-table columns the step needs (at least 1)."""
     one_token_each: bool
     """Every sequence computes one token and carries no drafts."""
     all_sample: bool
@@ -52,37 +53,54 @@ class StepColumns:
     placeholder of a token in flight); None otherwise."""
     pending: tuple[int, ...]
     """Sequences whose last input token is a placeholder (asynchronous scheduling)."""
+    seq: SeqColumns
+    """The scheduler's columns (samples, drafts and tree parents by sequence)."""
 
     @classmethod
-    def of(cls, seqs: Sequence[ScheduledSeq]) -> StepColumns:
-        b = len(seqs)
-        num_new_list = [s.num_new_tokens for s in seqs]
-        starts_list = [s.start for s in seqs]
-        rows = [s.table_row for s in seqs]
-        one_each = sum(num_new_list) == b and not any(s.draft_token_ids for s in seqs)
-        width = max([len(s.block_table) for s in seqs], default=1) or 1
+    def of(cls, step: SchedulerOutput | Sequence[ScheduledSeq], block_size: int = 0) -> StepColumns:
+        """The columns of a step (``block_size``: the KV block size, which sizes the
+        block-table width from the sequences' ends; 0: from their tables' lengths)."""
+        if isinstance(step, SchedulerOutput):
+            c = step.cols
+            seqs = None
+        else:
+            seqs = tuple(step)
+            c = SeqColumns.of(seqs)
+        b = len(c.requests)
+        starts, num_new, rows = c.starts, c.num_new, c.table_rows
+        has_rows = min(rows, default=0) >= 0
+        one_each = not c.drafts and sum(num_new) == b
+        if has_rows and block_size:  # each table holds the blocks its end needs
+            width = -(-max(map(add, starts, num_new), default=0) // block_size)
+        else:
+            if seqs is None:
+                seqs = step.seqs  # type: ignore[union-attr]
+            width = max([len(s.block_table) for s in seqs], default=1)
         decode_ids = None
+        requests = c.requests
         if one_each:
             # The token at ``start`` is the input; past the known tokens it is in flight.
-            known = [len(s.request.all_token_ids) for s in seqs]
-            pending = tuple(i for i in range(b) if starts_list[i] >= known[i])
-            decode_ids = [s.request.all_token_ids[s.start] if s.start < k else 0
-                          for s, k in zip(seqs, known)]  # fmt: skip
+            known = [len(r.all_token_ids) for r in requests]
+            pending = tuple(i for i in range(b) if starts[i] >= known[i])
+            decode_ids = [r.all_token_ids[s] if s < k else 0
+                          for r, s, k in zip(requests, starts, known)]  # fmt: skip
         else:
+            drafts = c.drafts
             pending = tuple(
-                i for i, s in enumerate(seqs)
-                if s.end - len(s.draft_token_ids) > len(s.request.all_token_ids)
+                i for i in range(b)
+                if starts[i] + num_new[i] - len(drafts.get(i, ())) > len(requests[i].all_token_ids)
             )  # fmt: skip
         return cls(
-            requests=tuple([s.request for s in seqs]),
-            starts=np.array(starts_list, dtype=np.int64),
-            num_new=np.array(num_new_list, dtype=np.int64),
-            table_rows=rows if min(rows, default=0) >= 0 else None,
-            width=width,
+            requests=requests,
+            starts=np.array(starts, dtype=np.int64),
+            num_new=np.array(num_new, dtype=np.int64),
+            table_rows=rows if has_rows else None,
+            width=width or 1,
             one_token_each=one_each,
-            all_sample=all(s.samples for s in seqs),
+            all_sample=c.num_sampling == b,
             decode_ids=decode_ids,
             pending=pending,
+            seq=c,
         )
 
 
@@ -126,8 +144,19 @@ class PinnedStaging:
         return out
 
 
+StepLike = SchedulerOutput | Sequence[ScheduledSeq]
+"""A step as the scheduler gives it, or its sequences' records (built by hand in tests,
+by the draft model's runner)."""
+
+
+def records(step: StepLike) -> tuple[ScheduledSeq, ...]:
+    """The step's ``ScheduledSeq`` records (made from the scheduler's columns if need be:
+    only steps off the decode hot path ask)."""
+    return step.seqs if isinstance(step, SchedulerOutput) else tuple(step)
+
+
 def fill_block_tables(
-    seqs: Sequence[ScheduledSeq],
+    step: StepLike,
     tables: BlockTableArray | None,
     out: np.ndarray,
     rows: list[int] | None = None,
@@ -136,14 +165,17 @@ def fill_block_tables(
     manager's array when the scheduler passed it (``rows``: the sequences' rows there,
     ``StepColumns.table_rows``); else (steps built by hand, in tests) from the
     per-sequence lists."""
-    if rows is None and tables is not None and all(s.table_row >= 0 for s in seqs):
-        rows = [s.table_row for s in seqs]
     if tables is not None and rows is not None:
         tables.gather(rows, out)
         return
+    seqs = records(step)
+    if tables is not None and all(s.table_row >= 0 for s in seqs):
+        tables.gather([s.table_row for s in seqs], out)
+        return
     out[:] = 0
     for i, s in enumerate(seqs):
-        out[i, : len(s.block_table)] = s.block_table
+        table = s.block_table[: out.shape[1]]
+        out[i, : len(table)] = table
 
 
 class HostIds:
@@ -214,7 +246,7 @@ class StepInputs:
 
 
 def build_step_inputs(
-    seqs: tuple[ScheduledSeq, ...],
+    step: StepLike,
     block_size: int,
     staging: PinnedStaging,
     tables: BlockTableArray | None = None,
@@ -226,8 +258,8 @@ def build_step_inputs(
     | pending rows K | their source rows K] (block tables padded with 0 to the longest,
     W >= 1; each section at an even offset, see ``sections``), filled with numpy. Pending
     tokens go in as 0 and are filled on the device."""
-    cols = cols or StepColumns.of(seqs)
-    b = len(seqs)
+    cols = cols or StepColumns.of(step, block_size)
+    b = len(cols.requests)
     new, starts, width = cols.num_new, cols.starts, cols.width
     t = int(new.sum())
     k = len(pending.seqs) if pending is not None else 0
@@ -237,7 +269,7 @@ def build_step_inputs(
     if cols.decode_ids is not None:
         ids[:] = cols.decode_ids
     else:
-        ids[:] = list(chain.from_iterable(known_tokens(s) for s in seqs))
+        ids[:] = list(chain.from_iterable(known_tokens(s) for s in records(step)))
     qsl[0] = 0
     np.cumsum(new, out=qsl[1:])
     if cols.one_token_each:
@@ -247,7 +279,7 @@ def build_step_inputs(
         owner = np.repeat(np.arange(b), new)  # [T]: the sequence of each token
         pos[:] = np.arange(t) - qsl[owner] + starts[owner]
     table = flat_tables.reshape(b, width)
-    fill_block_tables(seqs, tables, table, cols.table_rows)
+    fill_block_tables(step, tables, table, cols.table_rows)
     slots[:] = table[owner, pos // block_size] * block_size + pos % block_size
     lens[:] = starts + new
     if pending is not None:

@@ -28,11 +28,11 @@ from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
 from tokenmill.sampling.in_flight import InFlightRow
 from tokenmill.sampling.logits_processors import upload
 from tokenmill.sampling.sampler import RowState, SamplingRow
-from tokenmill.scheduler import ScheduledSeq, SchedulerOutput
+from tokenmill.scheduler import ScheduledSeq, SchedulerOutput, StepTokens
 from tokenmill.scheduler.draft_tree import accept, accepted_moves, path
-from tokenmill.scheduler.request import RequestStatus
+from tokenmill.scheduler.request import Request, RequestStatus
 from tokenmill.worker.cuda_graphs import PaddedDecode, wants_cuda_graphs
-from tokenmill.worker.draft_tree import has_tree, move_kv, tree_attention
+from tokenmill.worker.draft_tree import move_kv, tree_attention
 from tokenmill.worker.fast_path import FastPath, NativeDecodePath, cpu_fast_path
 from tokenmill.worker.inputs import (
     HostIds,
@@ -71,10 +71,11 @@ class TokenLogprobs:
 class LaunchedStep:
     """A step queued on the device (``ModelRunner.launch``), not yet waited for."""
 
-    seqs: tuple[ScheduledSeq, ...]
-    """The step's sequences, in scheduled order; sequence i owns ``num_sample_rows`` rows of
-    ``ids`` (from ``first_rows[i]``)."""
-    first_rows: tuple[int, ...]
+    sched: SchedulerOutput
+    """The step; its sequence i owns ``num_sample_rows`` rows of ``ids`` (from
+    ``first_rows[i]``)."""
+    cols: StepColumns
+    first_rows: Sequence[int]
     ids: torch.Tensor | None
     """The sampled ids [R] on their way to the host (``HostIds.copy``); None: none sampled."""
     done: torch.cuda.Event | None
@@ -86,9 +87,9 @@ class LaunchedStep:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    tokens: list[list[int]]
+    tokens: StepTokens
     """Per scheduled sequence, in order: its new tokens (accepted drafts, then the token
-    sampled after them); [] when it did not sample."""
+    sampled after them); [] when it did not sample. A decode step's are one flat list."""
     logprobs: list[list[TokenLogprobs]] | None
     """Aligned with ``tokens`` for sequences that asked for logprobs ([] for the others);
     None when no sequence of the step asked."""
@@ -103,8 +104,8 @@ class _Sampled:
     ids, and its columns: where the next step's placeholder tokens are read from."""
 
     ids: torch.Tensor
-    seqs: tuple[ScheduledSeq, ...]
-    first_rows: tuple[int, ...]
+    sched: SchedulerOutput
+    first_rows: Sequence[int]
     cols: StepColumns
 
     def steady_with(self, cols: StepColumns) -> bool:
@@ -185,46 +186,49 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
         """Queue the step's forward pass and sampling on the device and the copy of the
         sampled ids back; returns without waiting (on CUDA) for any of it."""
-        seqs = sched.seqs
-        cols = StepColumns.of(seqs)  # the sequences as columns, read once per step
-        pending = self._pending_tokens(seqs, cols)
+        cols = StepColumns.of(sched, self.block_size)  # made once per step
+        pending = self._pending_tokens(sched, cols)
         hidden, qsl = self._forward(sched, pending, cols)
         if self._end_saves is not None:  # states at chunk ends -> snapshot rows
             assert self.snapshots is not None
             self.snapshots.save(self._end_saves, self.kv_caches)
             self._end_saves = None
         if self.tap is not None:  # a speculative head reads the target's features
-            self.tap.record(seqs, qsl, hidden)
-        first_rows, sample_rows, rows = _sample_rows(seqs, qsl, pending, cols)
+            self.tap.record(sched.seqs, qsl, hidden)
+        first_rows, sample_rows, rows = _sample_rows(sched, qsl, pending, cols)
         sampled, lp = self._sample(rows, sample_rows, hidden) if rows else (None, None)
-        prompt_lp = self._prompt_logprobs(seqs, qsl, hidden)
+        # A decode step scores no prompt token: each sequence is past its prompt.
+        decode = cols.one_token_each and cols.all_sample
+        prompt_lp = {} if decode else self._prompt_logprobs(cols, qsl, hidden)
         pinned = self.host_ids.pinned
         if pinned:  # queued before the step's event, so collect's wait covers them
             lp = _copy_to_host(lp)
             prompt_lp = {r: (a, t, _to_pinned(x)) for r, (a, t, x) in prompt_lp.items()}
-        self._last_sampled = None if sampled is None else _Sampled(sampled, seqs, first_rows, cols)
+        self._last_sampled = None if sampled is None else _Sampled(sampled, sched, first_rows, cols)
         ids = self.host_ids.copy(sampled) if sampled is not None else None
         # A step of prompt chunks samples nothing, yet may copy prompt logprobs back.
         done = record_event() if pinned and (ids is not None or prompt_lp) else None
-        return LaunchedStep(seqs, first_rows, ids, done, lp, prompt_lp)
+        return LaunchedStep(sched, cols, first_rows, ids, done, lp, prompt_lp)
 
     def _forward(
         self, sched: SchedulerOutput, pending: PendingTokens | None, cols: StepColumns
     ) -> tuple[torch.Tensor, tuple[int, ...]]:
         """hidden [T, hidden] of the step's tokens and the query offsets (B+1) of its
         sequences: through the padded decode path (CUDA graphs) when it takes the step."""
-        seqs = sched.seqs
-        if not cols.one_token_each and self.mm is None and has_tree(seqs):  # draft trees
+        if not cols.one_token_each and self.mm is None and cols.seq.parents:  # draft trees
             return self._forward_tree(sched, pending, cols)
-        if self.decode is not None and self.decode.takes(seqs, cols):
-            hidden = self.decode.run(seqs, sched.tables, pending, cols)  # [T, hidden]
-            if len(seqs) == hidden.shape[0]:  # one token each: row i = sequence i
-                return hidden, tuple(range(len(seqs) + 1))
+        if self.decode is not None and self.decode.takes(sched, cols):
+            hidden = self.decode.run(sched, sched.tables, pending, cols)  # [T, hidden]
+            b = len(cols.requests)
+            if b == hidden.shape[0]:  # one token each: row i = sequence i
+                return hidden, tuple(range(b + 1))
             return hidden, tuple(accumulate(cols.num_new.tolist(), initial=0))
-        inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending, cols)
-        ctx, positions = self._ctx(inputs.meta, seqs), inputs.positions
+        inputs = build_step_inputs(
+            sched, self.block_size, self.staging, sched.tables, pending, cols
+        )
+        ctx, positions = self._ctx(inputs.meta, cols.requests), inputs.positions
         if self.mm is not None:  # a model with a media encoder (multimodal/step.py)
-            positions, ctx = self.mm.prepare(seqs, ctx, positions)
+            positions, ctx = self.mm.prepare(sched.seqs, ctx, positions)
         hidden = self.model(inputs.input_ids, positions, ctx)
         return hidden, inputs.meta.query_start_loc
 
@@ -235,14 +239,16 @@ class ModelRunner:
         position, seeing their path (``draft_tree.tree_attention``); the whole-layer CPU
         path takes it when every sequence is decoding or verifying."""
         seqs = sched.seqs
-        inputs = build_step_inputs(seqs, self.block_size, self.staging, sched.tables, pending, cols)
+        inputs = build_step_inputs(
+            sched, self.block_size, self.staging, sched.tables, pending, cols
+        )
         positions, meta = tree_attention(seqs, inputs.positions, inputs.meta)
         fast = self.decode
         if isinstance(fast, NativeDecodePath) and meta.is_all_decode:
             ctx = StepContext(meta, self.kv_caches, fast.backend)
             hidden = fast.decode(inputs.input_ids, positions, ctx)
         else:
-            hidden = self.model(inputs.input_ids, positions, self._ctx(meta, seqs))
+            hidden = self.model(inputs.input_ids, positions, self._ctx(meta, cols.requests))
         return hidden, inputs.meta.query_start_loc
 
     def _settle_trees(self, step: LaunchedStep, accepted: dict[int, list[int]]) -> None:
@@ -252,7 +258,7 @@ class ModelRunner:
         dst: list[int] = []
         bs = self.block_size
         for i, nodes in accepted.items():
-            s = step.seqs[i]
+            s = step.sched.seqs[i]
             if s.request.status is not RequestStatus.RUNNING:
                 continue  # preempted or ended while in flight: its blocks are not its own
             root = s.end - len(s.draft_parents) - 1
@@ -280,63 +286,63 @@ class ModelRunner:
         """Wait for a launched step's copies to the host (the step's one synchronisation)."""
         if step.done is not None:
             step.done.synchronize()
-        token_list = step.ids.tolist() if step.ids is not None else []
+        token_list: list[int] = step.ids.tolist() if step.ids is not None else []
         accepted: dict[int, list[int]] = {}
         out = _to_host(step, token_list, accepted)
         if accepted:
             self._settle_trees(step, accepted)
         return out
 
-    def _pending_tokens(
-        self, seqs: tuple[ScheduledSeq, ...], cols: StepColumns | None = None
-    ) -> PendingTokens | None:
+    def _pending_tokens(self, sched: SchedulerOutput, cols: StepColumns) -> PendingTokens | None:
         """The step's input tokens that the previous step is still sampling (each the
         last row its sequence sampled there: it has no drafts)."""
-        waiting = (cols or StepColumns.of(seqs)).pending
+        waiting = cols.pending
         if not waiting:
             return None
         last = self._last_sampled
         assert last is not None, "a pending token without a step in flight"
-        if cols is not None and last.steady_with(cols):  # the same decode batch: row i = i
+        if last.steady_with(cols):  # the same decode batch: row i = i
             return PendingTokens(last.ids, waiting, waiting)
+        was = last.cols.seq
         row_of = {  # the batch changed: look each one up
-            s.request.request_id: last.first_rows[j] for j, s in enumerate(last.seqs) if s.samples
-        }
-        rows = tuple(row_of[seqs[i].request.request_id] for i in waiting)
+            r.request_id: last.first_rows[j]
+            for j, (r, samples) in enumerate(zip(was.requests, was.samples)) if samples
+        }  # fmt: skip
+        rows = tuple(row_of[cols.requests[i].request_id] for i in waiting)
         return PendingTokens(last.ids, tuple(waiting), rows)
 
-    def _ctx(self, meta: AttentionMetadata, seqs: tuple[ScheduledSeq, ...] = ()) -> StepContext:
+    def _ctx(self, meta: AttentionMetadata, requests: Sequence[Request] = ()) -> StepContext:
         """The step context; with state-slot layers, each sequence's slot in it."""
         if self.state_step is not None:  # a snapshot pool: restores first, then the forward
             assert self.snapshots is not None
-            step = self.state_step([s.request.request_id for s in seqs])
+            step = self.state_step([r.request_id for r in requests])
             self.snapshots.restore(step, self.kv_caches)
             self._end_saves = step if step.save_rows else None
             state = StateMetadata.build(step.slots, meta, step.run_saves, self.snapshots.tensors)
             return StepContext(meta, self.kv_caches, self.backend, state)
         if self.state_slot is None:
             return StepContext(meta, self.kv_caches, self.backend)
-        slots = [self.state_slot(s.request.request_id) for s in seqs]
+        slots = [self.state_slot(r.request_id) for r in requests]
         return StepContext(meta, self.kv_caches, self.backend, StateMetadata.build(slots, meta))
 
     def _prompt_logprobs(
-        self, seqs: tuple[ScheduledSeq, ...], qsl: tuple[int, ...], hidden: torch.Tensor
+        self, cols: StepColumns, qsl: tuple[int, ...], hidden: torch.Tensor
     ) -> dict[str, tuple[int, list[int], LogprobsTensors]]:
         """Score the prompt tokens this chunk predicts, for requests that asked."""
         result: dict[str, tuple[int, list[int], LogprobsTensors]] = {}
-        for i, s in enumerate(seqs):
-            req = s.request
+        for i, req in enumerate(cols.requests):
             k = req.params.prompt_logprobs
             if k is None:
                 continue
-            last = min(s.end, req.num_prompt_tokens - 1)  # positions predicting a prompt token
-            if s.start >= last:
+            start = int(cols.starts[i])
+            last = min(start + int(cols.num_new[i]), req.num_prompt_tokens - 1)
+            if start >= last:  # no position of this chunk predicts a prompt token
                 continue
             row0 = qsl[i]
-            logits = self.model.compute_logits(hidden[row0 : row0 + last - s.start])
-            targets = upload(req.prompt_token_ids[s.start + 1 : last + 1], torch.int64, self.device)
+            logits = self.model.compute_logits(hidden[row0 : row0 + last - start])
+            targets = upload(req.prompt_token_ids[start + 1 : last + 1], torch.int64, self.device)
             lp = compute_logprobs(logits, k, targets)
-            result[req.request_id] = (s.start, req.prompt_token_ids[s.start + 1 : last + 1], lp)
+            result[req.request_id] = (start, req.prompt_token_ids[start + 1 : last + 1], lp)
         return result
 
 
@@ -411,11 +417,11 @@ def _copy_to_host(lp: LogprobsTensors | None) -> LogprobsTensors | None:
 
 
 def _sample_rows(
-    seqs: tuple[ScheduledSeq, ...],
+    sched: SchedulerOutput,
     qsl: tuple[int, ...],
-    pending: PendingTokens | None = None,
-    cols: StepColumns | None = None,
-) -> tuple[tuple[int, ...], list[int], Sequence[SamplingRow]]:
+    pending: PendingTokens | None,
+    cols: StepColumns,
+) -> tuple[Sequence[int], list[int], Sequence[SamplingRow]]:
     """(first sampled row per sequence, the hidden rows that sample, their sampling states).
 
     A sequence samples at its last token and, with drafts, at each draft's position too
@@ -423,31 +429,29 @@ def _sample_rows(
     penalties and min_tokens then see what a plain decode would have seen). A sequence
     whose latest token is still in flight (``pending``) and whose sampling reads its
     tokens (penalties) gets an ``InFlightRow``: that token is read on the device."""
+    requests, c = cols.requests, cols.seq
     in_flight = {}
     if pending is not None:
         in_flight = {i: row for i, row in zip(pending.seqs, pending.rows)
-                     if seqs[i].request.params.uses_penalties}  # fmt: skip
-    if not in_flight and cols is not None and cols.one_token_each and cols.all_sample:  # decode
-        b = len(seqs)
-        return tuple(range(b)), list(range(b)), cols.requests
-    if not in_flight and not _has_drafts(seqs):  # the common step: one row per sampler
-        sampling = [i for i, s in enumerate(seqs) if s.samples]
-        if len(sampling) == len(seqs):  # all of them (decode)
-            return (
-                tuple(range(len(seqs))),
-                [qsl[i + 1] - 1 for i in sampling],
-                [s.request for s in seqs],
-            )
-        first = tuple(accumulate((s.samples for s in seqs), initial=0))[:-1]
-        return first, [qsl[i + 1] - 1 for i in sampling], [seqs[i].request for i in sampling]
+                     if requests[i].params.uses_penalties}  # fmt: skip
+    b = len(requests)
+    if not in_flight and cols.one_token_each and cols.all_sample:  # decode: row i = sequence i
+        every = range(b)
+        return every, list(every), requests
+    if not in_flight and not c.drafts:  # the common step: one row per sampler
+        if cols.all_sample:
+            return range(b), [qsl[i + 1] - 1 for i in range(b)], requests
+        sampling = [i for i, samples in enumerate(c.samples) if samples]
+        first = tuple(accumulate(c.samples, initial=0))[:-1]
+        return first, [qsl[i + 1] - 1 for i in sampling], [requests[i] for i in sampling]
     first_rows: list[int] = []
     hidden_rows: list[int] = []
     states: list[SamplingRow] = []
-    for i, s in enumerate(seqs):
+    for i, req in enumerate(requests):
         first_rows.append(len(states))
-        if not s.samples:
+        if not c.samples[i]:
             continue
-        req, drafts = s.request, s.draft_token_ids
+        drafts = c.drafts.get(i, ())
         last = qsl[i + 1] - 1
         if not drafts:
             hidden_rows.append(last)
@@ -459,17 +463,13 @@ def _sample_rows(
             continue
         hidden_rows.extend(range(last - len(drafts), last + 1))
         states.append(req)
-        parents = s.draft_parents
+        parents = c.parents.get(i, ())
         for j in range(1, len(drafts) + 1):  # row j scores the token after draft j - 1
             before = [drafts[a] for a in path(parents, j - 1)] if parents else drafts[:j]
             outputs = [*req.output_token_ids, *before]
             states.append(RowState(req.params, req.prompt_token_ids, outputs, req.generator,
                                    req.eos_token_ids, req.structured))  # fmt: skip
     return tuple(first_rows), hidden_rows, states
-
-
-def _has_drafts(seqs: tuple[ScheduledSeq, ...]) -> bool:
-    return any(s.draft_token_ids for s in seqs)
 
 
 def verify_drafts(drafts: tuple[int, ...], sampled: list[int]) -> list[int]:
@@ -489,31 +489,35 @@ def _to_host(
     """Host-side outputs once the step's copies are on the host (``LaunchedStep.done``, the
     step's synchronisation point). ``accepted`` gets, per draft-tree sequence, the nodes
     its output took."""
-    tokens: list[list[int]]
+    c = step.cols.seq
     rows: list[list[int]] | None = None  # sampled rows of each output token (trees)
-    if len(token_list) == len(step.seqs) and not _has_drafts(step.seqs):  # one each (decode)
-        tokens = [[t] for t in token_list]
+    if len(token_list) == len(c.requests) and not c.drafts:  # one each (decode)
+        tokens = StepTokens(flat=token_list)
     else:
-        tokens, rows = [], []
-        for i, (s, row) in enumerate(zip(step.seqs, step.first_rows)):
-            sampled = token_list[row : row + s.num_sample_rows]
-            if s.draft_parents:
-                nodes = accept(s.draft_token_ids, s.draft_parents, sampled)
+        lists: list[list[int]] = []
+        rows = []
+        for i, row in enumerate(step.first_rows):
+            drafts = c.drafts.get(i, ())
+            sampled = token_list[row : row + len(drafts) + 1] if c.samples[i] else []
+            parents = c.parents.get(i)
+            if parents:
+                nodes = accept(drafts, parents, sampled)
                 used = [0, *(1 + j for j in nodes)]
-                tokens.append([*(s.draft_token_ids[j] for j in nodes), sampled[used[-1]]])
+                lists.append([*(drafts[j] for j in nodes), sampled[used[-1]]])
                 rows.append(used)
                 if accepted is not None:
                     accepted[i] = nodes
                 continue
-            new = verify_drafts(s.draft_token_ids, sampled) if s.draft_token_ids else sampled
-            tokens.append(new)
+            new = verify_drafts(drafts, sampled) if drafts else sampled
+            lists.append(new)
             rows.append(list(range(len(new))))
+        tokens = StepTokens(lists)
     logprobs = None
     if step.logprobs is not None:
         entries = _entries(step.logprobs, token_list)
         logprobs = []
-        for i, (s, row, new) in enumerate(zip(step.seqs, step.first_rows, tokens)):
-            k = s.request.params.logprobs
+        for i, (req, row, new) in enumerate(zip(c.requests, step.first_rows, tokens)):
+            k = req.params.logprobs
             used = rows[i] if rows is not None else list(range(len(new)))
             logprobs.append(
                 [] if k is None else
