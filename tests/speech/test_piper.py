@@ -107,3 +107,18 @@ def test_voices_speed_and_errors(tts):
         list(tts.generate_speech_stream("   "))
     with pytest.raises(ValueError, match="speed"):
         AudioParams(speed=9)
+
+
+def test_flows_on_the_first_frames_equal_the_whole(tts):
+    """The stream's first piece maps only its frames (and FLOW_CONTEXT more) through the flows."""
+    g = torch.Generator().manual_seed(3)
+    zp = torch.randn(1, tts.voice.model.cfg.inter, 300, generator=g)
+    model = tts.voice.model
+    with torch.inference_mode():
+        whole = model.flows(zp)
+        for frames in (36, 100, 290):
+            head = model.flows(zp, frames)
+            assert head.shape[2] == frames
+            assert (head - whole[:, :, :frames]).abs().max() < 1e-4
+        cut = model.flows(zp[:, :, :36])  # no context: the last frames differ
+        assert (cut[:, :, 30:] - whole[:, :, 30:36]).abs().max() > 1e-3

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from functools import partial
@@ -92,23 +92,21 @@ class TTS:
                 f"unknown voice {params.voice!r}; known voices: {self.list_voices()} (or 'default')"
             )
 
-    def _latent(self, sentence: str, params: AudioParams) -> torch.Tensor:
-        """One sentence -> the vocoder's input [1, inter, frames]."""
+    def _prior(self, sentence: str, params: AudioParams) -> torch.Tensor:
+        """One sentence -> the flows' input [1, inter, frames] (``Vits.prior``)."""
         ids = self.voice.ids(phonemize(sentence, self.voice.espeak_voice))
         base = self.voice.scales
         scales = replace(base, length=base.length / params.speed)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        with torch.inference_mode():
-            return self.voice.model.latent(torch.tensor([ids]), scales, gen)
+        return self.voice.model.prior(torch.tensor([ids]), scales, gen)
 
     def synthesize(self, sentence: str, params: AudioParams = AudioParams()) -> torch.Tensor:
         """One sentence -> float waveform [samples] at ``sample_rate``, in one piece."""
         self._check(params)
 
         def run() -> torch.Tensor:
-            z = self._latent(sentence, params)
-            with torch.inference_mode():
-                return self.voice.model.dec(z)[0, 0]
+            model = self.voice.model
+            return model.dec(model.flows(self._prior(sentence, params)))[0, 0]
 
         return self._pool.submit((next(self._streams),), run).result()  # type: ignore[no-any-return]
 
@@ -139,8 +137,12 @@ class TTS:
 
 
 class _Stream:
-    """One ``generate_speech_stream`` call's tasks: key (stream, sentence, 0) computes a
-    sentence's latent and submits its pieces as (stream, sentence, 1 + piece)."""
+    """One ``generate_speech_stream`` call's tasks, keyed (stream, sentence, step): step 0
+    computes a sentence's prior sample, then its flows and pieces follow. The first
+    sentence's first piece goes through the flows on its own frames (and their context),
+    while another worker maps the whole sentence: the first audio waits for neither.
+
+    A task returns PCM bytes or, in order, the futures of the tasks it submitted."""
 
     def __init__(self, tts: TTS, sid: int, sentences: list[str], params: AudioParams) -> None:
         self.tts, self.sid, self.sentences, self.params = tts, sid, sentences, params
@@ -150,37 +152,45 @@ class _Stream:
 
     def chunks(self) -> Iterator[bytes]:
         n = len(self.sentences)
-        latents = {i: self._submit_latent(i) for i in range(min(AHEAD, n))}
+        started = [self._start(i) for i in range(min(AHEAD, n))]
         for i in range(n):
             if i + AHEAD < n:
-                latents[i + AHEAD] = self._submit_latent(i + AHEAD)
-            for piece in latents.pop(i).result():
-                yield piece.result()
+                started.append(self._start(i + AHEAD))
+            yield from _drain(started[i])
 
-    def _submit_latent(self, i: int) -> Future[list[Future[bytes]]]:
-        with self.lock:
-            future = self.tts._pool.submit((self.sid, i, 0), lambda: self._latent(i))
-            self.futures.append(future)
+    def _start(self, i: int) -> Future[Any]:
+        (future,) = self._submit(i, [(0, partial(self._sentence, i))])  # not stopped: in chunks
         return future
 
-    def _latent(self, i: int) -> list[Future[bytes]]:
-        tts = self.tts
-        z = tts._latent(self.sentences[i], self.params)
-        parts = LAST_PARTS if i == len(self.sentences) - 1 else 1
-        plan = pieces(z.shape[2], FIRST if i == 0 else 0, PIECE, parts)
+    def _submit(self, i: int, tasks: list[tuple[int, Callable[[], Any]]]) -> list[Future[Any]]:
+        """Sentence ``i``'s (step, fn) tasks; none once the stream is cancelled."""
         with self.lock:
             if self.stopped:
                 return []
-            out = [
-                tts._pool.submit((self.sid, i, 1 + j), partial(self._decode, z, p))
-                for j, p in enumerate(plan)
-            ]
+            out = [self.tts._pool.submit((self.sid, i, step), fn) for step, fn in tasks]
             self.futures += out
         return out
 
+    def _sentence(self, i: int) -> list[Future[Any]]:
+        model = self.tts.voice.model
+        zp = self.tts._prior(self.sentences[i], self.params)
+        parts = LAST_PARTS if i == len(self.sentences) - 1 else 1
+        plan = pieces(zp.shape[2], FIRST if i == 0 else 0, PIECE, parts)
+        if i == 0 and len(plan) > 1:
+            head = plan[0]
+            return self._submit(i, [
+                (1, lambda: self._decode(model.flows(zp, head.hi), head)),
+                (2, lambda: self._pieces(i, model.flows(zp), plan[1:], 3)),
+            ])  # fmt: skip
+        return self._pieces(i, model.flows(zp), plan, 1)
+
+    def _pieces(self, i: int, z: torch.Tensor, plan: list[Piece], step: int) -> list[Future[Any]]:
+        return self._submit(
+            i, [(step + j, partial(self._decode, z, p)) for j, p in enumerate(plan)]
+        )
+
     def _decode(self, z: torch.Tensor, piece: Piece) -> bytes:
-        with torch.inference_mode():
-            return to_pcm16(self.tts.voice.model.decode_piece(z, piece))
+        return to_pcm16(self.tts.voice.model.decode_piece(z, piece))
 
     def cancel(self) -> None:
         """The tasks not started yet are dropped (the running ones finish)."""
@@ -188,3 +198,13 @@ class _Stream:
             self.stopped = True
             for future in self.futures:
                 future.cancel()
+
+
+def _drain(future: Future[Any]) -> Iterator[bytes]:
+    """A task's PCM: its bytes, or those of the tasks it submitted, in order."""
+    result = future.result()
+    if isinstance(result, bytes):
+        yield result
+        return
+    for f in result:
+        yield from _drain(f)

@@ -396,6 +396,21 @@ class Vits(nn.Module):
         self, ids: torch.Tensor, scales: Scales, generator: torch.Generator | None = None
     ) -> torch.Tensor:
         """ids [1, T] -> the decoder's input [1, inter, frames] (one utterance)."""
+        return self.flows(self.prior(ids, scales, generator))
+
+    def flows(self, zp: torch.Tensor, frames: int | None = None) -> torch.Tensor:
+        """Prior sample zp [1, inter, F] -> the decoder's input, all of it or its first
+        ``frames`` (from zp's first ``frames + FLOW_CONTEXT``: equal up to rounding)."""
+        if frames is not None:
+            zp = zp[:, :, : frames + FLOW_CONTEXT]
+        z = self.flow.reverse(zp, torch.ones(1, 1, zp.shape[2]))
+        return z if frames is None else z[:, :, :frames]
+
+    def prior(
+        self, ids: torch.Tensor, scales: Scales, generator: torch.Generator | None = None
+    ) -> torch.Tensor:
+        """ids [1, T] -> the prior sample [1, inter, frames] that the flows map to the
+        decoder's input: text encoder, durations, expansion to frames, noise."""
         mask = torch.ones(1, 1, ids.shape[1])
         x, m, logs = self.enc_p(ids, mask)
         noise_w = torch.randn(1, 2, ids.shape[1], generator=generator) * scales.noise_w
@@ -403,8 +418,7 @@ class Vits(nn.Module):
         frames = torch.ceil(w)[0, 0].long()  # [T] frames per phoneme
         m = m[0].repeat_interleave(frames, dim=1)[None]  # [1, inter, F]
         logs = logs[0].repeat_interleave(frames, dim=1)[None]
-        z = m + torch.randn(m.shape, generator=generator) * torch.exp(logs) * scales.noise
-        return self.flow.reverse(z, torch.ones(1, 1, z.shape[2]))
+        return m + torch.randn(m.shape, generator=generator) * torch.exp(logs) * scales.noise
 
     def forward(
         self, ids: torch.Tensor, scales: Scales, generator: torch.Generator | None = None
@@ -425,6 +439,9 @@ class Vits(nn.Module):
             yield self.decode_piece(z, piece)
 
 
+FLOW_CONTEXT = 32
+"""Prior frames that the flows see on either side (4 couplings of 4 kernel-5 convolutions:
++-32, measured)."""
 CONTEXT = 12
 """Latent frames decoded on either side of a piece: an output sample at frame position p
 depends on z frames p - 11.02 .. p + 9.96 (the generator's receptive field, measured)."""

@@ -21,8 +21,9 @@ Key = tuple[int, ...]
 
 
 class TaskPool:
-    """``workers`` daemon threads; ``submit(key, fn)`` runs ``fn()`` on the first free one,
-    lowest ``key`` first among the tasks waiting (ties: first submitted)."""
+    """``workers`` daemon threads; ``submit(key, fn)`` runs ``fn()`` on the first free one
+    (in inference mode), lowest ``key`` first among the tasks waiting (ties: first
+    submitted)."""
 
     def __init__(self, workers: int) -> None:
         self._heap: list[tuple[Key, int, Callable[[], Any], Future[Any]]] = []
@@ -46,6 +47,10 @@ class TaskPool:
         torch.get_num_threads()  # torch's per-thread setup first: it would undo the next line
         torch.set_num_threads(1)
         started.wait()
+        with torch.inference_mode():
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._heap and not self._closed:
