@@ -74,7 +74,7 @@ class NativeDecode:
         meta, layers = ctx.attn, self.model.layers
         attn, mlp = layers[0].self_attn, layers[0].mlp
         batch, width = hidden.shape
-        kvh, inter = attn.spec.num_kv_heads, mlp.down_proj.in_features
+        heads, inter = attn.spec.num_heads, mlp.down_proj.in_features
         widest = max(width, inter)
         extra = meta.extra_slots  # a draft tree's ancestors past each row's context
         extras = 0 if extra is None else extra.shape[1]
@@ -85,7 +85,7 @@ class NativeDecode:
             "attn": torch.empty(batch, attn.q_size),
             "gate_up": torch.empty(batch, 2 * inter),
             "act": torch.empty(batch, inter),
-            "scores": torch.empty(batch * kvh * (max(meta.seq_lens) + extras)),
+            "scores": torch.empty(batch * heads * (max(meta.seq_lens) + extras)),
             "qx": torch.empty(2 * batch * widest, dtype=torch.int8),
             "dx": torch.empty(batch * widest // 32),
             "sx": torch.empty(batch * widest // 32),

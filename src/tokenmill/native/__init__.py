@@ -221,7 +221,7 @@ def decode_attention(
     batch = qkv.shape[0]
     extras = 0 if extra_slots is None else extra_slots.shape[1]
     out = torch.empty(batch, q_heads * head_dim, dtype=torch.float32)
-    scores = torch.empty(batch * kv_heads * (max_len + extras), dtype=torch.float32)
+    scores = torch.empty(batch * q_heads * (max_len + extras), dtype=torch.float32)
     _, nb, bs = kv_cache.shape[:3]
     _library().decode_attention(qkv.data_ptr(), batch, qkv.stride(0), q_heads, kv_heads,
                                 head_dim, kv_cache.data_ptr(), nb * bs, bs,

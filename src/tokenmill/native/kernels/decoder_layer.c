@@ -86,6 +86,7 @@ void decode_layer(const LayerDesc *L, const StepArgs *s) {
     project(&L->o, s->attn, s->hidden, s);
     add_rms_norm(s->hidden, s->residual, L->post_norm, s->normed, B, H, L->min_norm, 1);
     project(&L->gate_up, s->normed, s->gate_up, s);
+#pragma omp parallel for schedule(static) if (B > 1) /* a verify step's rows */
     for (int64_t t = 0; t < B; t++) {
         const float *g = s->gate_up + t * 2 * I, *u = g + I;
         float *a = s->act + t * I;
