@@ -2,16 +2,19 @@
 
     python benchmarks/pooling.py [--model DIR] [--quick]
 
-Offline: sentences/s of ``LLM.embed`` (float32, and the bfloat16 fast path) and of
-``SentenceTransformer.encode(batch_size=b)`` on the same folder, at batch 1, 32 and 256,
-for short (~16 tokens) and long (256 tokens, cut by both) inputs; each point alternates
-the three runners round by round and keeps each one's median. Online: ``/v1/embeddings`` with
-8 concurrent clients, one sentence per request. Prints a table with the ratios.
+Offline: sentences/s of ``LLM.embed`` (float32, the bfloat16 fast path, and
+``quantization="int8"``) and of ``SentenceTransformer.encode(batch_size=b)`` on the same
+folder, at batch 1, 32 and 256, for short (~16 tokens) and long (256 tokens, cut by both)
+inputs; each point alternates the runners round by round and keeps each one's median, and
+prints the lowest cosine of the bfloat16 and int8 vectors to float32's. Online:
+``/v1/embeddings`` with 8 concurrent clients, one sentence per request. Ratios are to
+sentence-transformers; CPU seconds (``process_time``) beside wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import threading
 import time
@@ -37,52 +40,81 @@ def sentences(kind: str, n: int, offset: int = 0) -> list[str]:
 
 def rates(
     runners: dict[str, Callable[[list[str]], object]], kind: str, batch: int, repeat: int
-) -> dict[str, float]:
-    """Median sentences/s of each runner over ``repeat`` rounds; a round calls every
-    runner once in turn on the same fresh sentences, so each sees the same machine load."""
-    times: dict[str, list[float]] = {name: [] for name in runners}
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median sentences/s of each runner over ``repeat`` rounds, by wall and by CPU time;
+    a round calls every runner once in turn on the same fresh sentences, so each sees the
+    same machine load."""
+    wall: dict[str, list[float]] = {name: [] for name in runners}
+    cpu: dict[str, list[float]] = {name: [] for name in runners}
     for fn in runners.values():
         fn(sentences(kind, batch, 10**6))  # warm-up
     for r in range(repeat):
         xs = sentences(kind, batch, r * batch)
         for name, fn in runners.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn(xs)
-            times[name].append(time.perf_counter() - start)
-    return {name: batch / statistics.median(ts) for name, ts in times.items()}
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return (
+        {name: batch / statistics.median(ts) for name, ts in wall.items()},
+        {name: batch / statistics.median(ts) for name, ts in cpu.items()},
+    )
 
 
-def offline(model: str, quick: bool) -> list[tuple[str, int, float, float, float]]:
+def min_cosine(a: list, b: list) -> float:
+    import torch
+    import torch.nn.functional as F
+
+    va = torch.tensor([o.outputs.embedding for o in a])
+    vb = torch.tensor([o.outputs.embedding for o in b])
+    return float(F.cosine_similarity(va, vb, dim=-1).min())
+
+
+PATHS = {
+    "fp32": {"dtype": "float32"},
+    "bf16": {"dtype": "bfloat16"},
+    "int8": {"quantization": "int8"},
+}
+
+
+def offline(model: str, quick: bool) -> list[tuple[str, int, dict[str, float]]]:
     from sentence_transformers import SentenceTransformer
 
     from tokenmill import LLM
 
     st = SentenceTransformer(model, device="cpu")
-    fp32 = LLM(model, dtype="float32")
-    bf16 = LLM(model, dtype="bfloat16")
+    llms = {name: LLM(model, **kw) for name, kw in PATHS.items()}
     rows = []
     for kind, batch in POINTS:
         tokens = batch * (16 if kind == "short" else 256)
         repeat = 1 if quick else max(3, min(30, 20000 // tokens))
-        runners = {
-            "st": lambda xs, b=batch: st.encode(xs, batch_size=b),
-            "fp32": lambda xs: fp32.embed(xs, truncate_prompt_tokens=-1),
-            "bf16": lambda xs: bf16.embed(xs, truncate_prompt_tokens=-1),
+        runners: dict[str, Callable[[list[str]], object]] = {
+            "st": lambda xs, b=batch: st.encode(xs, batch_size=b)
         }
-        got = rates(runners, kind, batch, repeat)
-        rows.append((kind, batch, got["st"], got["fp32"], got["bf16"]))
+        for name, llm in llms.items():
+            runners[name] = lambda xs, llm=llm: llm.embed(xs, truncate_prompt_tokens=-1)
+        got, got_cpu = rates(runners, kind, batch, repeat)
+        xs = sentences(kind, batch, 7 * 10**5)
+        outs = {name: llm.embed(xs, truncate_prompt_tokens=-1) for name, llm in llms.items()}
+        cos = {name: min_cosine(outs[name], outs["fp32"]) for name in ("bf16", "int8")}
+        rows.append((kind, batch, got))
+        cells = "  ".join(
+            f"{name} {got[name]:7.1f}/s {got[name] / got['st']:.2f}x "
+            f"(cpu {got_cpu[name] / got_cpu['st']:.2f}x)"
+            for name in llms
+        )
         print(
-            f"{kind:5} b={batch:<3}  st {got['st']:8.1f}/s  tokenmill fp32 {got['fp32']:8.1f}/s "
-            f"({got['fp32'] / got['st']:.2f}x)  bf16 {got['bf16']:8.1f}/s "
-            f"({got['bf16'] / got['st']:.2f}x)",
+            f"{kind:5} b={batch:<3} st {got['st']:7.1f}/s  {cells}  "
+            f"min cos to fp32: bf16 {cos['bf16']:.5f} int8 {cos['int8']:.5f}  "
+            f"load {os.getloadavg()[0]:.1f}",
             flush=True,
         )
-    fp32.close()
-    bf16.close()
+    for llm in llms.values():
+        llm.close()
     return rows
 
 
-def online(model: str, dtype: str, clients: int, seconds: float) -> float:
+def online(model: str, path: str, clients: int, seconds: float) -> float:
     """Sentences/s through /v1/embeddings, ``clients`` threads, one sentence a request."""
     import httpx
 
@@ -90,7 +122,7 @@ def online(model: str, dtype: str, clients: int, seconds: float) -> float:
     from tokenmill.entrypoints.openai.launcher import OpenAIServer
     from tokenmill.entrypoints.openai.state import ServerConfig
 
-    llm = LLM(model, dtype=dtype)
+    llm = LLM(model, **PATHS[path])
     srv = OpenAIServer(llm.llm_engine, ServerConfig(port=0, log_level="warning")).start()
     srv.wait_ready(60)
     done = [0] * clients
@@ -121,6 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a sentence-transformers folder (MiniLM)")
     parser.add_argument("--quick", action="store_true", help="one repeat per point (a smoke run)")
+    parser.add_argument("--no-online", action="store_true", help="skip the /v1/embeddings part")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of the online run")
     parser.add_argument(
         "--threads", type=int, default=0, help="torch threads for every runner (0: torch's)"
@@ -133,12 +166,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     print(f"model {model}\ntorch threads {torch.get_num_threads()}", flush=True)
     rows = offline(model, args.quick)
-    st_single = rows[0][2]  # sentence-transformers, one short sentence per encode call
-    for dtype in ("float32", "bfloat16"):
-        rps = online(model, dtype, clients=8, seconds=3.0 if args.quick else args.seconds)
+    if args.no_online:
+        return
+    st_single = rows[0][2]["st"]  # sentence-transformers, one short sentence per encode call
+    for path in PATHS:
+        rps = online(model, path, clients=8, seconds=3.0 if args.quick else args.seconds)
         print(
-            f"/v1/embeddings, 8 clients, 1 short sentence each, {dtype}: {rps:.1f} sentences/s "
-            f"({rps / st_single:.2f}x sentence-transformers encode of one sentence at a time)"
+            f"/v1/embeddings, 8 clients, 1 short sentence each, {path}: {rps:.1f} sentences/s "
+            f"({rps / st_single:.2f}x sentence-transformers encode of one sentence at a time)  "
+            f"load {os.getloadavg()[0]:.1f}"
         )
 
 

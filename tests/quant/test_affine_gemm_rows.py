@@ -49,6 +49,19 @@ def test_rows_match_reference(m, k, n, terms, with_bias):
     assert ((y - exact).norm() / exact.norm()).item() < (0.02 if terms == 1 else 0.01)
 
 
+@pytest.mark.parametrize("terms", [1, 2])
+def test_bfloat16_in_and_out(terms):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 128, generator=gen).bfloat16()
+    w, bias = torch.randn(80, 128, generator=gen), torch.randn(80, generator=gen)
+    tiles, _ = _dequantized(w)
+    y = gemm_rows(x, tiles, 80, bias, terms)
+    assert y.dtype == torch.bfloat16
+    # the same numbers as from float32 input, rounded once to bfloat16
+    want = gemm_rows(x.float(), tiles, 80, bias, terms).bfloat16()
+    assert torch.equal(y, want)
+
+
 def test_two_terms_are_finer():
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(64, 256, generator=gen), torch.randn(32, 256, generator=gen)

@@ -42,10 +42,10 @@ def resolve_pooling_quantization(
             f"quantization='int8' for pooling models runs CPU kernels; on {device.type} use "
             "quantization='none' (or dtype='bfloat16')"
         )
-    if dtype not in ("auto", "float32"):
+    if dtype not in ("auto", "float32", "bfloat16"):
         raise InvalidRequestError(
-            f"quantization='int8' computes in float32 around its int8 matmuls; "
-            f"dtype={dtype!r} does not combine with it: use dtype='auto' or 'float32'"
+            f"quantization='int8' takes float32 or bfloat16 activations; dtype={dtype!r} does "
+            "not combine with it: use dtype='auto' (float32), 'float32' or 'bfloat16'"
         )
     if not native.available():
         raise InvalidRequestError(

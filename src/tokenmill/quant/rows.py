@@ -29,7 +29,7 @@ def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         raise RuntimeError("the native CPU kernels are unavailable (AVX512-VNNI and cc needed)")
     fn = lib.affine_gemm_rows
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr]
+    fn.argtypes = [ptr, ctypes.c_bool, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr]
     fn.restype = None
     return fn
 
@@ -57,17 +57,20 @@ _scratch = _Scratch()
 def gemm_rows(
     x: torch.Tensor, tiles: torch.Tensor, n: int, bias: torch.Tensor | None, terms: int
 ) -> torch.Tensor:
-    """x [M, K] float32 contiguous, 8-bit ``tiles`` of W [n, K] -> x W^T + bias [M, n]."""
+    """x [M, K] float32 or bfloat16 contiguous, 8-bit ``tiles`` of W [n, K], float32
+    ``bias`` -> x W^T + bias [M, n] in x's dtype."""
     m, k = x.shape
-    y = torch.empty(m, n, dtype=torch.float32)
+    y = torch.empty(m, n, dtype=x.dtype)
     b = 0 if bias is None else bias.data_ptr()
     qx, dx, sx = _scratch.pointers(m, k, terms)
-    _kernel()(x.data_ptr(), m, k, tiles.data_ptr(), n, b, terms, y.data_ptr(), qx, dx, sx)
+    bf16 = x.dtype == torch.bfloat16
+    _kernel()(x.data_ptr(), bf16, m, k, tiles.data_ptr(), n, b, terms, y.data_ptr(), qx, dx, sx)
     return y
 
 
 class RowsInt8Linear(nn.Module):
-    """A linear layer whose weight is stored as 8-bit affine groups (float32 in and out)."""
+    """A linear layer whose weight is stored as 8-bit affine groups (float32 or bfloat16
+    activations in and out)."""
 
     qtiles: torch.Tensor
     bias: torch.Tensor | None
@@ -90,8 +93,10 @@ class RowsInt8Linear(nn.Module):
         return RowsInt8Linear(linear.weight.detach(), linear.bias, terms)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] float32 -> [..., out] float32."""
-        flat = x.reshape(-1, self.in_features).float().contiguous()
+        """x [..., in] float32 or bfloat16 -> [..., out] in x's dtype."""
+        if x.dtype not in (torch.float32, torch.bfloat16):
+            x = x.float()
+        flat = x.reshape(-1, self.in_features).contiguous()
         y = gemm_rows(flat, self.qtiles, self.out_features, self.bias, self.terms)
         return y.view(*x.shape[:-1], self.out_features)
 

@@ -187,9 +187,19 @@ void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_
 #define RCHUNK 256
 #define GROUP8_BYTES (8 * 64 + 64)
 
-static void quantize_row1(const float *x, int64_t K, int8_t *qx, float *dx, float *sx) {
+/* 16 floats -> bfloat16, round to nearest even (f32_to_bf16 vectorized; NaN stays NaN) */
+static inline __m256i to_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+static void quantize_row1(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx) {
     for (int64_t g = 0; g < K / GROUP; g++) {
-        __m512 v0 = _mm512_loadu_ps(x + g * GROUP), v1 = _mm512_loadu_ps(x + g * GROUP + 16);
+        __m512 v0 = load16(x, bf16, g * GROUP), v1 = load16(x, bf16, g * GROUP + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
         dx[g] = amax / 127.f;
         __m512 vinv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
@@ -208,7 +218,7 @@ static void quantize_row1(const float *x, int64_t K, int8_t *qx, float *dx, floa
 static inline __attribute__((always_inline)) void rows_kernel(
     const uint8_t *w, int64_t tile_bytes, const int nt, const int mb, const int terms,
     int64_t groups, const int8_t *qx, const float *dx, const float *sx, int64_t K,
-    const float *bias, float *y, int64_t N) {
+    const float *bias, void *y, const int y_bf16, int64_t N) {
     __m512 acc[RB][NB];
     for (int m = 0; m < RB; m++)
         for (int t = 0; t < NB; t++) acc[m][t] = _mm512_setzero_ps();
@@ -248,35 +258,44 @@ static inline __attribute__((always_inline)) void rows_kernel(
     }
     for (int t = 0; t < nt; t++) {
         __m512 b = bias ? _mm512_loadu_ps(bias + t * TILE) : _mm512_setzero_ps();
-        for (int m = 0; m < mb; m++) _mm512_storeu_ps(y + m * N + t * TILE, _mm512_add_ps(acc[m][t], b));
+        for (int m = 0; m < mb; m++) {
+            __m512 v = _mm512_add_ps(acc[m][t], b);
+            if (y_bf16)
+                _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * N + t * TILE), to_bf16x16(v));
+            else
+                _mm512_storeu_ps((float *)y + m * N + t * TILE, v);
+        }
     }
 }
 
 #define ROWS_CASE(U, NT, MB)                                                                 \
     case (U) * 100 + (NT) * 10 + (MB):                                                       \
-        rows_kernel(w, tile_bytes, NT, MB, U, groups, qx, dx, sx, K, bias, y, N);            \
+        rows_kernel(w, tile_bytes, NT, MB, U, groups, qx, dx, sx, K, bias, y, y_bf16, N);    \
         break;
 #define ROWS_MB(U, NT) ROWS_CASE(U, NT, 1) ROWS_CASE(U, NT, 2) ROWS_CASE(U, NT, 3) ROWS_CASE(U, NT, 4)
 
 static void rows_dispatch(const uint8_t *w, int64_t tile_bytes, int nt, int mb, int terms,
                           int64_t groups, const int8_t *qx, const float *dx, const float *sx,
-                          int64_t K, const float *bias, float *y, int64_t N) {
+                          int64_t K, const float *bias, void *y, int y_bf16, int64_t N) {
     switch (terms * 100 + nt * 10 + mb) {
         ROWS_MB(1, 1) ROWS_MB(1, 2) ROWS_MB(2, 1) ROWS_MB(2, 2)
     }
 }
 
-/* x [M, K] float32, w: 8-bit tiles [N / 16][...], bias [N] float32 or NULL, y [M, N]
- * float32. work: terms * M * K int8 + 2 * M * K / 32 floats. */
-void affine_gemm_rows(const float *x, int64_t M, int64_t K, const uint8_t *w, int64_t N,
-                      const float *bias, int terms, float *y, int8_t *qx, float *dx, float *sx) {
+/* x [M, K] and y [M, N] float32 or bfloat16 (both alike), w: 8-bit tiles [N / 16][...],
+ * bias [N] float32 or NULL. work: terms * M * K int8 + 2 * M * K / 32 floats. */
+void affine_gemm_rows(const void *x, _Bool bf16, int64_t M, int64_t K, const uint8_t *w,
+                      int64_t N, const float *bias, int terms, void *y, int8_t *qx, float *dx,
+                      float *sx) {
+    const int64_t xsize = bf16 ? 2 : 4;
     const int64_t groups = K / GROUP, tiles = N / TILE, tile_bytes = groups * GROUP8_BYTES;
 #pragma omp parallel for schedule(static) if (M * K > 8192)
     for (int64_t m = 0; m < M; m++) {
+        const char *row = (const char *)x + m * K * xsize;
         if (terms == 2)
-            quantize_row(x + m * K, 0, K, qx + 2 * m * K, dx + m * groups, sx + m * groups);
+            quantize_row(row, bf16, K, qx + 2 * m * K, dx + m * groups, sx + m * groups);
         else
-            quantize_row1(x + m * K, K, qx + m * K, dx + m * groups, sx + m * groups);
+            quantize_row1(row, bf16, K, qx + m * K, dx + m * groups, sx + m * groups);
     }
     const int64_t chunks = (M + RCHUNK - 1) / RCHUNK, pairs = (tiles + NB - 1) / NB;
 #pragma omp parallel for schedule(static)
@@ -288,7 +307,8 @@ void affine_gemm_rows(const float *x, int64_t M, int64_t K, const uint8_t *w, in
             const int mb = (int)(end - m0 < RB ? end - m0 : RB);
             rows_dispatch(w + t0 * tile_bytes, tile_bytes, nt, mb, terms, groups,
                           qx + terms * m0 * K, dx + m0 * groups, sx + m0 * groups, K,
-                          bias ? bias + t0 * TILE : 0, y + m0 * N + t0 * TILE, N);
+                          bias ? bias + t0 * TILE : 0,
+                          (char *)y + (m0 * N + t0 * TILE) * xsize, bf16, N);
         }
     }
 }
