@@ -62,6 +62,21 @@ def test_bfloat16_in_and_out(terms):
     assert torch.equal(y, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_residual_added_in_the_kernel(dtype):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(300, 64, generator=gen).to(dtype)
+    w, bias = torch.randn(48, 64, generator=gen), torch.randn(48, generator=gen)
+    res = torch.randn(300, 48, generator=gen).to(dtype)
+    tiles, _ = _dequantized(w)
+    fused = gemm_rows(x, tiles, 48, bias, 1, residual=res)
+    # float32 sums, rounded once to the output dtype
+    want = (gemm_rows(x.float(), tiles, 48, bias, 1) + res.float()).to(dtype)
+    assert torch.equal(fused, want)
+    with pytest.raises(ValueError, match="residual"):
+        gemm_rows(x, tiles, 48, bias, 1, residual=res[:10])
+
+
 def test_two_terms_are_finer():
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(64, 256, generator=gen), torch.randn(32, 256, generator=gen)

@@ -129,8 +129,15 @@ class BertLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         attn = bidirectional_attention(self.qkv(x), batch, self.num_heads)
-        x = self.attn_norm(x + self.attn_out(attn))
-        return self.ffn_norm(x + self.ffn_out(self.act(self.ffn_in(x))))
+        x = self.attn_norm(_plus(self.attn_out, attn, x))
+        return self.ffn_norm(_plus(self.ffn_out, self.act(self.ffn_in(x)), x))
+
+
+def _plus(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + linear(x); in the matmul's own pass where the layer can (int8)."""
+    if getattr(linear, "fuses_residual", False):
+        return linear(x, residual)
+    return residual + linear(x)
 
 
 class BertEncoder(nn.Module):

@@ -29,7 +29,8 @@ def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         raise RuntimeError("the native CPU kernels are unavailable (AVX512-VNNI and cc needed)")
     fn = lib.affine_gemm_rows
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ctypes.c_bool, i64, i64, ptr, i64, ptr, ctypes.c_int, ptr, ptr, ptr, ptr]
+    fn.argtypes = [ptr, ctypes.c_bool, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ptr, ptr,
+                   ptr, ptr]  # fmt: skip
     fn.restype = None
     return fn
 
@@ -55,16 +56,27 @@ _scratch = _Scratch()
 
 
 def gemm_rows(
-    x: torch.Tensor, tiles: torch.Tensor, n: int, bias: torch.Tensor | None, terms: int
+    x: torch.Tensor,
+    tiles: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    terms: int,
+    residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 contiguous, 8-bit ``tiles`` of W [n, K], float32
-    ``bias`` -> x W^T + bias [M, n] in x's dtype."""
+    ``bias``, ``residual`` [M, n] in x's dtype -> x W^T + bias + residual [M, n] in x's dtype."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype)
     b = 0 if bias is None else bias.data_ptr()
+    r = 0
+    if residual is not None:
+        if residual.shape != (m, n) or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} != y [{m}, {n}]")
+        residual = residual.contiguous()
+        r = residual.data_ptr()
     qx, dx, sx = _scratch.pointers(m, k, terms)
     bf16 = x.dtype == torch.bfloat16
-    _kernel()(x.data_ptr(), bf16, m, k, tiles.data_ptr(), n, b, terms, y.data_ptr(), qx, dx, sx)
+    _kernel()(x.data_ptr(), bf16, m, k, tiles.data_ptr(), n, b, r, terms, y.data_ptr(), qx, dx, sx)
     return y
 
 
@@ -92,13 +104,18 @@ class RowsInt8Linear(nn.Module):
     def of(linear: nn.Linear, terms: int) -> RowsInt8Linear:
         return RowsInt8Linear(linear.weight.detach(), linear.bias, terms)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., in] float32 or bfloat16 -> [..., out] in x's dtype."""
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] float32 or bfloat16 -> x W^T + bias (+ residual [..., out]) [..., out]
+        in x's dtype."""
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         flat = x.reshape(-1, self.in_features).contiguous()
-        y = gemm_rows(flat, self.qtiles, self.out_features, self.bias, self.terms)
+        res = None if residual is None else residual.reshape(-1, self.out_features).to(x.dtype)
+        y = gemm_rows(flat, self.qtiles, self.out_features, self.bias, self.terms, res)
         return y.view(*x.shape[:-1], self.out_features)
+
+    fuses_residual = True
+    """``forward(x, residual)`` adds the residual in the kernel (``models/bert.py``)."""
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, terms={self.terms}"

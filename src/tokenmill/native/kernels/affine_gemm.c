@@ -218,7 +218,7 @@ static void quantize_row1(const void *x, int bf16, int64_t K, int8_t *qx, float 
 static inline __attribute__((always_inline)) void rows_kernel(
     const uint8_t *w, int64_t tile_bytes, const int nt, const int mb, const int terms,
     int64_t groups, const int8_t *qx, const float *dx, const float *sx, int64_t K,
-    const float *bias, void *y, const int y_bf16, int64_t N) {
+    const float *bias, const void *res, void *y, const int y_bf16, int64_t N) {
     __m512 acc[RB][NB];
     for (int m = 0; m < RB; m++)
         for (int t = 0; t < NB; t++) acc[m][t] = _mm512_setzero_ps();
@@ -260,6 +260,7 @@ static inline __attribute__((always_inline)) void rows_kernel(
         __m512 b = bias ? _mm512_loadu_ps(bias + t * TILE) : _mm512_setzero_ps();
         for (int m = 0; m < mb; m++) {
             __m512 v = _mm512_add_ps(acc[m][t], b);
+            if (res) v = _mm512_add_ps(v, load16(res, y_bf16, m * N + t * TILE));
             if (y_bf16)
                 _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * N + t * TILE), to_bf16x16(v));
             else
@@ -270,45 +271,55 @@ static inline __attribute__((always_inline)) void rows_kernel(
 
 #define ROWS_CASE(U, NT, MB)                                                                 \
     case (U) * 100 + (NT) * 10 + (MB):                                                       \
-        rows_kernel(w, tile_bytes, NT, MB, U, groups, qx, dx, sx, K, bias, y, y_bf16, N);    \
+        rows_kernel(w, tile_bytes, NT, MB, U, groups, qx, dx, sx, K, bias, res, y, y_bf16, N); \
         break;
 #define ROWS_MB(U, NT) ROWS_CASE(U, NT, 1) ROWS_CASE(U, NT, 2) ROWS_CASE(U, NT, 3) ROWS_CASE(U, NT, 4)
 
 static void rows_dispatch(const uint8_t *w, int64_t tile_bytes, int nt, int mb, int terms,
                           int64_t groups, const int8_t *qx, const float *dx, const float *sx,
-                          int64_t K, const float *bias, void *y, int y_bf16, int64_t N) {
+                          int64_t K, const float *bias, const void *res, void *y, int y_bf16,
+                          int64_t N) {
     switch (terms * 100 + nt * 10 + mb) {
         ROWS_MB(1, 1) ROWS_MB(1, 2) ROWS_MB(2, 1) ROWS_MB(2, 2)
     }
 }
 
 /* x [M, K] and y [M, N] float32 or bfloat16 (both alike), w: 8-bit tiles [N / 16][...],
- * bias [N] float32 or NULL. work: terms * M * K int8 + 2 * M * K / 32 floats. */
+ * bias [N] float32 or NULL, res [M, N] (y's dtype) or NULL: added to y (a residual).
+ * work: terms * M * K int8 + 2 * M * K / 32 floats. One parallel region, and none below
+ * SERIAL_MACS: on shared cores each region can wait a time slice for a descheduled thread,
+ * far more than a small product costs on one core. */
+#define SERIAL_MACS (1 << 24)
+
 void affine_gemm_rows(const void *x, _Bool bf16, int64_t M, int64_t K, const uint8_t *w,
-                      int64_t N, const float *bias, int terms, void *y, int8_t *qx, float *dx,
-                      float *sx) {
+                      int64_t N, const float *bias, const void *res, int terms, void *y,
+                      int8_t *qx, float *dx, float *sx) {
     const int64_t xsize = bf16 ? 2 : 4;
     const int64_t groups = K / GROUP, tiles = N / TILE, tile_bytes = groups * GROUP8_BYTES;
-#pragma omp parallel for schedule(static) if (M * K > 8192)
-    for (int64_t m = 0; m < M; m++) {
-        const char *row = (const char *)x + m * K * xsize;
-        if (terms == 2)
-            quantize_row(row, bf16, K, qx + 2 * m * K, dx + m * groups, sx + m * groups);
-        else
-            quantize_row1(row, bf16, K, qx + m * K, dx + m * groups, sx + m * groups);
-    }
     const int64_t chunks = (M + RCHUNK - 1) / RCHUNK, pairs = (tiles + NB - 1) / NB;
-#pragma omp parallel for schedule(static)
-    for (int64_t job = 0; job < chunks * pairs; job++) {
-        const int64_t c = job / pairs, t0 = (job % pairs) * NB;
-        const int nt = (int)(tiles - t0 < NB ? tiles - t0 : NB);
-        const int64_t end = (c + 1) * RCHUNK < M ? (c + 1) * RCHUNK : M;
-        for (int64_t m0 = c * RCHUNK; m0 < end; m0 += RB) {
-            const int mb = (int)(end - m0 < RB ? end - m0 : RB);
-            rows_dispatch(w + t0 * tile_bytes, tile_bytes, nt, mb, terms, groups,
-                          qx + terms * m0 * K, dx + m0 * groups, sx + m0 * groups, K,
-                          bias ? bias + t0 * TILE : 0,
-                          (char *)y + (m0 * N + t0 * TILE) * xsize, bf16, N);
+#pragma omp parallel if (M * K * N >= SERIAL_MACS)
+    {
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++) {
+            const char *row = (const char *)x + m * K * xsize;
+            if (terms == 2)
+                quantize_row(row, bf16, K, qx + 2 * m * K, dx + m * groups, sx + m * groups);
+            else
+                quantize_row1(row, bf16, K, qx + m * K, dx + m * groups, sx + m * groups);
+        }
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < chunks * pairs; job++) {
+            const int64_t c = job / pairs, t0 = (job % pairs) * NB;
+            const int nt = (int)(tiles - t0 < NB ? tiles - t0 : NB);
+            const int64_t end = (c + 1) * RCHUNK < M ? (c + 1) * RCHUNK : M;
+            for (int64_t m0 = c * RCHUNK; m0 < end; m0 += RB) {
+                const int mb = (int)(end - m0 < RB ? end - m0 : RB);
+                const int64_t at = (m0 * N + t0 * TILE) * xsize;
+                rows_dispatch(w + t0 * tile_bytes, tile_bytes, nt, mb, terms, groups,
+                              qx + terms * m0 * K, dx + m0 * groups, sx + m0 * groups, K,
+                              bias ? bias + t0 * TILE : 0, res ? (const char *)res + at : 0,
+                              (char *)y + at, bf16, N);
+            }
         }
     }
 }
