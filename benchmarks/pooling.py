@@ -47,7 +47,7 @@ def rates(
     wall: dict[str, list[float]] = {name: [] for name in runners}
     cpu: dict[str, list[float]] = {name: [] for name in runners}
     for fn in runners.values():
-        fn(sentences(kind, batch, 10**6))  # warm-up
+        fn(sentences(kind, min(batch, 32), 10**6))  # warm-up
     for r in range(repeat):
         xs = sentences(kind, batch, r * batch)
         for name, fn in runners.items():
@@ -74,10 +74,13 @@ PATHS = {
     "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
     "int8": {"quantization": "int8"},
+    "int8+bf16": {"quantization": "int8", "dtype": "bfloat16"},
 }
 
 
-def offline(model: str, quick: bool) -> list[tuple[str, int, dict[str, float]]]:
+def offline(
+    model: str, points: list[tuple[str, int]], max_repeat: int
+) -> list[tuple[str, int, dict[str, float]]]:
     from sentence_transformers import SentenceTransformer
 
     from tokenmill import LLM
@@ -85,9 +88,9 @@ def offline(model: str, quick: bool) -> list[tuple[str, int, dict[str, float]]]:
     st = SentenceTransformer(model, device="cpu")
     llms = {name: LLM(model, **kw) for name, kw in PATHS.items()}
     rows = []
-    for kind, batch in POINTS:
+    for kind, batch in points:
         tokens = batch * (16 if kind == "short" else 256)
-        repeat = 1 if quick else max(3, min(30, 20000 // tokens))
+        repeat = min(max_repeat, max(3, min(30, 20000 // tokens)))
         runners: dict[str, Callable[[list[str]], object]] = {
             "st": lambda xs, b=batch: st.encode(xs, batch_size=b)
         }
@@ -96,7 +99,7 @@ def offline(model: str, quick: bool) -> list[tuple[str, int, dict[str, float]]]:
         got, got_cpu = rates(runners, kind, batch, repeat)
         xs = sentences(kind, batch, 7 * 10**5)
         outs = {name: llm.embed(xs, truncate_prompt_tokens=-1) for name, llm in llms.items()}
-        cos = {name: min_cosine(outs[name], outs["fp32"]) for name in ("bf16", "int8")}
+        cos = {name: min_cosine(outs[name], outs["fp32"]) for name in llms if name != "fp32"}
         rows.append((kind, batch, got))
         cells = "  ".join(
             f"{name} {got[name]:7.1f}/s {got[name] / got['st']:.2f}x "
@@ -105,7 +108,7 @@ def offline(model: str, quick: bool) -> list[tuple[str, int, dict[str, float]]]:
         )
         print(
             f"{kind:5} b={batch:<3} st {got['st']:7.1f}/s  {cells}  "
-            f"min cos to fp32: bf16 {cos['bf16']:.5f} int8 {cos['int8']:.5f}  "
+            "min cos to fp32: " + " ".join(f"{n} {c:.5f}" for n, c in cos.items()) + "  "
             f"load {os.getloadavg()[0]:.1f}",
             flush=True,
         )
@@ -153,6 +156,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a sentence-transformers folder (MiniLM)")
     parser.add_argument("--quick", action="store_true", help="one repeat per point (a smoke run)")
+    parser.add_argument(
+        "--points", default="", help="offline points to run, e.g. short:1,long:256 (default: all)"
+    )
+    parser.add_argument("--max-repeat", type=int, default=30, help="cap on rounds per point")
     parser.add_argument("--no-online", action="store_true", help="skip the /v1/embeddings part")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of the online run")
     parser.add_argument(
@@ -165,9 +172,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"model {model}\ntorch threads {torch.get_num_threads()}", flush=True)
-    rows = offline(model, args.quick)
+    points = POINTS
+    if args.points:
+        points = [(k, int(b)) for k, b in (p.split(":") for p in args.points.split(","))]
+    rows = offline(model, points, 1 if args.quick else args.max_repeat)
     if args.no_online:
         return
+    if points[0] != ("short", 1):
+        return  # the online ratios are to the short, batch-1 point
     st_single = rows[0][2]["st"]  # sentence-transformers, one short sentence per encode call
     for path in PATHS:
         rps = online(model, path, clients=8, seconds=3.0 if args.quick else args.seconds)
