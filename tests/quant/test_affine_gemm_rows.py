@@ -77,6 +77,22 @@ def test_residual_added_in_the_kernel(dtype):
         gemm_rows(x, tiles, 48, bias, 1, residual=res[:10])
 
 
+def test_gelu_in_the_kernel():
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(70, 96, generator=gen)
+    w, bias = torch.randn(64, 96, generator=gen) * 0.5, torch.randn(64, generator=gen)
+    tiles, _ = _dequantized(w)
+    pre = gemm_rows(x, tiles, 64, bias, 2)
+    got = gemm_rows(x, tiles, 64, bias, 2, gelu=True)
+    want = torch.nn.functional.gelu(pre.double())
+    assert (got.double() - want).abs().max() < 2e-6 * (1 + pre.abs().max())
+    neg = pre < -2  # no 1 - (1 - e) cancellation: the tiny negative outputs stay tiny
+    assert neg.any() and (got[neg] - want[neg]).abs().max() < 5e-7
+    res = torch.randn(70, 64, generator=gen)
+    both = gemm_rows(x, tiles, 64, bias, 2, residual=res, gelu=True)
+    assert torch.allclose(both, torch.nn.functional.gelu(pre + res), atol=1e-5, rtol=1e-5)
+
+
 def test_two_terms_are_finer():
     gen = torch.Generator().manual_seed(1)
     x, w = torch.randn(64, 256, generator=gen), torch.randn(32, 256, generator=gen)

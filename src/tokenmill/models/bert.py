@@ -130,7 +130,7 @@ class BertLayer(nn.Module):
     def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
         attn = bidirectional_attention(self.qkv(x), batch, self.num_heads)
         x = self.attn_norm(_plus(self.attn_out, attn, x))
-        return self.ffn_norm(_plus(self.ffn_out, self.act(self.ffn_in(x)), x))
+        return self.ffn_norm(_plus(self.ffn_out, _activated(self.ffn_in, self.act, x), x))
 
 
 def _plus(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -138,6 +138,13 @@ def _plus(linear: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.T
     if getattr(linear, "fuses_residual", False):
         return linear(x, residual)
     return residual + linear(x)
+
+
+def _activated(linear: nn.Module, act: Callable, x: torch.Tensor) -> torch.Tensor:
+    """act(linear(x)); exact GELU in the matmul's own pass where the layer can (int8)."""
+    if act is F.gelu and getattr(linear, "fuses_gelu", False):
+        return linear(x, gelu=True)
+    return act(linear(x))
 
 
 class BertEncoder(nn.Module):

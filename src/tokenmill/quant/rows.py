@@ -29,8 +29,8 @@ def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         raise RuntimeError("the native CPU kernels are unavailable (AVX512-VNNI and cc needed)")
     fn = lib.affine_gemm_rows
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ctypes.c_bool, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ptr, ptr,
-                   ptr, ptr]  # fmt: skip
+    fn.argtypes = [ptr, ctypes.c_bool, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int,
+                   ptr, ptr, ptr, ptr]  # fmt: skip
     fn.restype = None
     return fn
 
@@ -62,9 +62,11 @@ def gemm_rows(
     bias: torch.Tensor | None,
     terms: int,
     residual: torch.Tensor | None = None,
+    gelu: bool = False,
 ) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 contiguous, 8-bit ``tiles`` of W [n, K], float32
-    ``bias``, ``residual`` [M, n] in x's dtype -> x W^T + bias + residual [M, n] in x's dtype."""
+    ``bias``, ``residual`` [M, n] in x's dtype -> x W^T + bias + residual [M, n] in x's dtype;
+    ``gelu``: GELU (erf form) of that, in the same pass."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype)
     b = 0 if bias is None else bias.data_ptr()
@@ -76,7 +78,8 @@ def gemm_rows(
         r = residual.data_ptr()
     qx, dx, sx = _scratch.pointers(m, k, terms)
     bf16 = x.dtype == torch.bfloat16
-    _kernel()(x.data_ptr(), bf16, m, k, tiles.data_ptr(), n, b, r, terms, y.data_ptr(), qx, dx, sx)
+    args = (x.data_ptr(), bf16, m, k, tiles.data_ptr(), n, b, r, gelu, terms, y.data_ptr())
+    _kernel()(*args, qx, dx, sx)
     return y
 
 
@@ -104,18 +107,22 @@ class RowsInt8Linear(nn.Module):
     def of(linear: nn.Linear, terms: int) -> RowsInt8Linear:
         return RowsInt8Linear(linear.weight.detach(), linear.bias, terms)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, gelu: bool = False
+    ) -> torch.Tensor:
         """x [..., in] float32 or bfloat16 -> x W^T + bias (+ residual [..., out]) [..., out]
-        in x's dtype."""
+        in x's dtype, through GELU if ``gelu``."""
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         flat = x.reshape(-1, self.in_features).contiguous()
         res = None if residual is None else residual.reshape(-1, self.out_features).to(x.dtype)
-        y = gemm_rows(flat, self.qtiles, self.out_features, self.bias, self.terms, res)
+        y = gemm_rows(flat, self.qtiles, self.out_features, self.bias, self.terms, res, gelu)
         return y.view(*x.shape[:-1], self.out_features)
 
     fuses_residual = True
     """``forward(x, residual)`` adds the residual in the kernel (``models/bert.py``)."""
+    fuses_gelu = True
+    """``forward(x, gelu=True)`` applies the exact GELU in the kernel."""
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, terms={self.terms}"

@@ -197,6 +197,42 @@ static inline __m256i to_bf16x16(__m512 v) {
     return _mm512_cvtepi32_epi16(r);
 }
 
+/* exp(y) for y <= 0: 2^n e^r, |r| <= ln2 / 2, degree-6 Taylor (relative error ~1e-7) */
+static inline __m512 exp_neg(__m512 y) {
+    y = _mm512_max_ps(y, _mm512_set1_ps(-87.f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(y, _mm512_set1_ps(1.44269504f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), y);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    __m512 p = _mm512_set1_ps(1.f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* GELU with the exact erf: x/2 (1 + erf(x / sqrt 2)); erf by Abramowitz-Stegun 7.1.26
+ * (absolute error <= 1.5e-7). 1 + erf(z) for z < 0 is the series term itself, so
+ * negative inputs keep their relative precision (no 1 - (1 - e) cancellation). */
+static inline __m512 gelu_erf(__m512 x) {
+    __m512 z = _mm512_mul_ps(_mm512_abs_ps(x), _mm512_set1_ps(0.707106781f));
+    __m512 t = _mm512_div_ps(_mm512_set1_ps(1.f),
+                             _mm512_fmadd_ps(z, _mm512_set1_ps(0.3275911f), _mm512_set1_ps(1.f)));
+    __m512 p = _mm512_set1_ps(1.061405429f);
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-1.453152027f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(1.421413741f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(-0.284496736f));
+    p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(0.254829592f));
+    __m512 tail = _mm512_mul_ps(_mm512_mul_ps(p, t), exp_neg(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), z), z)));
+    /* 1 + erf(x / sqrt 2): 2 - tail for x >= 0, tail for x < 0 */
+    __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
+    __m512 one_plus = _mm512_mask_sub_ps(tail, pos, _mm512_set1_ps(2.f), tail);
+    return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), one_plus);
+}
+
 static void quantize_row1(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx) {
     for (int64_t g = 0; g < K / GROUP; g++) {
         __m512 v0 = load16(x, bf16, g * GROUP), v1 = load16(x, bf16, g * GROUP + 16);
@@ -218,7 +254,7 @@ static void quantize_row1(const void *x, int bf16, int64_t K, int8_t *qx, float 
 static inline __attribute__((always_inline)) void rows_kernel(
     const uint8_t *w, int64_t tile_bytes, const int nt, const int mb, const int terms,
     int64_t groups, const int8_t *qx, const float *dx, const float *sx, int64_t K,
-    const float *bias, const void *res, void *y, const int y_bf16, int64_t N) {
+    const float *bias, const void *res, const int gelu, void *y, const int y_bf16, int64_t N) {
     __m512 acc[RB][NB];
     for (int m = 0; m < RB; m++)
         for (int t = 0; t < NB; t++) acc[m][t] = _mm512_setzero_ps();
@@ -261,6 +297,7 @@ static inline __attribute__((always_inline)) void rows_kernel(
         for (int m = 0; m < mb; m++) {
             __m512 v = _mm512_add_ps(acc[m][t], b);
             if (res) v = _mm512_add_ps(v, load16(res, y_bf16, m * N + t * TILE));
+            if (gelu) v = gelu_erf(v);
             if (y_bf16)
                 _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * N + t * TILE), to_bf16x16(v));
             else
@@ -271,28 +308,31 @@ static inline __attribute__((always_inline)) void rows_kernel(
 
 #define ROWS_CASE(U, NT, MB)                                                                 \
     case (U) * 100 + (NT) * 10 + (MB):                                                       \
-        rows_kernel(w, tile_bytes, NT, MB, U, groups, qx, dx, sx, K, bias, res, y, y_bf16, N); \
+        rows_kernel(w, tile_bytes, NT, MB, U, groups, qx, dx, sx, K, bias, res, gelu, y,     \
+                    y_bf16, N);                                                              \
         break;
 #define ROWS_MB(U, NT) ROWS_CASE(U, NT, 1) ROWS_CASE(U, NT, 2) ROWS_CASE(U, NT, 3) ROWS_CASE(U, NT, 4)
 
 static void rows_dispatch(const uint8_t *w, int64_t tile_bytes, int nt, int mb, int terms,
                           int64_t groups, const int8_t *qx, const float *dx, const float *sx,
-                          int64_t K, const float *bias, const void *res, void *y, int y_bf16,
-                          int64_t N) {
+                          int64_t K, const float *bias, const void *res, int gelu, void *y,
+                          int y_bf16, int64_t N) {
     switch (terms * 100 + nt * 10 + mb) {
         ROWS_MB(1, 1) ROWS_MB(1, 2) ROWS_MB(2, 1) ROWS_MB(2, 2)
     }
 }
 
 /* x [M, K] and y [M, N] float32 or bfloat16 (both alike), w: 8-bit tiles [N / 16][...],
- * bias [N] float32 or NULL, res [M, N] (y's dtype) or NULL: added to y (a residual).
+ * bias [N] float32 or NULL, res [M, N] (y's dtype) or NULL: added to y (a residual);
+ * gelu: y = GELU(x W^T + bias) (exact erf form, after any residual).
  * work: terms * M * K int8 + 2 * M * K / 32 floats. One parallel region, and none below
  * SERIAL_MACS: on shared cores each region can wait a time slice for a descheduled thread,
  * far more than a small product costs on one core. */
 #define SERIAL_MACS (1 << 24)
 
 void affine_gemm_rows(const void *x, _Bool bf16, int64_t M, int64_t K, const uint8_t *w,
-                      int64_t N, const float *bias, const void *res, int terms, void *y,
+                      int64_t N, const float *bias, const void *res, int gelu, int terms,
+                      void *y,
                       int8_t *qx, float *dx, float *sx) {
     const int64_t xsize = bf16 ? 2 : 4;
     const int64_t groups = K / GROUP, tiles = N / TILE, tile_bytes = groups * GROUP8_BYTES;
@@ -318,7 +358,7 @@ void affine_gemm_rows(const void *x, _Bool bf16, int64_t M, int64_t K, const uin
                 rows_dispatch(w + t0 * tile_bytes, tile_bytes, nt, mb, terms, groups,
                               qx + terms * m0 * K, dx + m0 * groups, sx + m0 * groups, K,
                               bias ? bias + t0 * TILE : 0, res ? (const char *)res + at : 0,
-                              (char *)y + at, bf16, N);
+                              gelu, (char *)y + at, bf16, N);
             }
         }
     }
