@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenmill.speech.rules import timestamp_bans, timestamp_mask
-from tokenmill.speech.whisper import vocab_logits
+from tokenmill.speech.whisper import FEW_ROWS, linear, vocab_logits
 
 
 @pytest.mark.parametrize("vocab", [51864, 51865, 7])
@@ -18,6 +18,18 @@ def test_vocab_logits_equal_a_plain_matmul(vocab, rows):
     out = vocab_logits(x, w)
     assert out.shape == (rows, vocab) and out.is_contiguous()
     torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 1), (1, 7), (FEW_ROWS, 1), (3, 40)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_few_row_linear_equals_the_layer(shape, bias):
+    torch.manual_seed(len(shape) + shape[0] + bias)
+    layer = torch.nn.Linear(384, 1536, bias=bias)
+    x = torch.randn(*shape, 384)
+    with torch.inference_mode():
+        out = linear(layer, x)
+        assert out.shape == (*shape, 1536)
+        torch.testing.assert_close(out, layer(x), rtol=1e-5, atol=1e-5)
 
 
 def test_timestamp_bans_as_mask():
