@@ -13,7 +13,8 @@
    (goal >= 1.5x) and mean acceptance length; also with the draft's lm_head cut to its
    first --draft-vocab ids (``draft_vocab_size``; the target still decides every token).
 
-    python benchmarks/speculative.py [--k 8] [--repeat 3] [--draft-pair | --draft-pair-only]
+    python benchmarks/speculative.py [--k 8] [--repeat 3] [--curve-only]
+                                     [--draft-pair | --draft-pair-only]
 
 Rates are medians over ``--repeat`` rounds, the configurations alternating within a round.
 """
@@ -123,6 +124,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--draft-pair", action="store_true", help="also the Qwen2.5-Coder pair")
     ap.add_argument("--draft-pair-only", action="store_true", help="only the Qwen2.5-Coder pair")
+    ap.add_argument("--curve-only", action="store_true", help="only the verify-cost curve")
     ap.add_argument("--draft-vocab", type=int, default=32768,
                     help="draft_vocab_size of the pair's cut-head column")  # fmt: skip
     args = ap.parse_args()
@@ -136,6 +138,8 @@ def main() -> None:
     print("verify cost t(k)/t(1), one sequence, SmolLM2-135M Q4_1:")
     curve = cost_curve(plain, k, args.repeat)
     print(table([["k", *map(str, range(1, k + 1))], ["t(k)/t(1)", *(f"{r:.2f}" for r in curve)]]))
+    if args.curve_only:
+        return
 
     ngram = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": k})
     suffix = LLM(path, speculative_config={"method": "suffix", "num_speculative_tokens": k})
