@@ -13,7 +13,10 @@ previous text) vs faster-whisper on the same file (ctranslate2 compute_type floa
 precision), and tokenmill per fixed 30 s window without timestamps or previous text vs
 transformers' ``WhisperForConditionalGeneration`` on the same weights (converted to an HF
 folder; plain greedy ``generate`` per window: its long-form path needs a full Whisper
-generation_config), with the windows' token agreement. Then 8 concurrent transcriptions
+generation_config), with the windows' token agreement. (The 60 s input's second window
+starts mid-word; without timestamps both engines decode one token there and stop, so that
+figure is two encoder passes and ~94 decoder steps: the encoder weighs more than in
+typical speech.) Then 8 concurrent transcriptions
 through the speech server vs the same 8 one after another. TTS: RTF and time to the first
 audio chunk (the rest of that sentence consumed too), tokenmill's VITS vs piper-tts
 (onnxruntime) on en_US-joe-medium, noise as the voice's config says.
