@@ -35,10 +35,6 @@ class SpeculativeConfig:
     """draft_model: the draft checkpoint (HF folder or GGUF); its vocabulary must map every
     token to the same id as the target's. eagle3: the head's folder (config.json and its
     weights). mtp: another copy of the target checkpoint (default: the target's own)."""
-    draft_vocab_size: int | None = None
-    """draft_model: the draft's lm_head scores only its first N token ids (rounded up to 16)
-    and its special tokens, the others are never proposed (``draft_head.py``; the target
-    still decides every token, so the output does not change). Default: every id."""
     prompt_lookup_min: int = 2
     """ngram: shortest suffix of the request's tokens to look up."""
     prompt_lookup_max: int = 5
@@ -117,13 +113,6 @@ class SpeculativeConfig:
             raise InvalidRequestError(
                 "speculative_config: method 'draft_model' needs 'model' (the draft checkpoint)"
             )
-        if self.draft_vocab_size is not None:
-            _check_int("draft_vocab_size", self.draft_vocab_size, 1, 1 << 24)
-            if self.method != "draft_model":
-                raise InvalidRequestError(
-                    "speculative_config: draft_vocab_size trims a draft model's lm_head; "
-                    f"method {self.method!r} has none"
-                )
         _check_int("draft_top_k", self.draft_top_k, 1, 16)
         for name in ("verify_tree_size", "max_verify_tree_size"):
             if getattr(self, name) is not None:

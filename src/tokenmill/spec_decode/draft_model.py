@@ -97,12 +97,6 @@ class DraftModelProposer:
         logger.info("speculative decoding: loading the draft model %s", spec.model)
         loaded = load_model(config)
         check_same_vocab(target.loaded.tokenizer, loaded.tokenizer)
-        if spec.draft_vocab_size is not None:
-            from tokenmill.spec_decode.draft_head import trim_lm_head
-
-            tok = loaded.tokenizer
-            specials = {*tok.hf.all_special_ids, *tok.hf.get_added_vocab().values()}
-            trim_lm_head(loaded.model, spec.draft_vocab_size, specials | tok.eos_token_ids)
         blocks = kv_cache_blocks(config, loaded)
         kv = make_kv_cache(
             loaded.model.cache_specs(), blocks, config.block_size, config.enable_prefix_caching,
