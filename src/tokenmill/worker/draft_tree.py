@@ -12,10 +12,6 @@ from tokenmill.scheduler import ScheduledSeq
 from tokenmill.scheduler.draft_tree import depths, path
 
 
-def has_tree(seqs: Sequence[ScheduledSeq]) -> bool:
-    return any(s.draft_parents for s in seqs)
-
-
 def tree_attention(
     seqs: Sequence[ScheduledSeq], positions: torch.Tensor, meta: AttentionMetadata
 ) -> tuple[torch.Tensor, AttentionMetadata]:

@@ -168,12 +168,8 @@ def fill_block_tables(
     if tables is not None and rows is not None:
         tables.gather(rows, out)
         return
-    seqs = records(step)
-    if tables is not None and all(s.table_row >= 0 for s in seqs):
-        tables.gather([s.table_row for s in seqs], out)
-        return
-    out[:] = 0
-    for i, s in enumerate(seqs):
+    out[:] = 0  # steps built by hand (``StepColumns.table_rows`` None): their own lists
+    for i, s in enumerate(records(step)):
         table = s.block_table[: out.shape[1]]
         out[i, : len(table)] = table
 
