@@ -185,7 +185,7 @@ class EngineConfig:
     MLP columns and vocabulary; the driver (this process) is rank 0."""
     pipeline_parallel_size: int = 1
     """Stages that split the layers (each a process; the last, with the sampler, is this
-    one). Not together with tensor_parallel_size yet."""
+    one); with tensor_parallel_size too, each stage is that many ranks (tp x pp in all)."""
     distributed_executor_backend: str | None = None
     """How tensor / pipeline ranks run: mp (processes of this machine; the default) or ray
     (Ray actors on the cluster of ``ray_address``: ``distributed/ray_ranks.py``)."""

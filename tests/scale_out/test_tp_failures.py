@@ -39,7 +39,6 @@ def test_smollm2_is_refused_with_its_head_counts(smollm2_gguf):
 @pytest.mark.parametrize(
     "options, match",
     [
-        ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "combining both is not"),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive integer"),
         ({"distributed_executor_backend": "slurm"}, "unknown; use one of mp, ray"),
     ],

@@ -23,7 +23,8 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     """Ranks that split every layer's heads, MLP columns and vocabulary."""
     pipeline_parallel_size: int = 1
-    """Stages that split the layers (the last one, with the sampler, is the driver)."""
+    """Stages that split the layers (the last one, with the sampler, is the driver); with
+    tensor_parallel_size too, each stage is a group of that many ranks (``grid.py``)."""
     distributed_executor_backend: str = "mp"
     """How tensor / pipeline ranks 1.. run: mp (spawned processes of this machine) or ray
     (Ray actors, on any node of the cluster ``ray_address`` names); torch.distributed
@@ -60,14 +61,10 @@ class ParallelConfig:
                 else "distributed_executor_backend='ray' runs its workers"
             )
             raise InvalidRequestError(f"{what} on Ray, which is not installed: {RAY_EXTRA}")
-        if self.pipeline_parallel_size > 1 and self.tensor_parallel_size > 1:
-            raise InvalidRequestError(
-                f"tensor_parallel_size={self.tensor_parallel_size} with pipeline_parallel_size="
-                f"{self.pipeline_parallel_size}: combining both is not built yet; use one"
-            )
 
     @property
     def world_size(self) -> int:
+        """Ranks of one engine: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
@@ -90,4 +87,16 @@ def check_shapes(hf_config: dict, tp: int, model_name: str) -> None:
         raise InvalidRequestError(
             f"tensor_parallel_size={tp} can not split {model_name}: {'; '.join(problems)}. "
             "Use a size that divides the head counts"
+        )
+
+
+def check_devices(parallel: ParallelConfig, visible: int) -> None:
+    """Raise ``InvalidRequestError`` when the mp backend's ranks (one CUDA device each, rank
+    r on cuda:r) outnumber the ``visible`` devices."""
+    if parallel.world_size > visible:
+        raise InvalidRequestError(
+            f"tensor_parallel_size={parallel.tensor_parallel_size} x pipeline_parallel_size="
+            f"{parallel.pipeline_parallel_size} is {parallel.world_size} ranks, one CUDA "
+            f"device each, but {visible} are visible: use sizes whose product is at most "
+            f"{visible}, or distributed_executor_backend='ray' with a cluster's GPUs"
         )

@@ -1,5 +1,5 @@
-"""The model as the driver's runner sees it: rank 0's tensor-parallel shard, or the last
-pipeline stage.
+"""The model as the driver's runner sees it: rank 0's tensor-parallel shard, the last
+pipeline stage, or TP rank 0 of the last stage.
 
 ``ModelRunner`` calls ``forward`` and ``compute_logits`` as on one device; each call here
 first broadcasts what the workers need to make the same call on their shards (their
@@ -78,4 +78,14 @@ class PipelineDriver(_Driver):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.local.compute_logits(hidden)
+
+
+class TensorPipelineDriver(PipelineDriver):
+    """TP rank 0 of the last stage: the stages run as in ``PipelineDriver``; the rows to
+    score are broadcast first, so the stage's other TP ranks join the vocabulary-parallel
+    head's gather (the earlier stages let the message pass: ``tp_stage``)."""
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.group.broadcast(Logits(hidden.cpu()))
         return self.local.compute_logits(hidden)

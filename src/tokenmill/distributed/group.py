@@ -2,7 +2,9 @@
 
 Rank 0 is the driver (the engine's own process); ranks 1.. are worker processes. Two
 process groups: ``device`` for the layers' all-reduce / all-gather (gloo on CPU, NCCL on
-CUDA) and ``control`` (always gloo) for the driver's step messages, pickled objects.
+CUDA) and ``control`` (always gloo, every rank) for the driver's step messages, pickled
+objects. With tensor and pipeline parallelism together each stage's layers reduce over
+their own ``device`` group (``stage_group``); ``control`` stays every rank's.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from tokenmill.distributed.grid import Grid
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 """A collective that waits longer than this for a peer raises (a hung worker; a dead one
@@ -39,7 +43,8 @@ class RankGroup:
         return torch.cat(parts, dim=-1)
 
     def broadcast(self, obj: object = None) -> object:
-        """The driver's ``obj`` on every rank (workers pass None and get it)."""
+        """The driver's ``obj`` on every rank of the engine (workers pass None and get it);
+        a stage's ``RankGroup`` too, since its ``control`` is every rank's."""
         box = [obj]
         dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
@@ -54,6 +59,18 @@ def init_ranks(rank: int, size: int, address: str, device: torch.device) -> Rank
     control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     assert dist.group.WORLD is not None
     return RankGroup(rank, size, dist.group.WORLD, control)
+
+
+def stage_group(world: RankGroup, grid: Grid) -> RankGroup:
+    """This rank's place in its stage's tensor-parallel group (``grid.Grid``). Collective:
+    every rank makes every stage's group, in the same order (torch.distributed's rule)."""
+    mine: dist.ProcessGroup | None = None
+    for ranks in grid.stage_ranks():
+        group = dist.new_group(ranks, timeout=COLLECTIVE_TIMEOUT)
+        if world.rank in ranks:
+            mine = group
+    assert mine is not None
+    return RankGroup(grid.tp_rank_of(world.rank), grid.tp, mine, world.control)
 
 
 def leave_ranks() -> None:

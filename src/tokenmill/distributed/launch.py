@@ -1,10 +1,11 @@
-"""Starting an engine's tensor-parallel ranks: checks, worker processes, the driver's rank.
+"""Starting an engine's tensor / pipeline-parallel ranks: checks, worker processes, the
+driver's rank.
 
 ``start_ranks(config)`` checks the sizes against the checkpoint (before any process
-starts), starts ranks 1.. as spawned processes or Ray actors (``ray_ranks``; they begin
-loading their shards at once), and
-joins the process group as rank 0. ``Ranks.drive`` then tells the workers the KV cache
-size the driver chose and wraps the driver's shard (``TensorParallelDriver``).
+starts), starts ranks 1..tp*pp-1 as spawned processes or Ray actors (``ray_ranks``; they
+begin loading their parts at once), and joins the process group as rank 0. ``Ranks.drive``
+then tells the workers the KV cache size the driver chose and wraps the driver's part
+(``driver_model``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.config import check_shapes
+from tokenmill.distributed.config import check_devices, check_shapes
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks
 from tokenmill.distributed.messages import Ready, Stop
 from tokenmill.distributed.part import ModelPart
@@ -142,7 +143,7 @@ class Ranks:
             try:
                 self.group.broadcast(Stop())
             except RuntimeError:
-                logger.warning("stopping tensor-parallel workers: broadcast failed")
+                logger.warning("stopping the parallel workers: broadcast failed")
                 kill = True
         self.workers.stop(timeout=0 if kill else 10.0)
         leave_ranks()
@@ -161,47 +162,50 @@ def check_parallel_model(config: EngineConfig) -> None:
     if parallel.tensor_parallel_size > 1:
         check_shapes(ckpt.hf_config, parallel.tensor_parallel_size, model_cls.__name__)
     split_layers(ArchConfig.from_hf(ckpt.hf_config).num_layers, parallel.pipeline_parallel_size)
+    if config.torch_device().type == "cuda" and parallel.distributed_executor_backend == "mp":
+        check_devices(parallel, torch.cuda.device_count())
 
 
 def start_ranks(config: EngineConfig) -> Ranks:
     """Check, spawn ranks 1.., join as rank 0. Each rank gets usable CPUs / ranks threads."""
     check_parallel_model(config)
-    tp = config.parallel.world_size
-    threads = max(1, configure_threads() // tp)
+    world = config.parallel.world_size  # tp x pp
+    threads = max(1, configure_threads() // world)
     torch.set_num_threads(threads)
     port = _free_port()
     if config.parallel.distributed_executor_backend == "ray":
         from tokenmill.distributed.ray_ranks import start_actors
 
-        procs, pipes, address, owner = start_actors(config, tp, threads, port)
+        procs, pipes, address, owner = start_actors(config, world, threads, port)
         workers = Workers(procs, pipes, owner)
     else:
         address = f"tcp://127.0.0.1:{port}"
-        workers = _spawn(config, tp, threads, address)
+        workers = _spawn(config, world, threads, address)
     try:
         workers.wait()  # imported: they are about to join
-        group = init_ranks(0, tp, address, config.torch_device())
+        group = init_ranks(0, world, address, config.torch_device())
+        part = model_part(config, group)  # the workers make the same stage groups
     except BaseException:
         workers.stop(timeout=0)
         raise
-    logger.info("%s: %d ranks, %d CPU threads each", config.parallel, tp, threads)
-    return Ranks(group, model_part(config, group), workers)
+    logger.info("%s: %d ranks, %d CPU threads each", config.parallel, world, threads)
+    return Ranks(group, part, workers)
 
 
-def _spawn(config: EngineConfig, tp: int, threads: int, address: str) -> Workers:
+def _spawn(config: EngineConfig, world: int, threads: int, address: str) -> Workers:
     """Ranks 1.. as spawned processes of this machine (they begin loading at once)."""
     if mp.current_process().daemon:
         raise ValueError(
-            f"{tp} ranks means worker processes, which a daemonic process (the server's "
+            f"{world} ranks means worker processes, which a daemonic process (the server's "
             "--engine-process on) can not have; use --engine-process off or "
             "distributed_executor_backend='ray'"
         )
     ctx = mp.get_context("spawn")
     procs: list[BaseProcess] = []
     pipes: list[Connection] = []
-    for rank in range(1, tp):
+    for rank in range(1, world):
         ours, theirs = ctx.Pipe(duplex=False)
-        args = WorkerArgs(config, rank, tp, address, threads)
+        args = WorkerArgs(config, rank, world, address, threads)
         proc = ctx.Process(target=worker_main, args=(args, theirs), daemon=True,
                            name=f"tokenmill-rank{rank}")  # fmt: skip
         proc.start()

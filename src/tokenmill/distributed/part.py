@@ -11,7 +11,8 @@ from tokenmill.models.base import CausalLM
 
 
 class ModelPart(Protocol):
-    """A tensor-parallel shard (``shard.TPShard``) or a pipeline stage (``stages.PPStage``)."""
+    """A tensor-parallel shard (``shard.TPShard``), a pipeline stage (``stages.PPStage``)
+    or a shard of a stage (``tp_stage.TPStage``)."""
 
     def local_hf_config(self, hf_config: dict[str, Any]) -> dict[str, Any]:
         """config.json at this rank's sizes: what the model is built from."""

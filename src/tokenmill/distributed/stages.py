@@ -4,10 +4,11 @@ Stage s of P holds layers [start_s, end_s) (an even split, earlier stages taking
 remainder), renumbered from 0 so its KV caches and names are local. Stage 0 embeds; the
 last stage holds the final norm, the output head and the sampler, and is the driver
 (rank 0), so the scheduler and sampler stay where they are with one device. Ranks 1..P-1
-are stages 0..P-2. Per step each stage receives the previous stage's (hidden, residual)
-[2, T, hidden] (stage 0: the token ids of the broadcast), runs its layers over them and
-sends the pair on, one micro-batch of rows at a time (``micro_batches``), so the stages
-overlap within a step.
+are stages 0..P-2 (with tensor parallelism too, each stage is a TP group: ``grid.Grid``).
+Per step each stage receives the previous stage's (hidden, residual) [2, T, hidden]
+(stage 0: the token ids of the broadcast) from its peer rank, runs its layers over them
+and sends the pair on, one micro-batch of rows at a time (``micro_batches``), so the
+stages overlap within a step.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenmill.attention import StepContext
+from tokenmill.distributed.grid import Grid
 from tokenmill.distributed.group import RankGroup
 from tokenmill.distributed.messages import Forward
 from tokenmill.distributed.micro_batches import split_step
@@ -47,18 +49,20 @@ def split_layers(num_layers: int, num_stages: int) -> list[range]:
 
 @dataclass(frozen=True)
 class PPStage:
-    """This rank's stage of ``group`` over one architecture."""
+    """This rank's stage of ``grid`` over one architecture; ``group`` is every rank's (the
+    sends and receives between stages name global ranks)."""
 
     cfg: ArchConfig
     group: RankGroup
+    grid: Grid
 
     @property
     def num_stages(self) -> int:
-        return self.group.size
+        return self.grid.pp
 
     @property
     def stage(self) -> int:
-        return self.num_stages - 1 if self.group.rank == 0 else self.group.rank - 1
+        return self.grid.stage_of(self.group.rank)
 
     @property
     def first(self) -> bool:
@@ -78,7 +82,8 @@ class PPStage:
         return self.first or (self.last and self.cfg.tie_word_embeddings)
 
     def rank_of(self, stage: int) -> int:
-        return 0 if stage == self.num_stages - 1 else stage + 1
+        """The rank of ``stage`` this one exchanges activations with (same TP rank)."""
+        return self.grid.peer(self.group.rank, stage)
 
     # -- building and loading (engine/loading.py) -----------------------------------------
 

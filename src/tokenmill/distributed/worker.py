@@ -1,4 +1,4 @@
-"""A tensor- or pipeline-parallel worker (ranks 1.., a process or a Ray actor): load its shard, then run what the driver
+"""A tensor- and/or pipeline-parallel worker (ranks 1.., a process or a Ray actor): load its shard, then run what the driver
 broadcasts until told to stop.
 
 The worker never schedules or samples: per step it receives the step's model inputs
@@ -19,11 +19,13 @@ from typing import Any, Protocol
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks
+from tokenmill.distributed.grid import Grid
+from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks, stage_group
 from tokenmill.distributed.messages import Ready, Stop, moved
 from tokenmill.distributed.part import ModelPart
 from tokenmill.distributed.shard import TPShard
 from tokenmill.distributed.stages import PPStage
+from tokenmill.distributed.tp_stage import TPStage
 from tokenmill.engine.loading import load_model
 from tokenmill.loader import load_checkpoint
 from tokenmill.models.config import ArchConfig
@@ -52,11 +54,17 @@ def device_of(config: EngineConfig, index: int) -> torch.device:
 
 
 def model_part(config: EngineConfig, group: RankGroup) -> ModelPart:
-    """This rank's part of the checkpoint's model: a tensor-parallel shard or a stage."""
+    """This rank's part of the checkpoint's model: a tensor-parallel shard, a stage, or a
+    shard of a stage. Collective with TP and PP together (the stages' groups are made)."""
     cfg = ArchConfig.from_hf(load_checkpoint(config.model).hf_config)
-    if config.parallel.pipeline_parallel_size > 1:
-        return PPStage(cfg, group)
-    return TPShard(cfg, group)
+    parallel = config.parallel
+    grid = Grid(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    if grid.pp == 1:
+        return TPShard(cfg, group)
+    stage = PPStage(cfg, group, grid)
+    if grid.tp == 1:
+        return stage
+    return TPStage(TPShard(cfg, stage_group(group, grid)), stage)
 
 
 class Reports(Protocol):

@@ -1,6 +1,7 @@
-"""Tensor parallelism on worker processes (``distributed_executor_backend="mp"``).
+"""Tensor and / or pipeline parallelism on worker processes (``distributed_executor_backend``
+mp, or Ray actors).
 
-The driver's ``ModelRunner`` runs rank 0's shard through ``TensorParallelDriver``, which
+The driver's ``ModelRunner`` runs rank 0's part through a ``driver_model`` driver, which
 broadcasts each step's model inputs to the workers (``distributed/``); scheduling and
 sampling stay here. A worker that dies fails the step in flight (its collective raises)
 and every later one at once, with an error that names the worker.
@@ -41,7 +42,7 @@ class MultiprocExecutor(Executor):
         if self._dead is not None:
             raise WorkerDiedError(self._dead)
         if self._stopped:
-            raise WorkerDiedError("the engine's tensor-parallel workers were shut down")
+            raise WorkerDiedError("the engine's parallel workers were shut down")
 
     def _died(self, error: Exception) -> Exception:
         """Any failed step leaves the ranks out of step (the workers may wait in a
@@ -49,7 +50,7 @@ class MultiprocExecutor(Executor):
         once. The message names a worker that exited (the usual cause), else the error."""
         dead = self.ranks.workers.wait_exit(timeout=2.0)
         self._dead = dead or (
-            f"a tensor-parallel step failed ({type(error).__name__}: {error}); the ranks are "
+            f"a parallel step failed ({type(error).__name__}: {error}); the ranks are "
             "out of step and the engine can not run steps any more, restart it"
         )
         self.shutdown()
