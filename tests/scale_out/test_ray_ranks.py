@@ -29,13 +29,21 @@ def _outputs(llm):
     return [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
-@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size"])
+@pytest.mark.parametrize(
+    "split",
+    [
+        {"tensor_parallel_size": 2},
+        {"pipeline_parallel_size": 2},
+        {"tensor_parallel_size": 2, "pipeline_parallel_size": 2},  # 3 actors
+    ],
+    ids=["tp2", "pp2", "tp2_pp2"],
+)
 def test_ray_ranks_give_the_one_process_tokens(llama_dir, split):
     with LLM(str(llama_dir), dtype="float32", num_kv_blocks=64) as llm:
         ref = _outputs(llm)
     assert not ray.is_initialized()
     llm = LLM(str(llama_dir), dtype="float32", num_kv_blocks=64,
-              distributed_executor_backend="ray", **{split: 2})  # fmt: skip
+              distributed_executor_backend="ray", **split)  # fmt: skip
     workers = llm.engine.executor.ranks.workers
     assert isinstance(workers.procs[0], RayProc) and workers.ray is not None
     got = _outputs(llm)
