@@ -5,7 +5,9 @@ the many-row kernel (``quant/rows.py``), not the per-layer ``QuantPlan`` of gene
 the model is loaded dense in float32, then each layer's linears named in its
 ``INT8_TERMS`` are replaced by 8-bit affine-group copies and the float weights freed.
 ``INT8_TERMS`` also says each linear's activation precision (1 or 2 int8 terms), chosen
-by measured cosine against float32 (see ``models/bert.py``).
+by measured cosine against float32 (see ``models/bert.py``); ``INT8_PRECISE_TERMS`` the
+precision for the rows whose output does not average the rounding over many tokens
+(the runner lists them: ``PackedBatch.precise_rows``).
 """
 
 from __future__ import annotations
@@ -57,17 +59,20 @@ def resolve_pooling_quantization(
 
 def quantize_int8(model: nn.Module) -> int:
     """Replace, in every ``model.int8_layer`` module, the linears its ``INT8_TERMS`` names
-    by ``RowsInt8Linear``; returns how many were replaced."""
+    by ``RowsInt8Linear``, and set ``model.int8_averaged_from`` (the runner reads it);
+    returns how many were replaced."""
     from tokenmill.quant.rows import RowsInt8Linear
 
     layer_cls: type[nn.Module] = getattr(model, "int8_layer")  # noqa: B009 (a class attribute)
     terms_of: dict[str, int] = getattr(layer_cls, "INT8_TERMS")  # noqa: B009
+    precise_of: dict[str, int] = getattr(layer_cls, "INT8_PRECISE_TERMS", terms_of)
     count = 0
     for module in model.modules():
         if not isinstance(module, layer_cls):
             continue
         for name, terms in terms_of.items():
             linear = getattr(module, name)
-            setattr(module, name, RowsInt8Linear.of(linear, terms))
+            setattr(module, name, RowsInt8Linear.of(linear, terms, precise_of.get(name)))
             count += 1
+    model.int8_averaged_from = getattr(layer_cls, "INT8_AVERAGED_FROM", None)
     return count

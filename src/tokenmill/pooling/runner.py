@@ -3,13 +3,15 @@
 Inputs are sorted by length and cut into batches whose *padded* size
 (sequences x longest) stays within the token budget; each batch is packed end to
 end (``PackedBatch``), so the linear layers see only real tokens and attention pads
-at most to the longest of similar lengths.
+at most to the longest of similar lengths. With int8 linears, the batch also lists the
+rows that need their precise terms (``precise_rows``): every row, unless the output is a
+mean over a sequence of at least ``model.int8_averaged_from`` tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -60,6 +62,8 @@ class PoolingRunner:
         self.device = device
         self.token_budget = token_budget
         self.max_seqs = max_seqs
+        self.averaged_from: int | None = getattr(model, "int8_averaged_from", None)
+        """Set by ``quantize_int8``; None: no int8 linears (no precise rows)."""
 
     @torch.inference_mode()
     def run(self, inputs: Sequence[Encoded], what: str) -> RunResult:
@@ -72,6 +76,8 @@ class PoolingRunner:
 
     def _run_batch(self, inputs: list[Encoded], what: str) -> list[torch.Tensor]:
         batch = PackedBatch.of(len(x.token_ids) for x in inputs)
+        if self.averaged_from is not None:
+            batch = replace(batch, precise_rows=self._precise_rows(batch, what))
         ids = torch.tensor([t for x in inputs for t in x.token_ids], dtype=torch.int64)
         types = None
         if any(x.token_type_ids for x in inputs):
@@ -93,6 +99,23 @@ class PoolingRunner:
         )
         return list(result.float().cpu().unbind(0))  # the one device-to-host point
 
+    def _precise_rows(self, batch: PackedBatch, what: str) -> torch.Tensor | None:
+        """[R] rows for the int8 precise terms: those of mean-pooled sequences shorter than
+        ``averaged_from``; every row for any other output (one token's vector, or logits,
+        carry one row's rounding whole). Depends on each sequence alone, so batching
+        leaves a sequence's numbers unchanged."""
+        total = sum(batch.seq_lens)
+        if what != "pooled" or self.pooler.config.pooling_type != "MEAN":
+            return torch.arange(total)
+        cut = self.averaged_from or 0
+        short = [i for i, n in enumerate(batch.seq_lens) if n < cut]
+        if not short:
+            return None
+        if len(short) == batch.num_seqs:
+            return torch.arange(total)
+        seq_of = torch.repeat_interleave(torch.arange(batch.num_seqs), batch.lens)
+        return torch.isin(seq_of, torch.tensor(short)).nonzero().flatten()
+
 
 def _to(batch: PackedBatch, device: torch.device) -> PackedBatch:
     def move(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -104,4 +127,5 @@ def _to(batch: PackedBatch, device: torch.device) -> PackedBatch:
         batch.lens.to(device),
         move(batch.pad_index),
         move(batch.key_mask),
+        move(batch.precise_rows),
     )

@@ -6,7 +6,9 @@ not the fast shape. ``affine_gemm_rows`` (``kernels/affine_gemm.c``) keeps the s
 weight tiles (``native.pack_tiles``: groups of 32 inputs, ``w = scale * q + offset``)
 and register-blocks 4 tokens x 32 output rows. ``terms`` picks the activation precision:
 1 = one int8 per input (scale per group of 32; half the integer work), 2 = the two-term
-scheme (~15 bits) for the layers whose inputs need it.
+scheme (~15 bits) for the layers whose inputs need it. A layer may also hold
+``precise_terms`` for some rows only (``precise_rows``): the tokens of sequences whose
+pooled output does not average the one-term rounding away (``models/bert.py``).
 """
 
 from __future__ import annotations
@@ -90,7 +92,13 @@ class RowsInt8Linear(nn.Module):
     qtiles: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, terms: int) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        terms: int,
+        precise_terms: int | None = None,
+    ) -> None:
         super().__init__()
         out_features, in_features = weight.shape
         if in_features % GROUP or out_features % native.TILE:
@@ -99,24 +107,41 @@ class RowsInt8Linear(nn.Module):
                 f"{native.TILE}, got [{out_features}, {in_features}]"
             )
         self.in_features, self.out_features, self.terms = in_features, out_features, terms
+        self.precise_terms = terms if precise_terms is None else precise_terms
         g = affine_groups(weight.float(), 8)
         self.register_buffer("qtiles", native.pack_tiles(g.codes, g.scale, g.offset, 8))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     @staticmethod
-    def of(linear: nn.Linear, terms: int) -> RowsInt8Linear:
-        return RowsInt8Linear(linear.weight.detach(), linear.bias, terms)
+    def of(linear: nn.Linear, terms: int, precise_terms: int | None = None) -> RowsInt8Linear:
+        return RowsInt8Linear(linear.weight.detach(), linear.bias, terms, precise_terms)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, gelu: bool = False
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        gelu: bool = False,
+        precise_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """x [..., in] float32 or bfloat16 -> x W^T + bias (+ residual [..., out]) [..., out]
-        in x's dtype, through GELU if ``gelu``."""
+        in x's dtype, through GELU if ``gelu``; the rows of the flattened x listed in
+        ``precise_rows`` ([R] int64) with ``precise_terms``."""
         if x.dtype not in (torch.float32, torch.bfloat16):
             x = x.float()
         flat = x.reshape(-1, self.in_features).contiguous()
         res = None if residual is None else residual.reshape(-1, self.out_features).to(x.dtype)
-        y = gemm_rows(flat, self.qtiles, self.out_features, self.bias, self.terms, res, gelu)
+        terms, some = self.terms, None
+        if precise_rows is not None and self.precise_terms != terms and precise_rows.numel():
+            if precise_rows.numel() == flat.shape[0]:
+                terms = self.precise_terms
+            else:
+                some = precise_rows
+        y = gemm_rows(flat, self.qtiles, self.out_features, self.bias, terms, res, gelu)
+        if some is not None:  # recompute those rows (few: short sequences) more precisely
+            sub_res = None if res is None else res.index_select(0, some)
+            sub = flat.index_select(0, some)
+            n, terms = self.out_features, self.precise_terms
+            y.index_copy_(0, some, gemm_rows(sub, self.qtiles, n, self.bias, terms, sub_res, gelu))
         return y.view(*x.shape[:-1], self.out_features)
 
     fuses_residual = True
@@ -125,4 +150,7 @@ class RowsInt8Linear(nn.Module):
     """``forward(x, gelu=True)`` applies the exact GELU in the kernel."""
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, terms={self.terms}"
+        return (
+            f"in={self.in_features}, out={self.out_features}, terms={self.terms}, "
+            f"precise_terms={self.precise_terms}"
+        )
