@@ -8,8 +8,9 @@ the one-process engine had to itself), so the parts are:
 
 - ``tp``: offline greedy decode (8 prompts x 64 tokens, a random Llama, float32) and
   prefill (8 x 200-token prompts: the step the pipeline cuts into micro-batches) in one
-  process (with the default threads, and with one) vs ``tensor_parallel_size=2`` and
-  ``pipeline_parallel_size=2`` (worker processes, gloo, one thread per rank). The
+  process (with the default threads, and with one) vs ``tensor_parallel_size=2``,
+  ``pipeline_parallel_size=2`` and both (4 ranks; worker processes, gloo, one thread per
+  rank: on 2 cores 4 ranks take turns, so only the overhead is read from it). The
   one-process engine is also what TP=1 runs (no executor is added then), so TP=1's
   overhead is zero by construction.
 - ``dp``: 8 concurrent clients on the engine's async front end (what the plain server
@@ -63,7 +64,9 @@ def bench_tp(path: Path, repeat: int) -> list[list[str]]:
     threads = torch.get_num_threads()
     runs = (("one process (= TP=1)", threads, {}), ("one process, 1 thread", 1, {}),
             ("TP=2 (mp, gloo), 1 thread/rank", threads, {"tensor_parallel_size": 2}),
-            ("PP=2 (mp, gloo), 1 thread/rank", threads, {"pipeline_parallel_size": 2}))  # fmt: skip
+            ("PP=2 (mp, gloo), 1 thread/rank", threads, {"pipeline_parallel_size": 2}),
+            ("TP=2 x PP=2 (mp, gloo), 4 ranks, 1 thread/rank", threads,
+             {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}))  # fmt: skip
     rows, base = [], None
     for name, n, options in runs:
         torch.set_num_threads(n)  # the engine keeps it (at most the usable CPUs)
