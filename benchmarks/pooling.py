@@ -6,7 +6,12 @@ Offline: sentences/s of ``LLM.embed`` (float32, the bfloat16 fast path, and
 ``quantization="int8"``) and of ``SentenceTransformer.encode(batch_size=b)`` on the same
 folder, at batch 1, 32 and 256, for short (~16 tokens) and long (256 tokens, cut by both)
 inputs; each point alternates the runners round by round and keeps each one's median, and
-prints the lowest cosine of the bfloat16 and int8 vectors to float32's. Online:
+prints the lowest cosine of the bfloat16 and int8 vectors to float32's, and the linear
+layers' useful multiply-adds per second against the CPU's measured limits
+(``benchmarks/cpu_peak.py``): sentence-transformers as a fraction of the float32 limit,
+int8 of the VNNI limit, and "ceiling", the int8 limit over sentence-transformers'
+achieved rate (no int8 kernel, at one term per activation and nothing else to do, can
+beat sentence-transformers by more). Online:
 ``/v1/embeddings`` with 8 concurrent clients, one sentence per request. Ratios are to
 sentence-transformers; CPU seconds (``process_time``) beside wall time.
 """
@@ -70,6 +75,32 @@ def min_cosine(a: list, b: list) -> float:
     return float(F.cosine_similarity(va, vb, dim=-1).min())
 
 
+def linear_macs_per_token(model: str) -> int:
+    """Multiply-adds of a BERT's linear layers per token (q, k, v, o and the FFN)."""
+    import json
+
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    h, f = cfg["hidden_size"], cfg["intermediate_size"]
+    return cfg["num_hidden_layers"] * (4 * h * h + 2 * h * f)
+
+
+def peak_cells(model: str, llm: object, xs: list[str], got: dict[str, float]) -> str:
+    """The point's linear work in GMAC/s against the measured limits ('' without them)."""
+    import cpu_peak
+
+    limits = cpu_peak.peaks()
+    if limits is None:
+        return ""
+    tokens = statistics.mean(len(o.prompt_token_ids) for o in llm.embed(xs))  # type: ignore[attr-defined]
+    per_s = {name: rate * tokens * linear_macs_per_token(model) for name, rate in got.items()}
+    best_int8 = max(v for k, v in per_s.items() if k.startswith("int8"))
+    return (
+        f"  GMAC/s st {per_s['st'] / 1e9:.0f} ({per_s['st'] / limits['fp32']:.0%} of fp32 "
+        f"{limits['fp32'] / 1e9:.0f}), int8 {best_int8 / 1e9:.0f} ({best_int8 / limits['int8']:.0%}"
+        f" of int8 {limits['int8'] / 1e9:.0f}), ceiling {limits['int8'] / per_s['st']:.2f}x"
+    )
+
+
 PATHS = {
     "fp32": {"dtype": "float32"},
     "bf16": {"dtype": "bfloat16"},
@@ -109,7 +140,7 @@ def offline(
         print(
             f"{kind:5} b={batch:<3} st {got['st']:7.1f}/s  {cells}  "
             "min cos to fp32: " + " ".join(f"{n} {c:.5f}" for n, c in cos.items()) + "  "
-            f"load {os.getloadavg()[0]:.1f}",
+            f"load {os.getloadavg()[0]:.1f}" + peak_cells(model, llms["fp32"], xs, got),
             flush=True,
         )
     for llm in llms.values():
