@@ -63,6 +63,14 @@ class ParallelConfig:
             raise InvalidRequestError(f"{what} on Ray, which is not installed: {RAY_EXTRA}")
 
     @property
+    def stages_overlap(self) -> bool:
+        """Whether pipeline stages can work on two steps at once (``executor/pipelined.py``):
+        more than one stage, each one rank. With tensor parallelism too they take turns:
+        the last stage's other TP ranks get the rows to score from the driver's broadcast,
+        which every rank hears, so two steps' messages would cross there (not built)."""
+        return self.pipeline_parallel_size > 1 and self.tensor_parallel_size == 1
+
+    @property
     def world_size(self) -> int:
         """Ranks of one engine: tensor_parallel_size x pipeline_parallel_size."""
         return self.tensor_parallel_size * self.pipeline_parallel_size

@@ -10,7 +10,8 @@ same blocks, each holding that rank's KV heads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -61,11 +62,19 @@ class TensorParallelDriver(_Driver):
 
 class PipelineDriver(_Driver):
     """The last stage: the step's inputs go to every stage, its layers run on what the
-    stage before sends; the head and the sampler are local (no logits leave the rank)."""
+    stage before sends; the head and the sampler are local (no logits leave the rank).
+
+    Between the two sits ``park``: the pipelined executor (``executor/pipelined.py``) holds
+    a step there while it sends the next step's inputs, so stage 0 runs step t + 1 while
+    this rank runs step t's layers and samples it. ``events`` records each step's two
+    moments in order, ("sent", n) and ("ran", n): the overlap, as a test sees it."""
 
     def __init__(self, local: CausalLM, stage: PPStage) -> None:
         super().__init__(local, stage.group)
         self.stage = stage
+        self.park: Callable[[], None] | None = None
+        self.events: deque[tuple[str, int]] = deque(maxlen=256)
+        self._steps = 0
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
@@ -73,8 +82,13 @@ class PipelineDriver(_Driver):
         assert ctx.state is None, "state-slot layers are not pipeline-parallel"
         step = Forward(input_ids, positions, ctx.attn, ctx.adapter_ids, ctx.input_embeds)
         self.group.broadcast(moved(step, "cpu"))
+        n = self._steps = self._steps + 1
+        self.events.append(("sent", n))
+        if self.park is not None:
+            self.park()
         hidden = self.stage.run(self.local, step, ctx.kv_caches)
         assert hidden is not None
+        self.events.append(("ran", n))
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

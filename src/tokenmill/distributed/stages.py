@@ -8,11 +8,14 @@ are stages 0..P-2 (with tensor parallelism too, each stage is a TP group: ``grid
 Per step each stage receives the previous stage's (hidden, residual) [2, T, hidden]
 (stage 0: the token ids of the broadcast) from its peer rank, runs its layers over them
 and sends the pair on, one micro-batch of rows at a time (``micro_batches``), so the
-stages overlap within a step.
+stages overlap within a step. A worker's sends of a step are waited for only when the step
+after next starts (``Outbox``): with the stages overlapping across steps the driver takes
+step t's pair only after it has sent step t + 1 (``executor/pipelined.py``).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +48,30 @@ def split_layers(num_layers: int, num_stages: int) -> list[range]:
     sizes = [base + (s < extra) for s in range(num_stages)]
     starts = [sum(sizes[:s]) for s in range(num_stages)]
     return [range(a, a + n) for a, n in zip(starts, sizes)]
+
+
+Sends = list[tuple[Any, torch.Tensor]]
+"""A step's pending sends: (work, the pair it sends, kept alive until taken)."""
+
+
+class Outbox:
+    """A worker stage's sends still on their way, one list per step.
+
+    Step t's pieces are not waited for when step t ends: the driver may take them only
+    after it has sent step t + 1 (it launches a step before it collects the one before),
+    and it sends that to this stage too, so waiting here would hold both. They are waited
+    for when step t + 2 starts: the driver launched t + 2 after collecting t."""
+
+    def __init__(self) -> None:
+        self._steps: deque[Sends] = deque()
+
+    def start_step(self) -> Sends:
+        """Wait for every step's sends but the latest; a list for this step's."""
+        while len(self._steps) > 1:
+            for work, _ in self._steps.popleft():
+                work.wait()
+        self._steps.append([])
+        return self._steps[-1]
 
 
 @dataclass(frozen=True)
@@ -133,19 +160,26 @@ class PPStage:
         return PipelineDriver(local, self)
 
     def handlers(self, model: CausalLM, caches: list) -> dict[type, Callable[[Any], object]]:
-        return {Forward: lambda m: self.run(model, m, caches)}
+        outbox = Outbox()
+        return {Forward: lambda m: self.run(model, m, caches, outbox)}
 
     def run(
-        self, model: CausalLM, m: Forward, caches: Sequence[torch.Tensor | None]
+        self,
+        model: CausalLM,
+        m: Forward,
+        caches: Sequence[torch.Tensor | None],
+        outbox: Outbox | None = None,
     ) -> torch.Tensor | None:
         """This stage of one step, piece by piece (``micro_batches``): the final hidden
         [T, hidden] on the last stage. Pieces go on without waiting for the next stage to
-        take them; the step ends when every send has been taken."""
-        sends: list[tuple[Any, torch.Tensor]] = []
+        take them; the step ends when every send has been taken, or, with an ``outbox``
+        (a worker), when the step after next starts."""
+        sends: Sends = [] if outbox is None else outbox.start_step()
         outs = [self._run_piece(model, piece, caches, sends)
                 for piece in split_step(m, self.num_stages)]  # fmt: skip
-        for work, _ in sends:
-            work.wait()
+        if outbox is None:
+            for work, _ in sends:
+                work.wait()
         hidden = [h for h in outs if h is not None]  # the last stage's pieces
         if not hidden:
             return None
@@ -156,7 +190,7 @@ class PPStage:
         model: CausalLM,
         m: Forward,
         caches: Sequence[torch.Tensor | None],
-        sends: list[tuple[Any, torch.Tensor]],
+        sends: Sends,
     ) -> torch.Tensor | None:
         ctx = StepContext(m.attn, caches, None, None, m.adapter_ids, m.input_embeds)
         decoder: Any = model.model

@@ -24,7 +24,7 @@ from torch import nn
 
 from tokenmill.distributed.messages import Forward, Logits
 from tokenmill.distributed.shard import TPShard
-from tokenmill.distributed.stages import PPStage
+from tokenmill.distributed.stages import Outbox, PPStage
 from tokenmill.models.base import CausalLM
 
 
@@ -57,8 +57,9 @@ class TPStage:
 
     def handlers(self, model: CausalLM, caches: list) -> dict[type, Callable[[Any], object]]:
         score = model.compute_logits if self.stage.last else _pass
+        outbox = Outbox()
         return {
-            Forward: lambda m: self.stage.run(model, m, caches),
+            Forward: lambda m: self.stage.run(model, m, caches, outbox),
             Logits: lambda m: score(m.hidden),
         }
 

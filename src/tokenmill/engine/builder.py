@@ -25,6 +25,7 @@ from tokenmill.kv_cache.snapshot_copies import SnapshotTensors
 from tokenmill.kv_cache.snapshots import snapshot_rows
 from tokenmill.sampling import Sampler
 from tokenmill.scheduler import Scheduler, SchedulerConfig
+from tokenmill.scheduler.interleave import StepInterleave
 from tokenmill.spec_decode import DraftHook
 from tokenmill.spec_decode.config import check_target_cache
 from tokenmill.spec_decode.registry import TargetParts, build_draft_hook
@@ -130,10 +131,12 @@ def _assemble(
         target = TargetParts(config, loaded, runner, kv)
         all_hooks = (*all_hooks, build_draft_hook(config.speculative, target, budget))
     phases.log("engine ready")
+    executor = _executor(config, runner, ranks)
+    if executor.interleaves:  # pipeline stages overlap: steps take turns over sequences
+        scheduler.interleave = StepInterleave()
     return EngineParts(
-        loaded, kv, scheduler, structured, all_hooks, runner, _executor(runner, ranks),
-        phases.seconds,
-    )  # fmt: skip
+        loaded, kv, scheduler, structured, all_hooks, runner, executor, phases.seconds
+    )
 
 
 def _start_ranks(config: EngineConfig, loaded: LoadedModel | None) -> Ranks | None:
@@ -152,9 +155,13 @@ def _start_ranks(config: EngineConfig, loaded: LoadedModel | None) -> Ranks | No
     return start_ranks(config)
 
 
-def _executor(runner: ModelRunner, ranks: Ranks | None) -> Executor:
+def _executor(config: EngineConfig, runner: ModelRunner, ranks: Ranks | None) -> Executor:
     if ranks is None:
         return UniProcExecutor(runner)
+    from tokenmill.executor.pipelined import PipelinedExecutor, pipelines
+
+    if pipelines(config, runner):
+        return PipelinedExecutor(runner, ranks)
     from tokenmill.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(runner, ranks)

@@ -29,5 +29,9 @@ class Executor(ABC):
     def collect(self, handle: Any) -> ModelRunnerOutput:
         """Wait for a launched step; its new tokens per scheduled sequence."""
 
+    interleaves = False
+    """Whether consecutive steps must hold disjoint sequences (``scheduler/interleave.py``):
+    pipeline stages that overlap across steps (``pipelined.PipelinedExecutor``)."""
+
     def shutdown(self) -> None:  # noqa: B027 (a default, not abstract: in process there is nothing to release)
         """Release workers and devices (idempotent). In process: nothing to do."""

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from tokenmill.kv_cache import KVCacheManager
 from tokenmill.multimodal.encoder_budget import EncoderBudget, text_prefill_pending
+from tokenmill.scheduler.interleave import StepInterleave
 from tokenmill.scheduler.output import SchedulerOutput, SeqColumns
 from tokenmill.scheduler.request import Request, RequestStatus
 
@@ -78,6 +79,10 @@ class Scheduler:
         self.encoder_budget: EncoderBudget | None = None
         """Media tokens one step may encode (``multimodal/encoder_budget.py``); None for a
         text-only model."""
+        self.interleave: StepInterleave | None = None
+        """With pipeline stages overlapping across steps (``scheduler/interleave.py``): a
+        step takes no sequence with a token in flight, and at most half of them. None:
+        every ready sequence may run."""
 
     # -- queue management -------------------------------------------------
     def add(self, request: Request) -> None:
@@ -111,13 +116,16 @@ class Scheduler:
         step = _StepBuilder()
         preempted: list[str] = []
         allocate = self.kv.allocate_slots
+        interleave = self.interleave
+        cap = self.config.max_num_seqs if interleave is None else interleave.cap(self)
         for req in list(self.running):  # (per request per step: kept to plain attribute reads)
-            if budget == 0:
+            if budget == 0 or len(step.requests) == cap:
                 break
             if preempted and req.request_id in preempted:  # preempted earlier in this loop
                 continue
             if req.num_drafts_in_flight or (
-                req.num_placeholders and self._ends_with_placeholders(req)
+                req.num_placeholders
+                and (interleave is not None or self._ends_with_placeholders(req))
             ):
                 continue
             left = len(req.all_token_ids) + req.num_placeholders - req.num_computed_tokens
@@ -133,7 +141,7 @@ class Scheduler:
             budget -= n
         first: list[Request] = []
         if not preempted:
-            self._admit_waiting(budget, step, preempted, first)
+            self._admit_waiting(budget, step, preempted, first, cap)
         return SchedulerOutput(
             None, tuple(preempted), self.kv.tables, tuple(first),
             cols=self._columns(step), table_of=self.kv.block_table,
@@ -234,9 +242,11 @@ class Scheduler:
         step: _StepBuilder,
         preempted: list[str],
         first: list[Request],
+        cap: int,
     ) -> None:
         scheduled = {r.request_id for r in step.requests}
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(step.requests) < cap):  # fmt: skip
             req = self.waiting[0]
             if not self._admit(req, budget, scheduled, preempted):
                 break
