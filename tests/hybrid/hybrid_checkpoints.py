@@ -152,8 +152,9 @@ def hybrid_llm(path: Path, **options):
     """``tokenmill.LLM`` in float32 on CPU with small test defaults and integrity checks."""
     from tokenmill import LLM
 
-    options = {"max_model_len": 128, "num_kv_blocks": 64, "block_size": 4, **options}
-    return LLM(str(path), dtype="float32", device="cpu", check_kv_integrity=True, **options)
+    options = {"max_model_len": 128, "num_kv_blocks": 64, "block_size": 4,
+               "check_kv_integrity": True, **options}  # fmt: skip
+    return LLM(str(path), dtype="float32", device="cpu", **options)
 
 
 def random_prompts(n: int, seed: int = 0, longest: int = 40) -> list[list[int]]:
@@ -243,4 +244,20 @@ def make_qwen3_next_dense(path: Path, tokenizer, seed: int = 0, **overrides) -> 
     randomize(model, seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+def narrow_head(path: Path, ids: list[int], scale: float = 3.0) -> Path:
+    """Zero every output row but ``ids`` (those scaled up): greedy output stays inside a
+    few tokens, so it repeats and prompt lookup both proposes and misses drafts, while
+    which of them comes next still depends on the whole recurrent state."""
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    weights = load_file(file)
+    head = weights["lm_head.weight"]
+    kept = head[ids].clone() * scale
+    head.zero_()
+    head[ids] = kept
+    save_file(weights, file, metadata={"format": "pt"})
     return path

@@ -154,11 +154,6 @@ def test_state_pool_options(qwen35_dir):
     assert llm.engine.kv.slots.num_slots == min(8, (65536 // 2) // (3 * 5632))
 
 
-def test_speculative_decoding_is_refused(qwen35_dir):
-    with pytest.raises(InvalidRequestError, match="recurrent state can not roll back"):
-        _llm(qwen35_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
-
-
 def test_language_model_of_the_vision_checkpoint(tmp_path, smollm2_hf_tokenizer):
     """Qwen3_5ForConditionalGeneration: its ``model.language_model`` weights, text input."""
     from hybrid_checkpoints import make_qwen3_5_vl

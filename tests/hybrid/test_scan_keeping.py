@@ -62,3 +62,29 @@ def test_conv_windows_at_offsets():
         torch.testing.assert_close(w, conv.forward_seq(x[:o], window)[1])
     fresh = conv.windows_at(x, None, (2,))[0]
     torch.testing.assert_close(fresh, conv.forward_seq(x[:2], None)[1])
+
+
+def test_states_kept_inside_a_chunk_equal_the_recurrence():
+    """A verify step keeps the state after every position (``worker/state_rollback.py``):
+    offsets anywhere in a chunk, with and without ``lead``, equal token-by-token steps."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, g, beta, state = _delta_inputs(37, gen)
+    x, dt = torch.randn(H, 37, P, generator=gen), torch.rand(H, 37, generator=gen) * 0.1
+    a, d = -torch.rand(H, generator=gen), torch.randn(H, generator=gen)
+    b, c = torch.randn(H, 37, N, generator=gen), torch.randn(H, 37, N, generator=gen)
+    ssm_state = torch.randn(H, P, N, generator=gen)
+    offsets = (0, 1, 5, 16, 20, 33, 36, 37)
+    for lead, chunk in ((0, 16), (5, 16), (0, 37), (3, 8), (0, 4)):
+        *_, kept = delta_rule.chunked_keeping(q, k, v, g, beta, state, lead, offsets, chunk)
+        *_, kept_ssm = ssd.chunked_keeping(x, dt, a, b, c, d, ssm_state, lead, offsets, chunk)
+        s, s_ssm = state[None], ssm_state[None]
+        for t in range(38):
+            if t in offsets:
+                j = offsets.index(t)
+                torch.testing.assert_close(kept[j], s[0], atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(kept_ssm[j], s_ssm[0], atol=1e-5, rtol=1e-5)
+            if t < 37:
+                row = (y[:, t][None] for y in (q, k, v, g, beta))
+                s = delta_rule.step(*row, s)[1]
+                s_ssm = ssd.step(x[:, t][None], dt[:, t][None], a, b[:, t][None],
+                                 c[:, t][None], d, s_ssm)[1]  # fmt: skip

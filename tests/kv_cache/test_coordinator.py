@@ -90,12 +90,17 @@ def test_prefix_reuse_is_the_minimum_over_groups():
     kv.check_integrity()
 
 
-def test_a_state_does_not_roll_back():
+def test_rejected_drafts_roll_the_blocks_and_the_slot_count_back():
+    """The runner copies the state kept after the accepted drafts into the slot
+    (``worker/state_rollback.py``); the coordinator rolls its bookkeeping back."""
     kv = hybrid()
-    assert kv.allocate_slots("a", 5)
-    kv.truncate("a", 5)  # nothing rejected: fine
-    with pytest.raises(NotImplementedError, match="can not roll back from 5 to 3"):
-        kv.truncate("a", 3)
+    assert kv.allocate_slots("a", 7)  # 4 blocks of 2
+    kv.truncate("a", 7)  # nothing rejected: nothing changes
+    assert kv.slots.num_tokens("a") == 7 and len(kv.block_table("a")) == 4
+    kv.truncate("a", 3)
+    assert kv.slots.num_tokens("a") == 3 and len(kv.block_table("a")) == 2
+    assert kv.state_slot("a") == 0
+    kv.check_integrity()
 
 
 def test_integrity_check_catches_a_slot_held_twice():

@@ -136,6 +136,12 @@ class StateMetadata:
     chunk (``kv_cache/snapshots.py``); (): none this step."""
     snapshots: Sequence[torch.Tensor | None] | None = None
     """Each layer's snapshot rows (``kv_cache/snapshot_copies.py``); None: no pool."""
+    run_keeps: tuple[tuple[tuple[int, int], ...], ...] = ()
+    """Per sequence, (tokens into its chunk, rollback row) of the per-position states a
+    verify step keeps for rolling back rejected drafts (``worker/state_rollback.py``);
+    (): no sequence verifies drafts this step."""
+    rollback: Sequence[torch.Tensor | None] | None = None
+    """Each layer's rollback rows for this step; None: none."""
 
     @classmethod
     def build(
@@ -144,6 +150,8 @@ class StateMetadata:
         meta: AttentionMetadata,
         run_saves: tuple[tuple[tuple[int, int], ...], ...] = (),
         snapshots: Sequence[torch.Tensor | None] | None = None,
+        run_keeps: tuple[tuple[tuple[int, int], ...], ...] = (),
+        rollback: Sequence[torch.Tensor | None] | None = None,
     ) -> StateMetadata:
         """From each sequence's slot and the step's attention metadata."""
         qsl, device = meta.query_start_loc, meta.slot_mapping.device
@@ -157,4 +165,6 @@ class StateMetadata:
             fresh,
             run_saves,
             snapshots,
+            run_keeps,
+            rollback,
         )

@@ -24,8 +24,9 @@ the slots in step with the blocks:
 - **preemption recomputes**: the state slot is freed with the blocks, and the request
   comes back at token 0 (or at a snapshot); the layer resets a state whose sequence
   starts at token 0 (``StateMetadata.fresh``), so a reused slot's old values never leak;
-- **no rollback of a state**: ``truncate`` below the tokens a state already holds raises
-  (rejected draft tokens would need a state snapshot per draft position).
+- **rollback of rejected drafts**: the runner copies the state a verify step kept after
+  the accepted drafts into the slot (``worker/state_rollback.py``); ``truncate`` rolls the
+  blocks back and drops the snapshots reserved past the new end.
 """
 
 from __future__ import annotations
@@ -273,7 +274,9 @@ class KVCacheCoordinator:
             return False
         taken = self.slots.allocate(request_id, num_tokens)
         assert taken, "a free slot was checked for"
-        if self.snapshots is not None:
+        # Rows only for admitted requests: the scratch sequences of the verify-cost
+        # measurement (``spec_decode/calibrate.py``) never went through get_computed_blocks.
+        if self.snapshots is not None and request_id in self._known:
             start = self._ends.get(request_id, 0)
             if num_tokens > start:
                 self._ends[request_id] = num_tokens
@@ -351,8 +354,12 @@ class KVCacheCoordinator:
         self.paged.commit(request_id, token_ids, num_computed, extra_key)
         if self.snapshots is None:
             return
-        if len(token_ids) < num_computed:  # cache_generated_tokens=False
-            self._limit[request_id] = len(token_ids)
+        upto = num_computed
+        if len(token_ids) < num_computed:
+            if len(token_ids) <= self._known.get(request_id, 0):  # cache_generated_tokens=False
+                self._limit[request_id] = len(token_ids)
+            else:  # accepted drafts, computed but not appended yet: key their rows next time
+                upto = len(token_ids)
         bs, hashes = self.block_size, self.paged.block_hashes(request_id)
         extra = _extra_of(extra_key, bs)
 
@@ -360,17 +367,18 @@ class KVCacheCoordinator:
             k = p // bs
             return SnapshotKey(hashes[k - 1] if k else b"", extra(k), tuple(token_ids[k * bs : p]))
 
-        self.snapshots.commit(request_id, num_computed, len(token_ids), key_of)
+        self.snapshots.commit(request_id, upto, len(token_ids), key_of)
 
     def truncate(self, request_id: str, num_tokens: int) -> None:
-        """Roll the blocks back to ``num_tokens`` tokens; a state can not roll back."""
-        if num_tokens < self.slots.num_tokens(request_id):
-            raise NotImplementedError(
-                f"request {request_id!r}: a recurrent state can not roll back from "
-                f"{self.slots.num_tokens(request_id)} to {num_tokens} tokens (speculative "
-                "decoding of hybrid models needs per-position state snapshots)"
-            )
+        """Roll back to ``num_tokens`` tokens (rejected drafts): the blocks, the slot's
+        count (the runner already copied the state kept there into the slot), and the
+        snapshots reserved past it (they hold states of rejected tokens)."""
         self.paged.truncate(request_id, num_tokens)
+        self.slots.truncate(request_id, num_tokens)
+        if self.snapshots is not None:
+            self.snapshots.discard_after(request_id, num_tokens)
+            if self._ends.get(request_id, 0) > num_tokens:
+                self._ends[request_id] = num_tokens
 
     def free(self, request_id: str) -> None:
         self.paged.free(request_id)

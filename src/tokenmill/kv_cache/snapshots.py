@@ -268,6 +268,18 @@ class SnapshotPool:
         self._lru[row] = key
         self.stats.saves += 1
 
+    def discard_after(self, request_id: str, position: int) -> None:
+        """The request rolled back to ``position`` tokens (rejected drafts): its rows past
+        it hold states of tokens it no longer has and go back (positions reached again
+        are reserved again)."""
+        pending = self._pending.get(request_id)
+        if not pending:
+            return
+        for p in pending:
+            if p.position > position:
+                self._release(p.row)
+        self._pending[request_id] = [p for p in pending if p.position <= position]
+
     def discard(self, request_id: str) -> None:
         """The request ended (finish, abort, preemption): its unwritten or uncommitted
         rows go back (a step in flight may still write them: a later reservation's step

@@ -43,6 +43,13 @@ class StateSlots:
         self._tokens[request_id] = max(num_tokens, self._tokens.get(request_id, 0))
         return True
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Rejected drafts rolled back: the request's state holds its first ``num_tokens``
+        tokens (the runner copied the state kept there into the slot,
+        ``worker/state_rollback.py``)."""
+        if request_id in self._tokens:
+            self._tokens[request_id] = min(num_tokens, self._tokens[request_id])
+
     def holders(self) -> list[str]:
         return list(self._held)
 

@@ -195,16 +195,30 @@ def resolve_speculative(
     return _from_dict({**raw, **tree_set})
 
 
+CHAIN_METHODS_FOR_RECURRENT = ("ngram", "suffix", "draft_model")
+"""Methods that verify draft chains on hybrid and state-space models (their recurrent
+layers keep a state per draft position, ``worker/state_rollback.py``)."""
+
+
 def check_target_cache(spec: SpeculativeConfig | None, cache_specs: Sequence[object]) -> None:
-    """Refuse speculation on a model whose cache can not roll back rejected drafts (a
-    recurrent state: hybrid and state-space models keep no per-position snapshots)."""
+    """Refuse what a model with a recurrent state (hybrid and state-space models) can not
+    verify: draft trees (each node would need its own state along its path) and the head
+    methods (their KV lives in an attention-only target's blocks). Chains roll back by
+    the state kept at each draft position."""
     from tokenmill.kv_cache.spec import RecurrentState
 
-    if spec is not None and any(isinstance(s, RecurrentState) for s in cache_specs):
+    if spec is None or not any(isinstance(s, RecurrentState) for s in cache_specs):
+        return
+    if spec.method not in CHAIN_METHODS_FOR_RECURRENT:
         raise InvalidRequestError(
             f"speculative decoding ({spec.method}) is not supported for hybrid or state-space "
-            "models: their recurrent state can not roll back rejected drafts; drop "
-            "speculative_config"
+            f"models; use method {', '.join(CHAIN_METHODS_FOR_RECURRENT)}"
+        )
+    if spec.is_tree:
+        raise InvalidRequestError(
+            "speculative_config: draft trees (draft_top_k, verify_tree_size, "
+            "max_verify_tree_size) are not supported for hybrid or state-space models: a "
+            "recurrent state rolls back along one chain of drafts; drop them"
         )
 
 

@@ -42,6 +42,7 @@ from tokenmill.worker.inputs import (
     build_step_inputs,
     record_event,
 )
+from tokenmill.worker.state_rollback import RollbackRows, StateRollback
 
 
 class FeatureSink(Protocol):
@@ -83,6 +84,9 @@ class LaunchedStep:
     prompt logprobs): what ``collect`` waits for. None: nothing copied, or CPU."""
     logprobs: LogprobsTensors | None
     prompt_logprobs: dict[str, tuple[int, list[int], LogprobsTensors]]
+    rollback: StateRollback | None = None
+    """The per-position recurrent states of its verifying sequences (``state_rollback``);
+    None: no recurrent layer, or no drafts."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +185,11 @@ class ModelRunner:
         self.tap: FeatureSink | None = None
         """Set by a speculative head's proposer (EAGLE-3, MTP): handed every step's
         features (``spec_decode/features.FeatureTap``); None: nothing is kept."""
+        self.rollback_rows: RollbackRows | None = None
+        """With recurrent layers and speculative decoding: where verify steps keep their
+        per-position states (``state_rollback.py``); None: no rollback (attention only)."""
+        self._rollback: StateRollback | None = None
+        """The step being launched's rollback rows, handed to its ``LaunchedStep``."""
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
@@ -208,7 +217,10 @@ class ModelRunner:
         ids = self.host_ids.copy(sampled) if sampled is not None else None
         # A step of prompt chunks samples nothing, yet may copy prompt logprobs back.
         done = record_event() if pinned and (ids is not None or prompt_lp) else None
-        return LaunchedStep(sched, cols, first_rows, ids, done, lp, prompt_lp)
+        rollback = self._rollback
+        if rollback is not None:  # a verify step on recurrent layers: its rows go with it
+            self._rollback = None
+        return LaunchedStep(sched, cols, first_rows, ids, done, lp, prompt_lp, rollback)
 
     def _forward(
         self, sched: SchedulerOutput, pending: PendingTokens | None, cols: StepColumns
@@ -226,7 +238,7 @@ class ModelRunner:
         inputs = build_step_inputs(
             sched, self.block_size, self.staging, sched.tables, pending, cols
         )
-        ctx, positions = self._ctx(inputs.meta, cols.requests), inputs.positions
+        ctx, positions = self._ctx(inputs.meta, cols.requests, cols), inputs.positions
         if self.mm is not None:  # a model with a media encoder (multimodal/step.py)
             positions, ctx = self.mm.prepare(sched.seqs, ctx, positions)
         hidden = self.model(inputs.input_ids, positions, ctx)
@@ -291,7 +303,24 @@ class ModelRunner:
         out = _to_host(step, token_list, accepted)
         if accepted:
             self._settle_trees(step, accepted)
+        if step.rollback is not None:  # recurrent states back to the accepted drafts
+            self._roll_back_states(step, step.rollback, out.tokens)
         return out
+
+    def _roll_back_states(self, step: LaunchedStep, rollback: StateRollback,
+                          tokens: StepTokens) -> None:  # fmt: skip
+        """Each verifying sequence's slot gets the state after its accepted drafts (before
+        the scheduler truncates its blocks); one preempted or ended while in flight keeps
+        nothing (its slot is not its own any more)."""
+        assert self.state_slot is not None and self.rollback_rows is not None
+        requests = step.cols.requests
+        slots = [self.state_slot(r.request_id) for r in requests]
+        accepted = [
+            len(new) - 1 if r.status is RequestStatus.RUNNING and new else None
+            for r, new in zip(requests, tokens)
+        ]  # fmt: skip
+        rollback.apply(slots, accepted, self.kv_caches)
+        self.rollback_rows.give(rollback)
 
     def _pending_tokens(self, sched: SchedulerOutput, cols: StepColumns) -> PendingTokens | None:
         """The step's input tokens that the previous step is still sampling (each the
@@ -311,19 +340,31 @@ class ModelRunner:
         rows = tuple(row_of[cols.requests[i].request_id] for i in waiting)
         return PendingTokens(last.ids, tuple(waiting), rows)
 
-    def _ctx(self, meta: AttentionMetadata, requests: Sequence[Request] = ()) -> StepContext:
-        """The step context; with state-slot layers, each sequence's slot in it."""
+    def _ctx(self, meta: AttentionMetadata, requests: Sequence[Request] = (),
+             cols: StepColumns | None = None) -> StepContext:  # fmt: skip
+        """The step context; with state-slot layers, each sequence's slot in it (and, for
+        a step verifying drafts, the rows its per-position states go to)."""
+        keeps: tuple[tuple[tuple[int, int], ...], ...] = ()
+        rows: list[torch.Tensor | None] | None = None
+        if self.rollback_rows is not None and cols is not None and cols.seq.drafts:
+            self._rollback = self.rollback_rows.plan(
+                cols.seq.drafts, cols.seq.num_new, len(requests)
+            )
+            if self._rollback is not None:
+                keeps, rows = self._rollback.run_keeps, self._rollback.tensors
         if self.state_step is not None:  # a snapshot pool: restores first, then the forward
             assert self.snapshots is not None
             step = self.state_step([r.request_id for r in requests])
             self.snapshots.restore(step, self.kv_caches)
             self._end_saves = step if step.save_rows else None
-            state = StateMetadata.build(step.slots, meta, step.run_saves, self.snapshots.tensors)
+            state = StateMetadata.build(step.slots, meta, step.run_saves, self.snapshots.tensors,
+                                        keeps, rows)  # fmt: skip
             return StepContext(meta, self.kv_caches, self.backend, state)
         if self.state_slot is None:
             return StepContext(meta, self.kv_caches, self.backend)
         slots = [self.state_slot(r.request_id) for r in requests]
-        return StepContext(meta, self.kv_caches, self.backend, StateMetadata.build(slots, meta))
+        state = StateMetadata.build(slots, meta, run_keeps=keeps, rollback=rows)
+        return StepContext(meta, self.kv_caches, self.backend, state)
 
     def _prompt_logprobs(
         self, cols: StepColumns, qsl: tuple[int, ...], hidden: torch.Tensor
@@ -381,6 +422,8 @@ def make_runner(
         state_step, snapshots,
     )  # fmt: skip
     runner.mm = mm
+    if state_slot is not None and config.speculative is not None:  # drafts on recurrent layers
+        runner.rollback_rows = RollbackRows(model.cache_specs(), kv_caches)
     return runner
 
 

@@ -66,8 +66,10 @@ def chunked_keeping(
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``chunked``, the chunks starting ``lead`` tokens before the first (padding), and
-    the states after the first o tokens for each o of ``keep`` (each ``lead + o`` a
-    multiple of ``chunk``: one of the scan's own chunk ends) -> (o, state, kept)."""
+    the states after the first o tokens for each o of ``keep`` -> (o, state, kept). An o
+    with ``lead + o`` a multiple of ``chunk`` is one of the scan's own chunk ends (no
+    extra work: snapshots); any other o costs one [K, t] x [t, V] product per head from
+    its chunk's start state (``partial_state``: a verify step's per-position states)."""
     heads, length, _ = k.shape
     pad = -(lead + length) % chunk  # padded tokens: k = 0, beta = 0, g = 0 change nothing
     if pad or lead:
@@ -91,15 +93,39 @@ def chunked_keeping(
     k_to_end = k * (cum[..., -1:] - cum).exp()[..., None]  # decay from each token to chunk end
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
     out = torch.empty_like(u)
-    ends = {(lead + o) // chunk - 1: j for j, o in enumerate(keep)}
+    ends = keep_points(lead, keep, chunk)
     kept: list[torch.Tensor] = [state] * len(keep)
     for c in range(n):
         new_v = u[:, c] - w[:, c] @ state  # the part of v the state does not predict yet
         out[:, c] = q_decayed[:, c] @ state + scores[:, c] @ new_v
+        start = state
         state = state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ new_v
-        if c in ends:
-            kept[ends[c]] = state
+        for j, t in ends.get(c, ()):
+            kept[j] = state if t == chunk else partial_state(start, cum[:, c], k[:, c], new_v, t)
     return out.reshape(heads, n * chunk, -1)[:, lead : lead + length], state, kept
+
+
+def keep_points(lead: int, keep: tuple[int, ...], chunk: int) -> dict[int, list[tuple[int, int]]]:
+    """Chunk index -> [(j, t)]: keep[j] is reached t tokens (1..chunk) into that chunk of a
+    scan whose chunks start ``lead`` tokens before the sequence (o = 0: the start state,
+    left out)."""
+    ends: dict[int, list[tuple[int, int]]] = {}
+    for j, o in enumerate(keep):
+        if o > 0:
+            c, t = divmod(lead + o - 1, chunk)
+            ends.setdefault(c, []).append((j, t + 1))
+    return ends
+
+
+def partial_state(
+    start: torch.Tensor, cum: torch.Tensor, k: torch.Tensor, new_v: torch.Tensor, t: int
+) -> torch.Tensor:
+    """The state after the first t tokens of a chunk: start [H, K, V] decayed to token
+    t - 1, plus each token's correction decayed from it (the chunk-end update cut at t).
+    cum [H, C] log decay since the chunk start, k [H, C, K], new_v [H, C, V]."""
+    last = cum[:, t - 1 : t]  # [H, 1]
+    k_to_t = k[:, :t] * (last - cum[:, :t]).exp()[..., None]  # [H, t, K]
+    return start * last.exp()[..., None] + k_to_t.transpose(-1, -2) @ new_v[:, :t]
 
 
 def _unit_lower_inverse(system: torch.Tensor) -> torch.Tensor:

@@ -128,11 +128,12 @@ class GatedDeltaNet(nn.Module):
 
     def _run(self, mixed, g, beta, windows, states, run, core, plan: StatePlan) -> None:
         """One sequence's tokens: the conv over its window, the chunked delta rule; the
-        states of ``run.saves`` go to their snapshot rows."""
+        states of ``run.saves`` go to their snapshot rows, those of ``run.keeps`` (a verify
+        step's per-position states) to its rollback rows."""
         rows = slice(run.start, run.end)
         window = None if run.fresh else windows[run.slot]
         kept_windows = None  # taken before the slot's window (which `window` views) changes
-        if run.saves:
+        if run.offsets:
             kept_windows = self.conv1d.windows_at(mixed[rows], window, run.offsets)
         conv_out, window = self.conv1d.forward_seq(mixed[rows], window)
         windows[run.slot] = window
@@ -141,6 +142,7 @@ class GatedDeltaNet(nn.Module):
         out, state, kept = delta_rule.chunked_keeping(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             g[rows].T, beta[rows].T, state, run.lead(delta_rule.CHUNK), run.offsets,
+            run.chunk(delta_rule.CHUNK),
         )  # fmt: skip
         states[run.slot] = state
         core[rows] = out.transpose(0, 1)

@@ -141,7 +141,7 @@ class Mamba2Mixer(nn.Module):
         rows = slice(run.start, run.end)
         window = None if run.fresh else windows[run.slot]
         kept_windows = None  # taken before the slot's window (which `window` views) changes
-        if run.saves:
+        if run.offsets:  # snapshots and a verify step's per-position states
             kept_windows = self.conv1d.windows_at(xbc[rows], window, run.offsets)
         conv_out, window = self.conv1d.forward_seq(xbc[rows], window)
         windows[run.slot] = window
@@ -150,7 +150,7 @@ class Mamba2Mixer(nn.Module):
         a, d = self._params()
         out, state, kept = ssd.chunked_keeping(
             x.transpose(0, 1), dt[rows].T, a, b.transpose(0, 1), c.transpose(0, 1), d, state,
-            run.lead(ssd.CHUNK), run.offsets,
+            run.lead(ssd.CHUNK), run.offsets, run.chunk(ssd.CHUNK),
         )  # fmt: skip
         states[run.slot] = state
         y[rows] = out.transpose(0, 1)

@@ -26,15 +26,26 @@ class Run:
     """(tokens into the run, snapshot row) of the states to keep inside it
     (``kv_cache/snapshots.py``): each at a multiple of the scans' chunk, so the scan,
     aligned to absolute positions (``lead``), reaches it at one of its own chunk ends."""
+    keeps: tuple[tuple[int, int], ...] = ()
+    """(tokens into the run, rollback row) of the states a verify step keeps
+    (``worker/state_rollback.py``): after the last known token and after each draft but
+    the last, anywhere in a chunk (the scans cut their chunk there)."""
 
     def lead(self, chunk: int) -> int:
         """Tokens of padding before the run that align a scan's chunks to absolute
-        positions (0 when nothing is kept: the scan runs as without snapshots)."""
+        positions (0 without snapshots: the scan runs as without them)."""
         return self.position % chunk if self.saves else 0
+
+    def chunk(self, chunk: int) -> int:
+        """The scans' chunk for this run: ``chunk``, but a short verify run (drafts, no
+        snapshot) is one chunk of its own length (padding 1 + k tokens to 64 would cost
+        more than the step)."""
+        return min(chunk, self.end - self.start) if self.keeps and not self.saves else chunk
 
     @property
     def offsets(self) -> tuple[int, ...]:
-        return tuple(o for o, _ in self.saves)
+        """Where states are kept: the snapshots', then the rollback's."""
+        return tuple(o for o, _ in (*self.saves, *self.keeps))
 
 
 @dataclass(frozen=True)
@@ -54,6 +65,8 @@ class StatePlan:
     runs: tuple[Run, ...]
     snapshots: Sequence[torch.Tensor | None] | None = None
     """Each layer's snapshot rows (``StateMetadata.snapshots``), for the runs' saves."""
+    rollback: Sequence[torch.Tensor | None] | None = None
+    """Each layer's rollback rows (``StateMetadata.rollback``), for the runs' keeps."""
 
     @property
     def num_singles(self) -> int:
@@ -65,15 +78,16 @@ class StatePlan:
         assert meta is not None, "recurrent layers need the step's state slots"
         singles: list[int] = []
         runs: list[Run] = []
-        seq_lens, saves = ctx.attn.seq_lens, meta.run_saves
+        seq_lens, saves, keeps = ctx.attn.seq_lens, meta.run_saves, meta.run_keeps
         for i, (start, end) in enumerate(zip(qsl, qsl[1:])):
             if end - start == 1:
                 singles.append(i)
             elif end > start:
                 position = seq_lens[i] - (end - start)
                 run_saves = saves[i] if saves else ()
+                run_keeps = keeps[i] if keeps else ()
                 runs.append(Run(start, end, meta.slot_list[i], meta.fresh_list[i], position,
-                                run_saves))  # fmt: skip
+                                run_saves, run_keeps))  # fmt: skip
         device = meta.slots.device
         if len(singles) == len(meta.slot_list):  # every sequence decodes one token
             rows, slots, fresh = None, meta.slots, meta.fresh
@@ -82,18 +96,20 @@ class StatePlan:
             rows = torch.tensor([qsl[i] for i in singles], dtype=torch.int64, device=device)
             slots, fresh = meta.slots.index_select(0, index), meta.fresh.index_select(0, index)
         keep = (~fresh).to(torch.float32)
-        return cls(rows, slots, keep, tuple(runs), meta.snapshots)
+        return cls(rows, slots, keep, tuple(runs), meta.snapshots, meta.rollback)
 
     def save(self, layer_idx: int, spec: RecurrentState, run: Run,
              parts: Sequence[torch.Tensor]) -> None:  # fmt: skip
-        """Write a run's kept states into layer ``layer_idx``'s snapshot rows: ``parts``
-        [len(run.saves), *part] per part of the layer's state, in ``spec.parts`` order."""
-        assert self.snapshots is not None and run.saves
-        snap = self.snapshots[layer_idx]
-        assert snap is not None, f"layer {layer_idx} has no snapshot rows"
-        rows = torch.tensor([r for _, r in run.saves], dtype=torch.int64, device=snap.device)
-        for view, part in zip(spec.split(snap), parts):
-            view.index_copy_(0, rows, part.to(view.dtype))
+        """Write a run's kept states (``parts`` [len(run.offsets), *part] per part of the
+        layer's state, in ``spec.parts`` order): the first len(run.saves) into layer
+        ``layer_idx``'s snapshot rows, the rest into its rollback rows."""
+        n = len(run.saves)
+        if n:
+            assert self.snapshots is not None
+            _write(self.snapshots[layer_idx], spec, run.saves, [p[:n] for p in parts])
+        if run.keeps:
+            assert self.rollback is not None
+            _write(self.rollback[layer_idx], spec, run.keeps, [p[n:] for p in parts])
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, ...] -> the one-token sequences' rows [B1, ...]."""
@@ -105,3 +121,13 @@ class StatePlan:
             out.copy_(values)
         else:
             out.index_copy_(0, self.rows, values)
+
+
+def _write(rows_of: torch.Tensor | None, spec: RecurrentState,
+           where: tuple[tuple[int, int], ...], parts: Sequence[torch.Tensor]) -> None:  # fmt: skip
+    """parts[i] [len(where), *part i] -> rows (the second of each pair) of ``rows_of``
+    [rows, *slot shape], a layer's snapshot or rollback rows."""
+    assert rows_of is not None, "a recurrent layer has no rows to keep states in"
+    rows = torch.tensor([r for _, r in where], dtype=torch.int64, device=rows_of.device)
+    for view, part in zip(spec.split(rows_of), parts):
+        view.index_copy_(0, rows, part.to(view.dtype))

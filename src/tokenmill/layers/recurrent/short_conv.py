@@ -40,7 +40,7 @@ class ShortConv(nn.Module):
         for run in plan.runs:
             rows = slice(run.start, run.end)
             window = None if run.fresh else windows[run.slot]
-            if run.saves:  # before the slot's window (viewed by `window`) changes
+            if run.offsets:  # snapshots, rollback; before the slot's window (`window`) changes
                 kept = self.conv.windows_at(bx[rows], window, run.offsets)
                 plan.save(self.layer_idx, self.state_spec, run, (kept,))
             out, window = self.conv.forward_seq(bx[rows], window)

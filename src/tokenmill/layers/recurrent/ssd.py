@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenmill.layers.recurrent.delta_rule import keep_points
+
 CHUNK = 64
 
 
@@ -34,8 +36,9 @@ def chunked_keeping(
     x, dt, a, b, c, d, state, lead: int = 0, keep: tuple[int, ...] = (), chunk: int = CHUNK
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """``chunked``, the chunks starting ``lead`` tokens before the first (padding), and
-    the states after the first o tokens for each o of ``keep`` (each ``lead + o`` a
-    multiple of ``chunk``) -> (y, state, kept)."""
+    the states after the first o tokens for each o of ``keep`` -> (y, state, kept): at a
+    chunk end (``lead + o`` a multiple of ``chunk``) the scan's own state, elsewhere one
+    [P, t] x [t, N] product per head from the chunk's start state (``partial_state``)."""
     heads, length, _ = x.shape
     pad = -(lead + length) % chunk  # padded tokens: dt = 0 changes nothing
     skip = d[:, None, None] * x
@@ -54,11 +57,23 @@ def chunked_keeping(
     to_end = (cum[..., -1:] - cum).exp()[..., None]  # from each token to the chunk end
     chunk_decay = cum[..., -1].exp()[..., None, None]
     out = torch.empty_like(within)
-    ends = {(lead + o) // chunk - 1: j for j, o in enumerate(keep)}
+    ends = keep_points(lead, keep, chunk)
     kept: list[torch.Tensor] = [state] * len(keep)
     for i in range(n):
         out[:, i] = within[:, i] + from_start[:, i] * (c[:, i] @ state.transpose(-1, -2))
+        start = state
         state = state * chunk_decay[:, i] + (x_dt[:, i] * to_end[:, i]).transpose(-1, -2) @ b[:, i]
-        if i in ends:
-            kept[ends[i]] = state
+        for j, t in ends.get(i, ()):
+            kept[j] = (
+                state if t == chunk else partial_state(start, cum[:, i], x_dt[:, i], b[:, i], t)
+            )
     return out.reshape(heads, n * chunk, -1)[:, lead : lead + length] + skip, state, kept
+
+
+def partial_state(start, cum, x_dt, b, t: int) -> torch.Tensor:
+    """The state after the first t tokens of a chunk: start [H, P, N] decayed to token
+    t - 1, plus each token's dt x B^T decayed from it. cum [H, C] log decay since the
+    chunk start, x_dt [H, C, P], b [H, C, N]."""
+    last = cum[:, t - 1 : t]  # [H, 1]
+    x_to_t = x_dt[:, :t] * (last - cum[:, :t]).exp()[..., None]  # [H, t, P]
+    return start * last.exp()[..., None] + x_to_t.transpose(-1, -2) @ b[:, :t]
