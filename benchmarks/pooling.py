@@ -87,11 +87,13 @@ def linear_macs_per_token(model: str) -> int:
 def peak_cells(model: str, llm: object, xs: list[str], got: dict[str, float]) -> str:
     """The point's linear work in GMAC/s against the measured limits ('' without them)."""
     import cpu_peak
+    import torch
 
-    limits = cpu_peak.peaks()
+    limits = cpu_peak.peaks(threads=torch.get_num_threads())  # the cores the runners use
     if limits is None:
         return ""
-    tokens = statistics.mean(len(o.prompt_token_ids) for o in llm.embed(xs))  # type: ignore[attr-defined]
+    outs = llm.embed(xs, truncate_prompt_tokens=-1)  # type: ignore[attr-defined]
+    tokens = statistics.mean(len(o.prompt_token_ids) for o in outs)
     per_s = {name: rate * tokens * linear_macs_per_token(model) for name, rate in got.items()}
     best_int8 = max(v for k, v in per_s.items() if k.startswith("int8"))
     return (

@@ -53,7 +53,7 @@ def test_int8_layers_are_swapped(minilm_int8):
     assert {n: type(getattr(layer, n)) for n in ("qkv", "attn_out", "ffn_in", "ffn_out")} == {
         n: RowsInt8Linear for n in ("qkv", "attn_out", "ffn_in", "ffn_out")
     }
-    assert layer.qkv.terms == 2 and layer.ffn_out.terms == 1
+    assert layer.qkv.terms == 1 and layer.qkv.precise_terms == 2 and layer.ffn_out.terms == 1
     assert not any(
         n.endswith("ffn_in.weight") for n, _ in minilm_int8.llm_engine.model.named_parameters()
     )

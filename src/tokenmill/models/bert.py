@@ -113,21 +113,23 @@ def _band(length: int, window: int | None, device: torch.device) -> torch.Tensor
 class BertLayer(nn.Module):
     """Post-norm block: x = LN(x + attn(x)); x = LN(x + FFN(x)). q, k, v are one linear."""
 
-    INT8_TERMS = {"qkv": 2, "attn_out": 1, "ffn_in": 1, "ffn_out": 1}
+    INT8_TERMS = {"qkv": 1, "attn_out": 1, "ffn_in": 1, "ffn_out": 1}
     """quantization='int8' (``pooling/quantize.py``): int8 terms per activation of each
-    linear. qkv reads the post-norm stream, whose outlier channels one term per group of
-    32 can not hold: on all-MiniLM-L6-v2 one term everywhere gave min cosine 0.9981 to
-    float32 over one- and two-word inputs, two terms for qkv 0.9982."""
+    linear, for the rows of a mean-pooled sequence of ``INT8_AVERAGED_FROM`` tokens or more,
+    whose mean averages the one-term rounding: on all-MiniLM-L6-v2, 400 inputs of 12 to
+    256 tokens (random words, sentences, non-ASCII, long text), min cosine to float32
+    0.99935 (bfloat16 activations 0.99923); two terms on qkv gave 0.99966."""
     INT8_PRECISE_TERMS = {"qkv": 2, "attn_out": 1, "ffn_in": 2, "ffn_out": 2}
-    """The terms for rows whose output does not average the rounding over many tokens: a
-    mean-pooled sequence under ``INT8_AVERAGED_FROM`` tokens, and every row of CLS / MAX
-    pooling, classifiers and token outputs (``PackedBatch.precise_rows``). On MiniLM, 161
-    one- and two-word inputs: 12 under cosine 0.999 with ``INT8_TERMS`` (min 0.99819),
-    none with these (min 0.99938)."""
+    """The terms for every other row (``PackedBatch.precise_rows``): shorter mean-pooled
+    sequences, and every row of CLS / MAX pooling, classifiers and token outputs, where
+    one row's rounding reaches the output whole. qkv reads the post-norm stream, whose
+    outlier channels one term per group of 32 holds worst. On MiniLM, 161 one- and
+    two-word inputs: 12 under cosine 0.999 with one term on the FFN (min 0.99819), none
+    with these (min 0.99938)."""
     INT8_AVERAGED_FROM = 12
     """Mean-pooled sequences this long take ``INT8_TERMS``: on MiniLM, 25 random-word inputs
-    per length, the lowest cosine with ``INT8_TERMS`` was 0.9990-0.9995 at 3-7 tokens and
-    >= 0.9994 from 8 (the benchmark's 18-token sentences: 0.9997)."""
+    per length, qkv in two terms and the rest in one, the lowest cosine was 0.9990-0.9995 at
+    3-7 tokens and >= 0.9994 from 8."""
 
     def __init__(self, hidden: int, heads: int, ffn: int, eps: float, act: str) -> None:
         super().__init__()
