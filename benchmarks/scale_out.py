@@ -9,8 +9,10 @@ the one-process engine had to itself), so the parts are:
 - ``tp``: offline greedy decode (8 prompts x 64 tokens, a random Llama, float32) and
   prefill (8 x 200-token prompts: the step the pipeline cuts into micro-batches) in one
   process (with the default threads, and with one) vs ``tensor_parallel_size=2``,
-  ``pipeline_parallel_size=2`` and both (4 ranks; worker processes, gloo, one thread per
-  rank: on 2 cores 4 ranks take turns, so only the overhead is read from it). The
+  ``pipeline_parallel_size=2`` (its decode steps overlapping across steps, the default,
+  and taking turns, ``async_scheduling="off"``) and both (4 ranks; worker processes,
+  gloo, one thread per rank: on 2 cores 4 ranks take turns, so only the overhead is read
+  from it). ``--only PP`` runs just the rows whose name holds "PP" (and the baseline). The
   one-process engine is also what TP=1 runs (no executor is added then), so TP=1's
   overhead is zero by construction.
 - ``dp``: 8 concurrent clients on the engine's async front end (what the plain server
@@ -56,7 +58,7 @@ def make_model(folder: Path) -> Path:
     return folder
 
 
-def bench_tp(path: Path, repeat: int) -> list[list[str]]:
+def bench_tp(path: Path, repeat: int, only: str | None = None) -> list[list[str]]:
     import torch
 
     from tokenmill import LLM, SamplingParams
@@ -64,10 +66,14 @@ def bench_tp(path: Path, repeat: int) -> list[list[str]]:
     threads = torch.get_num_threads()
     runs = (("one process (= TP=1)", threads, {}), ("one process, 1 thread", 1, {}),
             ("TP=2 (mp, gloo), 1 thread/rank", threads, {"tensor_parallel_size": 2}),
-            ("PP=2 (mp, gloo), 1 thread/rank", threads, {"pipeline_parallel_size": 2}),
+            ("PP=2 (mp, gloo), 1 thread/rank, steps overlap", threads,
+             {"pipeline_parallel_size": 2}),
+            ("PP=2 (mp, gloo), 1 thread/rank, stages take turns", threads,
+             {"pipeline_parallel_size": 2, "async_scheduling": "off"}),
             ("TP=2 x PP=2 (mp, gloo), 4 ranks, 1 thread/rank", threads,
              {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}))  # fmt: skip
     rows, base = [], None
+    runs = tuple(r for k, r in enumerate(runs) if only is None or k == 0 or only in r[0])
     for name, n, options in runs:
         torch.set_num_threads(n)  # the engine keeps it (at most the usable CPUs)
         with LLM(str(path), dtype="float32", max_model_len=256, enable_prefix_caching=False,
@@ -193,13 +199,14 @@ def main() -> None:
         "--parts", nargs="+", default=["tp", "dp", "hit"], choices=["tp", "dp", "hit"]
     )
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--only", help="tp part: rows whose name holds this (and the first)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = make_model(Path(tmp) / "llama")
         if "tp" in args.parts:
             print("tokens/s (vs one process); prefix cache off")
             print(table([["engine", "decode 8 x 64", "prefill 8 x 200"],
-                         *bench_tp(path, args.repeat)]))  # fmt: skip
+                         *bench_tp(path, args.repeat, args.only)]))  # fmt: skip
         if "dp" in args.parts:
             print("\n8 concurrent clients x 2 rounds x 32 tokens (tokens/s)")
             print(table([["front end", "tok/s", "vs plain"], *bench_dp(path, args.repeat)]))

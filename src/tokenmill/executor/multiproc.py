@@ -9,10 +9,12 @@ and every later one at once, with an error that names the worker.
 
 from __future__ import annotations
 
+from typing import Any
+
 from tokenmill.distributed.launch import Ranks, WorkerDiedError
 from tokenmill.executor.base import Executor
 from tokenmill.scheduler import SchedulerOutput
-from tokenmill.worker.model_runner import LaunchedStep, ModelRunner, ModelRunnerOutput
+from tokenmill.worker.model_runner import ModelRunner, ModelRunnerOutput
 
 
 class MultiprocExecutor(Executor):
@@ -22,14 +24,15 @@ class MultiprocExecutor(Executor):
         self._dead: str | None = None
         self._stopped = False
 
-    def launch(self, sched: SchedulerOutput) -> LaunchedStep:
+    # The handle is the base's ``Any``: ``pipelined.PipelinedExecutor`` hands out its own.
+    def launch(self, sched: SchedulerOutput) -> Any:
         self._check()
         try:
             return self.runner.launch(sched)
         except Exception as e:
             raise self._died(e) from e
 
-    def collect(self, handle: LaunchedStep) -> ModelRunnerOutput:
+    def collect(self, handle: Any) -> ModelRunnerOutput:
         self._check()
         return self.runner.collect(handle)
 

@@ -248,6 +248,8 @@ class Scheduler:
         while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
                and len(step.requests) < cap):  # fmt: skip
             req = self.waiting[0]
+            if req.num_placeholders:  # preempted here with its token in flight: it comes
+                break  # back once the token landed (an interleave preempts those first)
             if not self._admit(req, budget, scheduled, preempted):
                 break
             self.waiting.pop(0)
