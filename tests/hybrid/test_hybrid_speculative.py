@@ -44,7 +44,7 @@ no rejected draft disturbs (its output would not show a missing rollback)."""
 IDS = list(range(10, 18))
 """The tokens the narrowed heads can produce; prompts are drawn from them too."""
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
-TOKENS = 32
+TOKENS = 24
 
 
 @pytest.fixture(scope="module", params=sorted(BUILDERS))
@@ -99,7 +99,7 @@ def test_ngram_equals_plain_with_accepted_and_rejected_drafts(plain, spec):
 
 
 def test_batch_equals_single(plain, spec):
-    prompts = _prompts(5, seed=1)
+    prompts = _prompts(4, seed=1)
     batched = _run(spec, prompts)
     assert batched == [_run(spec, [p])[0] for p in prompts]
     assert batched == _run(plain, prompts)
@@ -124,7 +124,7 @@ def test_suffix_decoding_with_prefix_hits(family_dir, plain):
 
 
 def test_preemption_abort_and_async_scheduling(family_dir, plain):
-    """5 sequences of up to 61 tokens in 24 blocks of 4 and 3 state slots: preempted while
+    """5 sequences of up to 53 tokens in 24 blocks of 4 and 3 state slots: preempted while
     speculating (with a step in flight) and recomputed; then a request aborted while it
     speculates. Every block and slot comes back (the integrity check runs after every
     step)."""
