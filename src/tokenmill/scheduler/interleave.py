@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from tokenmill.scheduler.request import Request
     from tokenmill.scheduler.scheduler import Scheduler
 
 STEPS_IN_FLIGHT = 2
@@ -31,7 +32,8 @@ STEPS_IN_FLIGHT = 2
 @dataclass(frozen=True)
 class StepInterleave:
     """The scheduler's rule with pipeline stages: no sequence with a token in flight, and
-    at most ``cap`` sequences a step."""
+    at most ``cap`` sequences a step. ``Scheduler.schedule`` asks it twice a step (and
+    not at all on one process): which running sequences may run, how many may enter."""
 
     groups: int = STEPS_IN_FLIGHT
 
@@ -42,3 +44,15 @@ class StepInterleave:
             return limit
         live = min(len(scheduler.running) + len(scheduler.waiting), limit)
         return max(1, -(-live // self.groups))
+
+    def ready(self, scheduler: Scheduler) -> list[Request]:
+        """The running sequences the step may take, best first: those with no token in
+        flight, at most ``cap``."""
+        ready = [r for r in scheduler.running if not r.num_placeholders]
+        return ready[: self.cap(scheduler)]
+
+    def admissions(self, scheduler: Scheduler, scheduled: int) -> int:
+        """The running count up to which waiting requests may enter, the step holding
+        ``scheduled`` sequences so far."""
+        room = max(0, self.cap(scheduler) - scheduled)
+        return min(scheduler.config.max_num_seqs, len(scheduler.running) + room)

@@ -116,16 +116,16 @@ class Scheduler:
         step = _StepBuilder()
         preempted: list[str] = []
         allocate = self.kv.allocate_slots
-        interleave = self.interleave
-        cap = self.config.max_num_seqs if interleave is None else interleave.cap(self)
-        for req in list(self.running):  # (per request per step: kept to plain attribute reads)
-            if budget == 0 or len(step.requests) == cap:
+        interleave = self.interleave  # pipeline stages: a part of the running (interleave.py)
+        max_running = self.config.max_num_seqs
+        running = list(self.running) if interleave is None else interleave.ready(self)
+        for req in running:  # (per request per step: kept to plain attribute reads)
+            if budget == 0:
                 break
             if preempted and req.request_id in preempted:  # preempted earlier in this loop
                 continue
             if req.num_drafts_in_flight or (
-                req.num_placeholders
-                and (interleave is not None or self._ends_with_placeholders(req))
+                req.num_placeholders and self._ends_with_placeholders(req)
             ):
                 continue
             left = len(req.all_token_ids) + req.num_placeholders - req.num_computed_tokens
@@ -141,7 +141,9 @@ class Scheduler:
             budget -= n
         first: list[Request] = []
         if not preempted:
-            self._admit_waiting(budget, step, preempted, first, cap)
+            if interleave is not None:  # the step's other places, if any
+                max_running = interleave.admissions(self, len(step.requests))
+            self._admit_waiting(budget, step, preempted, first, max_running)
         return SchedulerOutput(
             None, tuple(preempted), self.kv.tables, tuple(first),
             cols=self._columns(step), table_of=self.kv.block_table,
@@ -242,11 +244,10 @@ class Scheduler:
         step: _StepBuilder,
         preempted: list[str],
         first: list[Request],
-        cap: int,
+        max_running: int,
     ) -> None:
         scheduled = {r.request_id for r in step.requests}
-        while (self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs
-               and len(step.requests) < cap):  # fmt: skip
+        while self.waiting and budget > 0 and len(self.running) < max_running:
             req = self.waiting[0]
             if req.num_placeholders:  # preempted here with its token in flight: it comes
                 break  # back once the token landed (an interleave preempts those first)
