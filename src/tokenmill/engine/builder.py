@@ -80,7 +80,7 @@ def _assemble(
     loaded = loaded or load_model(config, None if ranks is None else ranks.shard)
     num_blocks = kv_cache_blocks(config, loaded)
     specs = loaded.model.cache_specs()
-    check_target_cache(config.speculative, specs)  # a recurrent state can not roll back
+    check_target_cache(config.speculative, specs)  # what a recurrent state can verify
     num_slots = state_pool_slots(
         specs, num_blocks, config.block_size, config.max_num_seqs,
         config.ssm_state_cache_size, config.ssm_full_memory_ratio,

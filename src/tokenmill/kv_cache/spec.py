@@ -56,7 +56,9 @@ class SlidingWindow(FullAttention):
 @dataclass(frozen=True)
 class RecurrentState:
     """A fixed-size state per request, updated token by token (h = f(h, x)). It can not be
-    rebuilt from a cached prefix of blocks, nor rolled back to an earlier token.
+    rebuilt from a cached prefix of blocks (snapshots keep copies: ``kv_cache/snapshots``)
+    nor rolled back by itself (a verify step keeps per-position copies for rejected
+    drafts: ``worker/state_rollback``).
 
     A layer that keeps several state tensors (a convolution window and an SSM / delta-rule
     state) declares them with ``RecurrentState.of(conv_shape, ssm_shape, dtype=...)``: one
