@@ -9,8 +9,8 @@ the one-process engine had to itself), so the parts are:
 - ``tp``: offline greedy decode (8 prompts x 64 tokens, a random Llama, float32) and
   prefill (8 x 200-token prompts: the step the pipeline cuts into micro-batches) in one
   process (with the default threads, and with one) vs ``tensor_parallel_size=2``,
-  ``pipeline_parallel_size=2`` (its decode steps overlapping across steps, the default,
-  and taking turns, ``async_scheduling="off"``) and both (4 ranks; worker processes,
+  ``pipeline_parallel_size=2`` (its decode steps overlapping across steps,
+  ``async_scheduling="on"``, and taking turns, ``"off"``, the CPU default) and both (4 ranks; worker processes,
   gloo, one thread per rank: on 2 cores 4 ranks take turns, so only the overhead is read
   from it). ``--only PP`` runs just the rows whose name holds "PP" (and the baseline). The
   one-process engine is also what TP=1 runs (no executor is added then), so TP=1's
@@ -67,7 +67,7 @@ def bench_tp(path: Path, repeat: int, only: str | None = None) -> list[list[str]
     runs = (("one process (= TP=1)", threads, {}), ("one process, 1 thread", 1, {}),
             ("TP=2 (mp, gloo), 1 thread/rank", threads, {"tensor_parallel_size": 2}),
             ("PP=2 (mp, gloo), 1 thread/rank, steps overlap", threads,
-             {"pipeline_parallel_size": 2}),
+             {"pipeline_parallel_size": 2, "async_scheduling": "on"}),
             ("PP=2 (mp, gloo), 1 thread/rank, stages take turns", threads,
              {"pipeline_parallel_size": 2, "async_scheduling": "off"}),
             ("TP=2 x PP=2 (mp, gloo), 4 ranks, 1 thread/rank", threads,

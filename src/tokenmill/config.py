@@ -309,11 +309,9 @@ class EngineConfig:
         return torch.device(self.device)
 
     def overlaps_steps(self) -> bool:
-        """Whether ``async_scheduling`` is on for this device (auto: on CUDA, and with
-        pipeline stages that overlap across steps, ``executor/pipelined.py``)."""
+        """Whether ``async_scheduling`` is on for this device."""
         if self.async_scheduling == "auto":
-            stages = self.parallel.stages_overlap and self.speculative is None
-            return self.torch_device().type == "cuda" or stages
+            return self.torch_device().type == "cuda"
         return self.async_scheduling == "on"
 
     def torch_dtype(self) -> torch.dtype:

@@ -169,7 +169,8 @@ class PipelinedExecutor(MultiprocExecutor):
 
 def pipelines(config: EngineConfig, runner: ModelRunner) -> bool:
     """Whether an engine's pipeline stages overlap across steps: one rank per stage
-    (``ParallelConfig.stages_overlap``), async scheduling on (auto: on with stages), no
+    (``ParallelConfig.stages_overlap``), async scheduling on (auto: on CUDA, where each
+    rank has its own device; on CPU it measured slower on shared cores, so it is asked for), no
     speculative decoding (a step with drafts is never kept in flight, its sequences would
     skip every other step) and a text model whose runner keeps no state of its own
     across steps beyond its staging (no media encoder, no feature tap, no fast path)."""
