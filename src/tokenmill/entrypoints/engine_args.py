@@ -53,7 +53,7 @@ class _EngineArgsMethods:
 
     def create_engine_config(self) -> EngineConfig:
         """The EngineConfig these arguments describe (raises on a vLLM option that cannot
-        be honoured here, such as tensor_parallel_size=2)."""
+        be honoured here, such as cpu_offload_gb=4 or a tokenizer_revision)."""
         options = dataclasses.asdict(self)
         check_compat_options(options)
         options.pop("generation_config")
