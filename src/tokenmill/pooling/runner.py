@@ -107,14 +107,10 @@ class PoolingRunner:
         total = sum(batch.seq_lens)
         if what != "pooled" or self.pooler.config.pooling_type != "MEAN":
             return torch.arange(total)
-        cut = self.averaged_from or 0
-        short = [i for i, n in enumerate(batch.seq_lens) if n < cut]
-        if not short:
+        short = batch.lens < (self.averaged_from or 0)
+        if not bool(short.any()):
             return None
-        if len(short) == batch.num_seqs:
-            return torch.arange(total)
-        seq_of = torch.repeat_interleave(torch.arange(batch.num_seqs), batch.lens)
-        return torch.isin(seq_of, torch.tensor(short)).nonzero().flatten()
+        return torch.repeat_interleave(short, batch.lens).nonzero().flatten()
 
 
 def _to(batch: PackedBatch, device: torch.device) -> PackedBatch:
