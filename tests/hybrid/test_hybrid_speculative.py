@@ -182,9 +182,9 @@ def test_rejected_drafts_give_back_their_snapshot_rows():
     to 63 give it back, and 64 is reserved again when a later step reaches it."""
     specs = [FullAttention(2, 8, torch.float32), RecurrentState((16,), torch.float32)]
     kv = make_kv_cache(specs, 32, 4, num_slots=2, snapshot_rows=4)
-    prompt = list(range(3, 65))  # 62 tokens: a snapshot at the prompt's end
+    prompt = list(range(3, 65))  # 62 tokens: a snapshot at its last token but one (61)
     assert kv.get_computed_blocks("a", prompt) == 0 and kv.allocate_slots("a", 62)
-    kv.state_step(["a"])
+    assert kv.state_step(["a"]).run_saves == (((61, 0),),)
     kv.commit("a", prompt, 62)
     assert kv.allocate_slots("a", 66)  # the last token and 3 drafts
     assert kv.state_step(["a"]).run_saves == (((2, 1),),)  # 64 is 2 tokens into the run

@@ -50,7 +50,7 @@ def _row_bytes(llm) -> int:
 
 def test_falls_back_to_the_longest_prefix_with_a_snapshot(qwen_dir, reference):
     """B shares 146 tokens (9 cached blocks) with A, whose snapshots are at 64, 128 and
-    150 (its prompt's end): no snapshot at 144, so B resumes at 128 and gives the blocks
+    149 (its last prompt token but one): no snapshot at 144, so B resumes at 128 and gives the blocks
     past it back."""
     prompt = _tokens(150, seed=1)
     llm = hybrid_llm(qwen_dir, **OPTIONS)
@@ -69,15 +69,15 @@ def test_lru_eviction_under_a_tiny_budget(qwen_dir, reference):
     pool = llm.engine.kv.snapshots
     assert pool.num_rows == 3
     prompt = _tokens(150, seed=3)
-    _generate(llm, prompt)  # rows: 64, 128, 150
+    _generate(llm, prompt)  # rows: 64, 128, 149
     assert pool.num_committed == 3 and pool.stats.evictions == 0
     second = prompt[:140] + _tokens(10, seed=4)  # resumes at 128 (now the most recent)...
     assert _generate(llm, second) == _generate(reference, second)
     assert _hits(llm) == (1, 128)
-    assert pool.stats.evictions == 1  # ... and its own end (150) evicted 64, the oldest
-    _generate(llm, _tokens(20, seed=5))  # evicts 150 of the first prompt, not 128
+    assert pool.stats.evictions == 1  # ... and its own end (149) evicted 64, the oldest
+    _generate(llm, _tokens(20, seed=5))  # evicts 149 of the first prompt, not 128
     assert pool.stats.evictions == 2
-    third = prompt + _tokens(5, seed=6)  # would resume at 150: falls back to 128
+    third = prompt + _tokens(5, seed=6)  # would resume at 149: falls back to 128
     assert _generate(llm, third) == _generate(reference, third)
     assert _hits(llm) == (2, 256)
     fourth = prompt[:70] + _tokens(5, seed=7)  # 64 was evicted: nothing to resume
@@ -94,13 +94,13 @@ def test_reuse_context_false_reads_nothing_but_saves(qwen_dir, reference):
     assert _generate(llm, longer, reuse_context=False) == _generate(reference, longer)
     assert _hits(llm) == (0, 0)
     assert _generate(llm, longer + [7]) == _generate(reference, longer + [7])
-    assert _hits(llm) == (1, 45)  # the snapshot the opted-out request left
+    assert _hits(llm) == (1, 44)  # the snapshot the opted-out request left
 
 
-@pytest.mark.parametrize("cache_generated, hit", [(True, 64), (False, 60)])
+@pytest.mark.parametrize("cache_generated, hit", [(True, 64), (False, 59)])
 def test_cache_generated_tokens(qwen_dir, reference, cache_generated, hit):
     """A 60-token prompt decodes past 64: that snapshot holds generated tokens, kept
-    only when they may be cached; the next turn resumes there or at the prompt's end."""
+    only when they may be cached; the next turn resumes there or one token before the prompt's end."""
     turn1 = _tokens(60, seed=10)
     llm = hybrid_llm(qwen_dir, **OPTIONS)
     answer = _generate(llm, turn1, n=10, cache_generated_tokens=cache_generated)
@@ -167,5 +167,5 @@ def test_snapshot_metrics_reach_prometheus(qwen_dir):
                              engine.prefix_cache_metrics)  # fmt: skip
     text = generate_latest(registry).decode()
     assert 'tokenmill:recurrent_snapshot_restores_total{model_name="m"} 1.0' in text
-    assert 'tokenmill:recurrent_snapshot_hit_tokens_total{model_name="m"} 20.0' in text
+    assert 'tokenmill:recurrent_snapshot_hit_tokens_total{model_name="m"} 19.0' in text
     assert "tokenmill:recurrent_snapshot_bytes{" in text

@@ -1,8 +1,9 @@
 """Prefix caching of hybrid and state-space models: a later request resumes from a
 recurrent-state snapshot (``kv_cache/snapshots.py``) and gets exactly the tokens of a run
 without the cache, for every family: a shared 300-token prefix (resumed at the last
-64-token snapshot inside it), a second chat turn (resumed at the first turn's prompt
-end), a prompt shorter than a block."""
+64-token snapshot inside it), a second chat turn (resumed one token before the first
+turn's prompt end), a prompt shorter than a block, the same prompt again (resumed one token before
+its end, inside a block, also after chunked prefill)."""
 
 from __future__ import annotations
 
@@ -90,7 +91,7 @@ def test_shared_300_token_prefix(family_dir, reference):
 
 def test_second_chat_turn(family_dir, reference):
     """Turn 2 = turn 1's prompt and answer and a new message: resumed at the snapshot of
-    turn 1's prompt end (token-granular: 75 is inside a block)."""
+    turn 1's last prompt token but one (token-granular: 74 is inside a block)."""
     turn1 = _tokens(75, seed=4)
     answer = _generate(reference, turn1)
     turn2 = turn1 + answer + _tokens(10, seed=5)
@@ -98,7 +99,7 @@ def test_second_chat_turn(family_dir, reference):
     assert _generate(llm, turn1) == answer
     _same(llm, reference, turn2)
     restores, hit = _restored(llm)
-    assert restores == 1 and hit >= 75
+    assert restores == 1 and hit >= 74
 
 
 def test_short_prompt_under_one_block(family_dir, reference):
@@ -107,4 +108,21 @@ def test_short_prompt_under_one_block(family_dir, reference):
     llm = hybrid_llm(family_dir, **OPTIONS)
     assert _generate(llm, short) == _generate(reference, short)
     _same(llm, reference, longer)
-    assert _restored(llm) == (1, 5)
+    assert _restored(llm) == (1, 4)
+
+
+@pytest.mark.parametrize(
+    "length, chunk",
+    [(100, None), (130, None), (100, 32)],
+    ids=["in-the-only-chunk", "past-two-intervals", "in-the-last-of-4-chunks"],
+)
+def test_same_prompt_again(family_dir, reference, length, chunk):
+    """The state one token before a prompt's end is kept inside its chunk's scan (not at
+    a scan chunk's end) with the K/V of its partial block: the same prompt again resumes
+    there and computes only its last token."""
+    prompt = _tokens(length, seed=8)
+    options = dict(OPTIONS, max_num_batched_tokens=chunk) if chunk else OPTIONS
+    llm = hybrid_llm(family_dir, **options)
+    assert _generate(llm, prompt) == _generate(reference, prompt)
+    _same(llm, reference, prompt)
+    assert _restored(llm) == (1, length - 1)

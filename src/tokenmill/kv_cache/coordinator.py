@@ -284,18 +284,19 @@ class KVCacheCoordinator:
         return True
 
     def _reserve(self, request_id: str, start: int, end: int) -> None:
-        """Rows for the snapshots in (start, end]: interval positions, and the end of the
-        tokens known at admission (a prompt's end); not past tokens that may not be cached,
-        at most as many as the pool holds (the latest)."""
+        """Rows for the snapshots in (start, end]: interval positions, and the last token
+        but one of those known at admission (a prompt's end less one: the same prompt again
+        resumes there, a hit leaving its last token to compute for the logits, and a longer
+        one, a next chat turn, recomputes one token more than from the end); not past
+        tokens that may not be cached, at most as many as the pool holds (the latest)."""
         assert self.snapshots is not None
         iv = self.interval
         first = (start // iv + 1) * iv
-        known = self._known.get(request_id, -1)
-        if first > end and known != end:  # the common decode step: nothing to save
+        last = self._known.get(request_id, 0) - 1
+        at_last = start < last <= end and last % iv
+        if first > end and not at_last:  # the common decode step: nothing to save
             return
-        positions = list(range(first, end + 1, iv))
-        if known == end and end % iv:
-            positions.append(end)
+        positions = sorted([*range(first, end + 1, iv), *([last] if at_last else [])])
         limit = self._limit.get(request_id)
         if limit is not None:
             positions = [p for p in positions if p <= limit]
@@ -328,20 +329,25 @@ class KVCacheCoordinator:
         sr: list[int] = []
         ss: list[int] = []
         sb: list[int] = []
+        tr: list[int] = []
+        tb: list[int] = []
         for request_id in request_ids:
             start, end, saves = self._saves.get(request_id, (0, 0, []))
             run_saves.append(tuple((p - start, row) for p, row in saves if p < end))
             for p, row in saves:
+                table = self.paged.block_table(request_id)
                 if p == end:
-                    table = self.paged.block_table(request_id)
                     sr.append(row)
                     ss.append(self.slots.slot(request_id))
                     sb.append(table[p // bs] if p % bs else -1)
+                elif p % bs:  # its state kept by the scans; its block's K/V after the forward
+                    tr.append(row)
+                    tb.append(table[p // bs])
         self._saves.clear()
         self._restores.clear()
         keeps = tuple(run_saves) if any(run_saves) else ()
         return StateStep(slots, keeps, tuple(rr), tuple(rs), tuple(rb),
-                         tuple(sr), tuple(ss), tuple(sb))  # fmt: skip
+                         tuple(sr), tuple(ss), tuple(sb), tuple(tr), tuple(tb))  # fmt: skip
 
     def commit(
         self, request_id: str, token_ids: list[int], num_computed: int, extra_key: BlockKey = b""

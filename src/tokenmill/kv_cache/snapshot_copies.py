@@ -40,10 +40,13 @@ class SnapshotTensors:
         self._copy(step.restore_rows, step.restore_slots, step.restore_blocks, caches, True)
 
     def save(self, step: StateStep, caches: Sequence[torch.Tensor | None]) -> None:
-        """Slots at a chunk's end -> rows, and the partial blocks -> the rows' tails."""
+        """Slots at a chunk's end -> rows, and the partial blocks -> the rows' tails (also
+        for the states the scans kept inside a chunk: their tails only)."""
         self._copy(step.save_rows, step.save_slots, step.save_blocks, caches, False)
+        self._copy(step.tail_rows, (), step.tail_blocks, caches, False)
 
     def _copy(self, rows, slots, blocks, caches, into_cache: bool) -> None:
+        """``slots`` () copies the paged layers' tails only."""
         if not rows:
             return
         device = next(t.device for t in self.tensors if t is not None)
@@ -56,6 +59,8 @@ class SnapshotTensors:
             if snap is None or cache is None:
                 continue
             if not paged:
+                if not slots:
+                    continue
                 if into_cache:
                     cache.index_copy_(0, slot_t, snap.index_select(0, row_t))
                 else:

@@ -18,8 +18,12 @@ Where snapshots are taken (the coordinator reserves rows as it schedules, ``rese
   step. Intermediate states are taken from the scan rather than only where a forward
   ended, because chunk ends fall wherever the token budget cut: a shared 300-token prefix
   inside a 310-token prompt prefilled in one chunk would otherwise leave nothing to resume;
-- at the end of every prompt (token-granular: short prompts and chat turns hit too), and
-  where a recomputed request's known tokens end.
+- one token before the end of every prompt, and of a recomputed request's known tokens
+  (token-granular: short prompts, chat turns and the same prompt again hit too; a hit must
+  leave a token to compute for the logits, so a snapshot at the end itself would serve
+  only longer prompts, and one a token earlier serves those for one token more). Inside
+  a prefill chunk the scans give that state from their chunk's start state with one
+  small product (``partial_state``), and the runner copies the partial block's K/V.
 
 Host bookkeeping only: the tensors live in the runner (``snapshot_copies.py``), which
 does a step's copies in one batched copy per layer. A reserved row is written by the step
@@ -132,6 +136,15 @@ class StateStep:
     """After the forward: slot -> row, block -> row's tail (-1: none)."""
     save_slots: tuple[int, ...] = ()
     save_blocks: tuple[int, ...] = ()
+    tail_rows: tuple[int, ...] = ()
+    """After the forward, block -> row's tail only, for states kept inside a chunk (in
+    ``run_saves``) at a position inside a block (a prompt's last token but one)."""
+    tail_blocks: tuple[int, ...] = ()
+
+    @property
+    def saves_after(self) -> bool:
+        """Whether anything is copied after the forward."""
+        return bool(self.save_rows or self.tail_rows)
 
 
 @dataclass

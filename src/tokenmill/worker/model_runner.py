@@ -356,7 +356,7 @@ class ModelRunner:
             assert self.snapshots is not None
             step = self.state_step([r.request_id for r in requests])
             self.snapshots.restore(step, self.kv_caches)
-            self._end_saves = step if step.save_rows else None
+            self._end_saves = step if step.saves_after else None
             state = StateMetadata.build(step.slots, meta, step.run_saves, self.snapshots.tensors,
                                         keeps, rows)  # fmt: skip
             return StepContext(meta, self.kv_caches, self.backend, state)

@@ -24,8 +24,9 @@ class Run:
     """The sequence position of its first row."""
     saves: tuple[tuple[int, int], ...] = ()
     """(tokens into the run, snapshot row) of the states to keep inside it
-    (``kv_cache/snapshots.py``): each at a multiple of the scans' chunk, so the scan,
-    aligned to absolute positions (``lead``), reaches it at one of its own chunk ends."""
+    (``kv_cache/snapshots.py``): interval ones at a multiple of the scans' chunk, so the
+    scan, aligned to absolute positions (``lead``), reaches them at its own chunk ends;
+    a prompt's last token but one anywhere (one small product, as ``keeps``)."""
     keeps: tuple[tuple[int, int], ...] = ()
     """(tokens into the run, rollback row) of the states a verify step keeps
     (``worker/state_rollback.py``): after the last known token and after each draft but
