@@ -23,7 +23,8 @@ from tokenmill.tokenizer.hf_folder import load_hf_folder, save_fast
 
 logger = logging.getLogger(__name__)
 
-_FORMAT_VERSION = "2"  # bump when what we save changes (2: the fast form, hf_folder.save_fast)
+_FORMAT_VERSION = "3"  # bump when what we save changes (2: the fast form, hf_folder.save_fast;
+# 3: its compact tokenizer.json and short added_tokens_decoder)
 _COMPLETE_MARK = "tokenizer_config.json"
 
 

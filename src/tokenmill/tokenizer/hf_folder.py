@@ -2,19 +2,23 @@
 saved in the form that loads fastest when that form loads back the same tokenizer.
 
 Where ``from_pretrained`` spends its time on a saved fast tokenizer (Gemma3: a 33 MB
-tokenizer.json, 262k tokens, 515k merges; seconds on this 2-core machine):
+tokenizer.json, 262k tokens, 6384 added tokens, 515k merges; seconds on this 2-core machine):
 
-- the Rust parse of tokenizer.json (~1.0 s), which nothing avoids;
+- the Rust parse of tokenizer.json (~1.6 s as ``save_pretrained`` writes it, ~1.1 s in the
+  spelling of ``fast_json``); the merges are most of it (~0.9 s), then the vocabulary;
 - without ``added_tokens_decoder`` in tokenizer_config.json (transformers 5 does not save
   it), a second parse of the whole tokenizer.json in Python, only to read its added tokens
-  (~0.8 s);
+  (~0.8 s); with all of them listed, a ``deepcopy`` of the 6384 in ``__init__`` (~0.4 s);
 - a model-specific class (``GemmaTokenizer``) re-extracts the vocabulary and merges in
   Python and rebuilds its pipeline (~1.6 s), although tokenizer.json already holds it;
 - ``AutoTokenizer`` itself indexes every model package to resolve the class (~0.6 s).
 
-``save_fast`` writes the folder with the generic class and the added tokens listed, then
-keeps that form only when the folder loads back equal to the tokenizer it saved (``differences``
-on a probe set); otherwise the folder stays as ``save_pretrained`` wrote it.
+``save_fast`` writes the folder with the generic class, tokenizer.json in the spelling of
+``fast_json`` and, in ``added_tokens_decoder``, only the added tokens that name a special
+token (the rest are in tokenizer.json, which the Rust parser reads anyway; a present entry
+is what stops the Python parse), then keeps that form only when the folder loads back
+equal to the tokenizer it saved (``differences`` on a probe set); otherwise the folder
+stays as ``save_pretrained`` wrote it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+
+from tokenmill.tokenizer.fast_json import fast_tokenizer_json
 
 logger = logging.getLogger(__name__)
 
@@ -78,29 +84,41 @@ def generic_class(folder: Path) -> bool:
 def save_fast(tokenizer: PreTrainedTokenizerBase, folder: Path) -> bool:
     """Save ``tokenizer`` into ``folder``; True when the fast form was kept."""
     tokenizer.save_pretrained(str(folder))
-    config_path = folder / _CONFIG
-    if not (folder / _JSON).is_file() or not config_path.is_file():
+    paths = (folder / _CONFIG, folder / _JSON)
+    if not all(p.is_file() for p in paths):
         return False  # not a tokenizers-backed tokenizer: nothing to gain
-    original = config_path.read_text()
-    config = json.loads(original)
+    original = [p.read_text() for p in paths]
+    config = json.loads(original[0])
     source_class = config.get("tokenizer_class")
-    config["tokenizer_class"] = "TokenizersBackend"
-    # class defaults the saved config leaves out (GemmaTokenizer pads on the left)
-    config.update(padding_side=tokenizer.padding_side, truncation_side=tokenizer.truncation_side)
-    config["added_tokens_decoder"] = {
-        str(i): token.__getstate__() for i, token in tokenizer.added_tokens_decoder.items()
-    }
-    config_path.write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    fast = [_fast_config(tokenizer, config), fast_tokenizer_json(original[1])]
+    for path, text in zip(paths, fast, strict=True):
+        path.write_text(text)
     try:
         problems = differences(tokenizer, load_hf_folder(folder))
     except Exception as e:  # noqa: BLE001 - whatever fails to load keeps the saved form
         problems = [f"it does not load ({e})"]
     if problems:
-        config_path.write_text(original)
+        for path, text in zip(paths, original, strict=True):
+            path.write_text(text)
         logger.info("tokenizer kept as %s: the generic form differs (%s)", source_class,
                     problems[0])  # fmt: skip
         return False
     return True
+
+
+def _fast_config(tokenizer: PreTrainedTokenizerBase, config: dict[str, Any]) -> str:
+    """tokenizer_config.json of the generic class, listing the added tokens that are special
+    token attributes (``bos_token``, ...): transformers maps those to their ``AddedToken``."""
+    config = dict(config, tokenizer_class="TokenizersBackend")
+    # class defaults the saved config leaves out (GemmaTokenizer pads on the left)
+    config.update(padding_side=tokenizer.padding_side, truncation_side=tokenizer.truncation_side)
+    named = set(tokenizer.all_special_tokens)
+    config["added_tokens_decoder"] = {
+        str(i): token.__getstate__()
+        for i, token in tokenizer.added_tokens_decoder.items()
+        if str(token) in named
+    }
+    return json.dumps(config, indent=2, ensure_ascii=False)
 
 
 def differences(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> list[str]:
@@ -117,7 +135,16 @@ def differences(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> list[
                 found.append(f"decode of {text!r}, skip_special_tokens={special}")
     if a.chat_template and _chat(a) != _chat(b):
         found.append("the rendered chat template")
+    if _pipeline(a) != _pipeline(b):
+        found.append("the tokenizers pipeline (its JSON as the library writes it back)")
     return found
+
+
+def _pipeline(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The Rust tokenizer as its library serializes it: model, vocabulary, merges, added
+    tokens, normalizer, pre-tokenizer, post-processor, decoder (~0.2 s for Gemma3's)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return backend.to_str() if backend is not None else None
 
 
 def _attributes(a: PreTrainedTokenizerBase, b: PreTrainedTokenizerBase) -> list[tuple]:
