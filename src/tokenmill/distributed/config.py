@@ -9,7 +9,12 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from tokenmill.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    from tokenmill.models.config import ArchConfig
 
 EXECUTOR_BACKENDS = ("mp", "ray")
 """``distributed_executor_backend`` values: worker processes of this machine, or Ray actors."""
@@ -76,26 +81,33 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-def check_shapes(hf_config: dict, tp: int, model_name: str) -> None:
+def check_shapes(hf_config: dict, tp: int, model_name: str, problems: list[str] | None = None) -> None:
     """Raise ``InvalidRequestError`` when ``tp`` ranks can not split this architecture:
     query heads, MLP width must divide; KV heads must divide or be divided by ``tp``
-    (fewer KV heads than ranks: each is replicated on ``tp / kv_heads`` ranks)."""
+    (fewer KV heads than ranks: each is replicated on ``tp / kv_heads`` ranks).
+    ``problems``: a hybrid family's own list (``hybrid_split``) instead of these."""
     from tokenmill.models.config import ArchConfig
 
-    cfg = ArchConfig.from_hf(hf_config)
+    if problems is None:
+        problems = attention_problems(ArchConfig.from_hf(hf_config), tp)
+    if problems:
+        raise InvalidRequestError(
+            f"tensor_parallel_size={tp} can not split {model_name}: {'; '.join(problems)}. "
+            "Use a size that divides the head counts"
+        )
+
+
+def attention_problems(cfg: ArchConfig, tp: int, mlp: bool = True) -> list[str]:
+    """Why ``tp`` ranks can not split the attention heads (and the MLP width) of ``cfg``."""
     kv = cfg.num_kv_heads
     problems = []
     if cfg.num_heads % tp:
         problems.append(f"num_attention_heads={cfg.num_heads} is not divisible by {tp}")
     if (kv % tp) if kv >= tp else (tp % kv):
         problems.append(f"num_key_value_heads={kv} neither divides nor is divisible by {tp}")
-    if cfg.intermediate_size % tp:
+    if mlp and cfg.intermediate_size % tp:
         problems.append(f"intermediate_size={cfg.intermediate_size} is not divisible by {tp}")
-    if problems:
-        raise InvalidRequestError(
-            f"tensor_parallel_size={tp} can not split {model_name}: {'; '.join(problems)}. "
-            "Use a size that divides the head counts"
-        )
+    return problems
 
 
 def check_devices(parallel: ParallelConfig, visible: int) -> None:

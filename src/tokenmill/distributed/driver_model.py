@@ -18,7 +18,8 @@ import torch
 
 from tokenmill.attention import StepContext
 from tokenmill.distributed.group import RankGroup
-from tokenmill.distributed.messages import Forward, Logits, moved
+from tokenmill.distributed.messages import Forward, Logits, forward_of
+from tokenmill.kv_cache.snapshots import StateStep
 from tokenmill.kv_cache.spec import CacheSpec
 from tokenmill.models.base import CausalLM
 
@@ -36,6 +37,24 @@ class _Driver(CausalLM):
         self.num_layers, self.num_kv_heads = local.num_layers, local.num_kv_heads
         self.head_dim, self.vocab_size = local.head_dim, local.vocab_size
         self.dtype, self.ops = local.dtype, local.ops
+        self._snapshot: StateStep | None = None
+
+    def recording(
+        self, state_step: Callable[[list[str]], StateStep]
+    ) -> Callable[[list[str]], StateStep]:
+        """``state_step`` (the coordinator's, which the runner calls just before each
+        forward) that also keeps its answer for the forward's broadcast: the workers make
+        the same snapshot copies on their own caches."""
+
+        def recorded(request_ids: list[str]) -> StateStep:
+            self._snapshot = state_step(request_ids)
+            return self._snapshot
+
+        return recorded
+
+    def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> Forward:
+        snapshot, self._snapshot = self._snapshot, None
+        return forward_of(input_ids, positions, ctx, snapshot)
 
     def cache_specs(self) -> list[CacheSpec]:
         return self.local.cache_specs()
@@ -50,9 +69,7 @@ class TensorParallelDriver(_Driver):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
     ) -> torch.Tensor:
-        assert ctx.state is None, "state-slot layers are not tensor-parallel"
-        step = Forward(input_ids, positions, ctx.attn, ctx.adapter_ids, ctx.input_embeds)
-        self.group.broadcast(moved(step, "cpu"))
+        self.group.broadcast(self._step(input_ids, positions, ctx))
         return self.local(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -79,9 +96,9 @@ class PipelineDriver(_Driver):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
     ) -> torch.Tensor:
-        assert ctx.state is None, "state-slot layers are not pipeline-parallel"
-        step = Forward(input_ids, positions, ctx.attn, ctx.adapter_ids, ctx.input_embeds)
-        self.group.broadcast(moved(step, "cpu"))
+        self.group.broadcast(self._step(input_ids, positions, ctx))
+        # this rank's step on its own device, with its own snapshot rows
+        step = Forward(input_ids, positions, ctx.attn, ctx.adapter_ids, ctx.input_embeds, ctx.state)
         n = self._steps = self._steps + 1
         self.events.append(("sent", n))
         if self.park is not None:

@@ -25,7 +25,9 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.config import check_devices, check_shapes
+from tokenmill.distributed.families import STATE, family_of
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks
+from tokenmill.distributed.hybrid_split import split_of
 from tokenmill.distributed.messages import Ready, Stop
 from tokenmill.distributed.part import ModelPart
 from tokenmill.distributed.stages import split_layers
@@ -34,8 +36,6 @@ from tokenmill.engine.loading import LoadedModel
 from tokenmill.errors import EngineDeadError, UnsupportedModelError
 from tokenmill.loader import load_checkpoint
 from tokenmill.models import resolve_model_class
-from tokenmill.models.config import ArchConfig
-from tokenmill.models.decoder import DecoderForCausalLM
 from tokenmill.threads import configure_threads
 
 if TYPE_CHECKING:
@@ -130,10 +130,13 @@ class Ranks:
     shard: ModelPart
     workers: Workers
 
-    def drive(self, loaded: LoadedModel, num_blocks: int, num_slots: int) -> LoadedModel:
-        """Give the workers the KV cache size; ``loaded`` with the driver's model."""
+    def drive(
+        self, loaded: LoadedModel, num_blocks: int, num_slots: int, snapshot_rows: int = 0
+    ) -> LoadedModel:
+        """Give the workers the KV cache size (blocks, state slots, the recurrent-state
+        snapshot pool's rows: 0 without one); ``loaded`` with the driver's model."""
         self.workers.wait()
-        self.group.broadcast((num_blocks, num_slots))
+        self.group.broadcast((num_blocks, num_slots, snapshot_rows))
         return dataclasses.replace(loaded, model=self.shard.driver(loaded.model))
 
     def stop(self, kill: bool = False) -> None:
@@ -153,17 +156,40 @@ def check_parallel_model(config: EngineConfig) -> None:
     """Raise a ValueError unless the checkpoint's model splits as ``config.parallel`` says."""
     parallel = config.parallel
     ckpt = load_checkpoint(config.model)
-    model_cls = resolve_model_class(ckpt.hf_config.get("architectures"))
-    if not issubclass(model_cls, DecoderForCausalLM):
+    hf = ckpt.hf_config
+    model_cls = resolve_model_class(hf.get("architectures"))
+    family = family_of(model_cls)
+    name = model_cls.__name__
+    kinds = family.kinds(hf)
+    if STATE in frozenset().union(*kinds) and config.speculative is not None:
         raise UnsupportedModelError(
-            f"{model_cls.__name__} can not be split over processes yet (tensor and pipeline "
-            "parallelism cover the decoder families: Llama, Qwen2, Qwen3, Mistral, Gemma3)"
+            f"speculative decoding on {name} (recurrent state layers) is not built for "
+            "tensor / pipeline parallelism (its rollback rows are the driver's only); drop "
+            "the speculative config or use tensor_parallel_size=pipeline_parallel_size=1"
         )
     if parallel.tensor_parallel_size > 1:
-        check_shapes(ckpt.hf_config, parallel.tensor_parallel_size, model_cls.__name__)
-    split_layers(ArchConfig.from_hf(ckpt.hf_config).num_layers, parallel.pipeline_parallel_size)
+        split = split_of(model_cls, hf)
+        problems = None if split is None else split.problems(parallel.tensor_parallel_size)
+        check_shapes(hf, parallel.tensor_parallel_size, name, problems)
+    stages = split_layers(family.arch(hf).num_layers, parallel.pipeline_parallel_size)
+    check_stage_caches(kinds, stages, name)
     if config.torch_device().type == "cuda" and parallel.distributed_executor_backend == "mp":
         check_devices(parallel, torch.cuda.device_count())
+
+
+def check_stage_caches(kinds: list[frozenset[str]], stages: list[range], name: str) -> None:
+    """The driver (the last stage) keeps the scheduler's cache groups: it must hold every
+    kind of cache (paged blocks, state slots) that any earlier stage's layers hold."""
+    last = frozenset().union(*(kinds[i] for i in stages[-1]))
+    every = frozenset().union(*kinds)
+    if not every <= last:
+        missing = ", ".join(sorted(every - last))
+        raise UnsupportedModelError(
+            f"the last pipeline stage of {name} (layers {stages[-1].start}.."
+            f"{stages[-1].stop - 1}) has no {missing} layer, which an earlier stage has; the "
+            "driver keeps every kind of cache, so use a pipeline_parallel_size whose last "
+            "stage holds both kinds"
+        )
 
 
 def start_ranks(config: EngineConfig) -> Ranks:

@@ -13,8 +13,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from tokenmill.attention import AttentionMetadata
+from tokenmill.attention import AttentionMetadata, StateMetadata
 from tokenmill.attention.context import InputEmbeds
+from tokenmill.kv_cache.snapshots import StateStep
 
 M = TypeVar("M")
 
@@ -45,6 +46,27 @@ class Forward:
     attn: AttentionMetadata
     adapter_ids: torch.Tensor | None = None
     input_embeds: InputEmbeds | None = None
+    state: StateMetadata | None = None
+    """Each sequence's state slot (the driver's scheduler chose it: the same slot id on
+    every rank, each holding that rank's part of the state); its ``snapshots`` and
+    ``rollback`` rows are left out (each rank has its own: ``worker.StepState``)."""
+    snapshot: StateStep | None = None
+    """The step's snapshot copies (restores before the forward, saves after), which each
+    rank makes on its own caches; None: no snapshot pool, or nothing to copy."""
+
+
+def forward_of(input_ids: torch.Tensor, positions: torch.Tensor, ctx: object,
+               snapshot: StateStep | None = None) -> Forward:  # fmt: skip
+    """The broadcast of one ``forward(input_ids, positions, ctx)`` call, tensors on the host."""
+    from tokenmill.attention import StepContext
+
+    assert isinstance(ctx, StepContext)
+    state = ctx.state
+    if state is not None:
+        state = dataclasses.replace(state, snapshots=None, rollback=None)
+    step = Forward(input_ids, positions, ctx.attn, ctx.adapter_ids, ctx.input_embeds, state,
+                   snapshot)  # fmt: skip
+    return moved(step, "cpu")
 
 
 @dataclass(frozen=True)

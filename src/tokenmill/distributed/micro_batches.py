@@ -12,7 +12,7 @@ earlier piece. So each piece is an ordinary chunked-prefill step: the attention 
 run it unchanged, and the result is the whole step's.
 
 Steps that carry more than flat token rows (draft-tree slots, bidirectional media spans,
-merged input embeddings, multi-row M-RoPE positions) are not cut.
+merged input embeddings, multi-row M-RoPE positions, recurrent state slots) are not cut.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ def _cuttable(step: Forward) -> bool:
         meta.extra_slots is None
         and meta.bidirectional_spans is None
         and step.input_embeds is None
+        and step.state is None  # a state slot's sequence is one scan: its rows stay whole
         and step.positions.dim() == 1
     )
 

@@ -22,6 +22,7 @@ from torch import nn
 
 from tokenmill.attention import StepContext
 from tokenmill.distributed.group import RankGroup
+from tokenmill.distributed.hybrid_split import HybridSplit, adopt_norms
 from tokenmill.distributed.messages import Forward, Logits
 from tokenmill.errors import UnsupportedModelError
 from tokenmill.layers.linear import Linear, VocabEmbedding
@@ -43,6 +44,8 @@ class TPShard:
 
     cfg: ArchConfig
     group: RankGroup
+    split: HybridSplit | None = None
+    """How the family's recurrent layers split (``hybrid_split``); None: a decoder."""
 
     @property
     def rank(self) -> int:
@@ -78,7 +81,7 @@ class TPShard:
     def local_hf_config(self, hf_config: dict[str, Any]) -> dict[str, Any]:
         """The checkpoint's config.json at this rank's sizes (head_dim spelled out, since
         its default hidden / heads would change)."""
-        return {
+        local = {
             **hf_config,
             "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv_heads,
@@ -86,18 +89,22 @@ class TPShard:
             "head_dim": self.cfg.head_dim,
             "vocab_size": self.vocab,
         }
+        return local if self.split is None else {**local, **self.split.local(self.size)}
 
     def adopt(self, model: nn.Module) -> None:
         """Turn the built (not yet loaded) local model's partial layers parallel."""
         group = self.group
+        row_parallel = ROW_PARALLEL + (() if self.split is None else self.split.row_parallel)
         for name, module in model.named_modules():
             leaf = name.rsplit(".", 1)[-1]
-            if isinstance(module, Linear) and leaf in ROW_PARALLEL:
+            if isinstance(module, Linear) and leaf in row_parallel:
                 RowParallelLinear.adopt(module, group)
             elif isinstance(module, Linear) and leaf == "lm_head":
                 VocabParallelHead.adopt(module, group, self.cfg.vocab_size)
             elif isinstance(module, VocabEmbedding):
                 VocabParallelEmbedding.adopt(module, group, self.cfg.vocab_size)
+        if self.split is not None:
+            adopt_norms(model, self.split, group)
         model.vocab_size = self.cfg.vocab_size  # type: ignore[assignment]  # the sampler's
 
     def stored_types(self, types: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -114,7 +121,7 @@ class TPShard:
             Forward: lambda m: model(
                 m.input_ids,
                 m.positions,
-                StepContext(m.attn, caches, None, None, m.adapter_ids, m.input_embeds),
+                StepContext(m.attn, caches, None, m.state, m.adapter_ids, m.input_embeds),
             ),  # fmt: skip
             Logits: lambda m: model.compute_logits(m.hidden),
         }
@@ -122,10 +129,17 @@ class TPShard:
     def weights(self, stream: Iterable[tuple[str, Weight]]) -> Iterator[tuple[str, Weight]]:
         """The checkpoint stream narrowed to this rank's rows / columns (views where the
         source allows), one tensor at a time."""
+        hybrid = {} if self.split is None else self.split.rules
         for name, tensor in stream:
             module, _, kind = name.rpartition(".")  # "model.layers.0.mlp.up_proj", "weight"
-            rule = _RULES.get(module.rpartition(".")[2])
+            rule = hybrid.get(_in_layer(module)) or _RULES.get(module.rpartition(".")[2])
             yield name, tensor if rule is None else rule(self, kind, tensor)
+
+
+def _in_layer(module: str) -> str:
+    """"backbone.layers.3.mixer.in_proj" -> "mixer.in_proj" ("" outside the layers)."""
+    _, found, rest = module.partition("layers.")
+    return rest.partition(".")[2] if found else ""
 
 
 # -- per-module rules: (shard, "weight" | "bias", tensor) -> this rank's part ------------
@@ -169,6 +183,8 @@ _RULES: dict[str, Callable[[TPShard, str, Weight], Weight]] = {
     "up_proj": _mlp_in,
     "down_proj": _row_parallel(lambda s: s.mlp),
     "embed_tokens": _vocab,
+    "embeddings": _vocab,  # Mamba2's backbone.embeddings (older checkpoints: .embedding)
+    "embedding": _vocab,
     "lm_head": _vocab,
 }
 """HF module name -> how its tensors split (norms and everything else: replicated)."""

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenmill.attention import StepContext
+from tokenmill.distributed.families import DECODER, Family, set_attr
 from tokenmill.distributed.grid import Grid
 from tokenmill.distributed.group import RankGroup
 from tokenmill.distributed.messages import Forward
@@ -82,6 +83,10 @@ class PPStage:
     cfg: ArchConfig
     group: RankGroup
     grid: Grid
+    family: Family = DECODER
+    """Where the family's layers, table and final norm sit, and how its layers run."""
+    hf_config: dict[str, Any] | None = None
+    """The checkpoint's config.json (a hybrid's per-layer types are read from it)."""
 
     @property
     def num_stages(self) -> int:
@@ -116,31 +121,33 @@ class PPStage:
 
     def local_hf_config(self, hf_config: dict[str, Any]) -> dict[str, Any]:
         """This stage's layers only, their types spelled out (rules by index would shift)."""
-        types = [self.cfg.layer_types[i] for i in self.layers]
-        local = {**hf_config, "num_hidden_layers": len(self.layers), "layer_types": types}
+        local = {**hf_config, "num_hidden_layers": len(self.layers)}
+        all_types = self.family.layer_types(self.hf_config or hf_config)
+        if self.family.types_key is not None and all_types is not None:
+            local[self.family.types_key] = [all_types[i] for i in self.layers]
         if not (self.keeps_table or self.last):
             local["vocab_size"] = TINY_VOCAB
         return local
 
     def adopt(self, model: nn.Module) -> None:
         """Drop what this stage never runs (the table, the final norm, the head)."""
-        decoder: Any = model.model
         if not self.keeps_table:
-            decoder.embed_tokens = None
+            set_attr(model, self.family.table_attr, None)
         if not self.last:
-            decoder.norm = None
-            model.lm_head = None  # type: ignore[assignment]
+            for path in self.family.final_attrs:
+                set_attr(model, path, None)
         model.vocab_size = self.cfg.vocab_size  # type: ignore[assignment]
 
     def rename(self, name: str) -> str | None:
         """A checkpoint name in this stage's numbering; None: not this stage's."""
-        parts = name.split(".")
-        if parts[:2] == ["model", "layers"]:
-            i = int(parts[2])
-            return None if i not in self.layers else ".".join([*parts[:2], str(i - self.layers.start), *parts[3:]])  # fmt: skip
-        if name.startswith("model.embed_tokens."):
+        family = self.family
+        if name.startswith(family.layers_name):
+            index, _, rest = name[len(family.layers_name) :].partition(".")
+            i = int(index)
+            return None if i not in self.layers else f"{family.layers_name}{i - self.layers.start}.{rest}"  # fmt: skip
+        if name.startswith(family.table_names):
             return name if self.keeps_table else None
-        if name.startswith(("model.norm.", "lm_head.")):
+        if name.startswith(family.final_names):
             return name if self.last else None
         return name
 
@@ -192,23 +199,27 @@ class PPStage:
         caches: Sequence[torch.Tensor | None],
         sends: Sends,
     ) -> torch.Tensor | None:
-        ctx = StepContext(m.attn, caches, None, None, m.adapter_ids, m.input_embeds)
-        decoder: Any = model.model
-        hidden_size, tokens = self.cfg.hidden_size, m.input_ids.shape[0]
-        residual: torch.Tensor | None = None
+        ctx = StepContext(m.attn, caches, None, m.state, m.adapter_ids, m.input_embeds)
+        family, tokens = self.family, m.input_ids.shape[0]
         if self.first:
-            hidden = decoder.embed(m.input_ids, ctx)
+            carry = (family.embed(model, m.input_ids, ctx), None)
         else:
-            pair = torch.empty(2, tokens, hidden_size, dtype=model.dtype, device=m.input_ids.device)
-            dist.recv(pair, src=self.rank_of(self.stage - 1), group=self.group.device)
-            hidden, residual = pair[0], pair[1]
-        rope = decoder.rope_tables(m.positions)
-        for layer in decoder.layers:
-            hidden, residual = layer(rope, hidden, residual, ctx)
-        assert residual is not None  # every stage has a layer
+            carry = self._recv(model, tokens, m.input_ids.device)
+        hidden, residual = family.layers(model, carry, m.positions, ctx)
         if self.last:
-            return decoder.norm.forward_residual(hidden, residual)[0]
-        pair = torch.stack([hidden, residual])  # kept alive until its send is taken
-        work = dist.isend(pair, dst=self.rank_of(self.stage + 1), group=self.group.device)
-        sends.append((work, pair))
+            return family.finish(model, (hidden, residual))
+        # kept alive until its send is taken
+        out = torch.stack([hidden, residual]) if family.pairs else hidden.contiguous()
+        work = dist.isend(out, dst=self.rank_of(self.stage + 1), group=self.group.device)
+        sends.append((work, out))
         return None
+
+    def _recv(self, model: CausalLM, tokens: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """The stage before's (hidden, residual), or its hidden alone (``Family.pairs``)."""
+        family = self.family
+        fp32 = family.carry_fp32(self.hf_config or {})
+        dtype = torch.float32 if fp32 else model.dtype
+        shape = (2, tokens, self.cfg.hidden_size) if family.pairs else (tokens, self.cfg.hidden_size)
+        got = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(got, src=self.rank_of(self.stage - 1), group=self.group.device)
+        return (got[0], got[1]) if family.pairs else (got, None)

@@ -20,15 +20,18 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.grid import Grid
+from tokenmill.distributed.hybrid_split import split_of
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks, stage_group
-from tokenmill.distributed.messages import Ready, Stop, moved
+from tokenmill.distributed.families import family_of
+from tokenmill.distributed.messages import Forward, Ready, Stop, moved
 from tokenmill.distributed.part import ModelPart
 from tokenmill.distributed.shard import TPShard
 from tokenmill.distributed.stages import PPStage
 from tokenmill.distributed.tp_stage import TPStage
 from tokenmill.engine.loading import load_model
+from tokenmill.kv_cache.snapshot_copies import SnapshotTensors
 from tokenmill.loader import load_checkpoint
-from tokenmill.models.config import ArchConfig
+from tokenmill.models import resolve_model_class
 from tokenmill.worker.model_runner import allocate_kv_caches
 
 logger = logging.getLogger(__name__)
@@ -56,15 +59,19 @@ def device_of(config: EngineConfig, index: int) -> torch.device:
 def model_part(config: EngineConfig, group: RankGroup) -> ModelPart:
     """This rank's part of the checkpoint's model: a tensor-parallel shard, a stage, or a
     shard of a stage. Collective with TP and PP together (the stages' groups are made)."""
-    cfg = ArchConfig.from_hf(load_checkpoint(config.model).hf_config)
+    hf = load_checkpoint(config.model).hf_config
+    model_cls = resolve_model_class(hf.get("architectures"))
+    family = family_of(model_cls)
+    cfg = family.arch(hf)
     parallel = config.parallel
     grid = Grid(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    split = split_of(model_cls, hf)
     if grid.pp == 1:
-        return TPShard(cfg, group)
-    stage = PPStage(cfg, group, grid)
+        return TPShard(cfg, group, split)
+    stage = PPStage(cfg, group, grid, family, hf)
     if grid.tp == 1:
         return stage
-    return TPStage(TPShard(cfg, stage_group(group, grid)), stage)
+    return TPStage(TPShard(cfg, stage_group(group, grid), split), stage)
 
 
 class Reports(Protocol):
@@ -90,16 +97,46 @@ def worker_main(args: WorkerArgs, conn: Connection | Reports) -> None:
         conn.send(Ready(args.rank, traceback.format_exc()))
         return
     conn.send(Ready(args.rank))
-    sizes = group.broadcast()  # (num_blocks, num_slots) the driver chose
+    sizes = group.broadcast()  # (num_blocks, num_slots, snapshot rows) the driver chose
     assert isinstance(sizes, tuple)
-    num_blocks, num_slots = sizes
+    num_blocks, num_slots, rows = sizes
     caches = allocate_kv_caches(
         loaded.model, num_blocks, config.block_size, loaded.dtype, device, num_slots=num_slots
     )
+    handlers = dict(part.handlers(loaded.model, caches))
+    if rows:  # the hybrid prefix cache: this rank's own snapshot rows
+        snapshots = SnapshotTensors(loaded.model.cache_specs(), caches, rows)
+        handlers[Forward] = StepState(snapshots, caches).around(handlers[Forward])
     try:
-        serve_steps(part.handlers(loaded.model, caches), group, device)
+        serve_steps(handlers, group, device)
     finally:
         leave_ranks()
+
+
+@dataclasses.dataclass(frozen=True)
+class StepState:
+    """A worker's recurrent-state snapshots: the driver's step names the copies (restores
+    of admitted prefixes, saves at chunk ends, ``messages.Forward.snapshot``), each rank
+    makes them between its own slots and rows, around its forward, as the driver's runner
+    does around its own. Same rows and slots everywhere: the driver's pool chose them."""
+
+    snapshots: SnapshotTensors
+    caches: list
+
+    def around(self, forward: Callable[[Forward], object]) -> Callable[[Forward], object]:
+        def run(m: Forward) -> object:
+            if m.snapshot is not None:
+                self.snapshots.restore(m.snapshot, self.caches)
+            if m.state is not None:  # the rows the scans keep states in: this rank's
+                m = dataclasses.replace(
+                    m, state=dataclasses.replace(m.state, snapshots=self.snapshots.tensors)
+                )
+            out = forward(m)
+            if m.snapshot is not None and m.snapshot.saves_after:
+                self.snapshots.save(m.snapshot, self.caches)
+            return out
+
+        return run
 
 
 def serve_steps(

@@ -100,7 +100,8 @@ def _assemble(
         kv,
     )
     if ranks is not None:  # the workers allocate the same blocks; the model broadcasts
-        loaded = ranks.drive(loaded, num_blocks, num_slots)
+        pool = kv.snapshots if isinstance(kv, KVCacheCoordinator) else None
+        loaded = ranks.drive(loaded, num_blocks, num_slots, 0 if pool is None else pool.num_rows)
     phases = Phases(loaded.phases)
     with phases("kv cache"):
         caches = allocate_kv_caches(

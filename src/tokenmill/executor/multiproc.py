@@ -21,6 +21,8 @@ class MultiprocExecutor(Executor):
     def __init__(self, runner: ModelRunner, ranks: Ranks) -> None:
         self.runner = runner
         self.ranks = ranks
+        if runner.state_step is not None:  # snapshot copies: the workers make them too
+            runner.state_step = runner.model.recording(runner.state_step)  # type: ignore[attr-defined]
         self._dead: str | None = None
         self._stopped = False
 

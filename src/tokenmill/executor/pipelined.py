@@ -173,8 +173,11 @@ def pipelines(config: EngineConfig, runner: ModelRunner) -> bool:
     rank has its own device; on CPU it measured slower on shared cores, so it is asked for), no
     speculative decoding (a step with drafts is never kept in flight, its sequences would
     skip every other step) and a text model whose runner keeps no state of its own
-    across steps beyond its staging (no media encoder, no feature tap, no fast path)."""
+    across steps beyond its staging (no media encoder, no feature tap, no fast path, no
+    recurrent state slots: a step's snapshot restores on the driver would run before the
+    step before it saved)."""
     plain = runner.mm is None and runner.tap is None and runner.decode is None
+    plain = plain and runner.state_slot is None  # state slots: snapshot copies stay in order
     return (
         config.parallel.stages_overlap
         and config.overlaps_steps()

@@ -75,7 +75,8 @@ class Lfm2Layer(nn.Module):
         self.is_conv = kind == CONV
         if self.is_conv:
             kernel, bias = int(d.get("conv_L_cache", 3)), bool(d.get("conv_bias", False))
-            self.conv = ShortConv(hidden, kernel, bias, layer_idx, dtype)
+            channels = int(d.get("conv_channels", hidden))  # a TP rank's share (distributed/)
+            self.conv = ShortConv(hidden, kernel, bias, layer_idx, dtype, channels)
         else:
             spec = AttentionSpec(hidden, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                  cfg.head_dim**-0.5, qk_norm_eps=eps)  # fmt: skip

@@ -25,10 +25,10 @@ from tokenmill.models.weights import load_weights
 def mamba2_shape(d: dict[str, Any]) -> Mamba2Shape:
     hidden = int(d["hidden_size"])
     heads, head_dim = int(d.get("num_heads", 128)), int(d.get("head_dim", 64))
-    if heads * head_dim != int(d.get("expand", 2) * hidden):
+    if heads * head_dim != round(d.get("expand", 2) * hidden):  # round: a TP rank's expand
         raise ModelLoadError(
             f"num_heads * head_dim = {heads * head_dim} must equal expand * hidden_size = "
-            f"{int(d.get('expand', 2) * hidden)}"
+            f"{round(d.get('expand', 2) * hidden)}"
         )
     groups = int(d.get("n_groups", 1))
     if heads % groups:

@@ -17,12 +17,15 @@ class ShortConv(nn.Module):
     goes through a depthwise causal conv of ``kernel`` taps (no activation), times C."""
 
     def __init__(self, hidden: int, kernel: int, bias: bool, layer_idx: int,
-                 dtype: torch.dtype) -> None:  # fmt: skip
+                 dtype: torch.dtype, channels: int | None = None) -> None:  # fmt: skip
+        """``channels``: how many of the ``hidden`` conv channels this layer holds (all;
+        a tensor-parallel rank its slice, the output projection summed over ranks)."""
         super().__init__()
         self.layer_idx = layer_idx
-        self.in_proj = Linear(hidden, 3 * hidden, bias, dtype)
-        self.conv = CausalConv1d(hidden, kernel, bias, dtype)
-        self.out_proj = Linear(hidden, hidden, bias, dtype)
+        c = hidden if channels is None else channels
+        self.in_proj = Linear(hidden, 3 * c, bias, dtype)
+        self.conv = CausalConv1d(c, kernel, bias, dtype)
+        self.out_proj = Linear(c, hidden, bias, dtype)
         self.state_spec = RecurrentState(self.conv.state_shape, torch.float32)
         """The conv window [hidden, K - 1]."""
 
