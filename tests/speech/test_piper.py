@@ -122,3 +122,65 @@ def test_flows_on_the_first_frames_equal_the_whole(tts):
             assert (head - whole[:, :, :frames]).abs().max() < 1e-4
         cut = model.flows(zp[:, :, :36])  # no context: the last frames differ
         assert (cut[:, :, 30:] - whole[:, :, 30:36]).abs().max() > 1e-3
+
+
+def test_piece_plan_ramps_up():
+    """growth 2: 24, 48, 96 ... while under the cap and the rest holds two of the next."""
+    from tokenmill.speech.vits import pieces
+
+    def spans(plan):
+        return [(p.start, p.end) for p in plan]
+
+    assert spans(pieces(324, 24, 512, 1, 2)) == [(0, 24), (24, 72), (72, 168), (168, 324)]
+    assert spans(pieces(700, 24, 512, 2, 2)) == [
+        (0, 24), (24, 72), (72, 168), (168, 360), (360, 530), (530, 700)
+    ]  # fmt: skip
+    assert spans(pieces(2000, 24, 512, 1, 2))[4] == (360, 744)  # 384 < 512; 768 is not
+    assert spans(pieces(100, 24, 512, 1, 2)) == [(0, 24), (24, 100)]  # 24 + 2 x 48 > 100
+    assert spans(pieces(700, 24, 512, 1, 1)) == spans(pieces(700, 24, 512))
+
+
+def test_first_sentence_streams_in_growing_pieces(tts, long_sentences):
+    """Each piece of the first sentence is twice the one before (decoded while it plays),
+    and the pieces still join into the one-piece synthesis."""
+    text = long_sentences[0] + " " + long_sentences[1]
+    chunks = list(tts.generate_speech_stream(text))
+    hop = tts.voice.model.hop
+    assert [len(c) // 2 for c in chunks[:3]] == [24 * hop, 48 * hop, 96 * hop]
+    streamed = np.frombuffer(b"".join(chunks), dtype="<i2").astype(np.int32)
+    whole = np.concatenate(
+        [(tts.synthesize(s).numpy() * 32767).round() for s in split_sentences(text)]
+    )
+    assert len(streamed) == len(whole) and np.abs(streamed - whole).max() <= 1
+
+
+def test_next_sentences_wait_for_the_first_prior(piper_voice, monkeypatch):
+    """The second worker does not compute sentence 1's prior while sentence 0's runs (on
+    shared cores that doubled the time to the first chunk)."""
+    import threading
+    import time
+
+    from tokenmill.speech.tts import TTS
+
+    two = TTS(piper_voice, warmup=False, workers=2)
+    events, lock = [], threading.Lock()
+    prior = two._prior
+
+    def traced(sentence, params):
+        with lock:
+            events.append(("start", sentence))
+        time.sleep(0.05 if sentence == "One." else 0)
+        out = prior(sentence, params)
+        with lock:
+            events.append(("end", sentence))
+        return out
+
+    monkeypatch.setattr(two, "_prior", traced)
+    try:
+        b"".join(two.generate_speech_stream("One. Two. Three. Four. Five."))
+    finally:
+        two.close()
+    assert events[:2] == [("start", "One."), ("end", "One.")]
+    assert sorted(s for kind, s in events if kind == "start") == sorted(
+        ["One.", "Two.", "Three.", "Four.", "Five."]
+    )

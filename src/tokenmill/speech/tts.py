@@ -53,6 +53,11 @@ AHEAD = 3
 """Sentences of a stream whose latents may be computed before the listener reaches them."""
 FIRST = 24
 """Latent frames in a stream's first piece (0.28 s of audio): out soon, decoded fast."""
+GROWTH = 2
+"""After the first piece, the first sentence's pieces double (24, 48, 96, 192 frames)
+until ``PIECE``: each is decoded while the one before plays, so the stream does not stall
+after its first 0.28 s (one 300-frame piece after it was heard ~0.3 s late on one quiet
+core); later sentences are computed ahead and need no ramp."""
 PIECE = 512
 """At most this many latent frames (6 s) in a vocoder piece after the first."""
 LAST_PARTS = 2
@@ -140,27 +145,30 @@ class _Stream:
     """One ``generate_speech_stream`` call's tasks, keyed (stream, sentence, step): step 0
     computes a sentence's prior sample, then its flows and pieces follow. The first
     sentence's first piece goes through the flows on its own frames (and their context),
-    while another worker maps the whole sentence: the first audio waits for neither.
+    while another worker maps the whole sentence: the first audio waits for neither. The
+    next ``AHEAD`` sentences start when the first one's prior is done (their priors on the
+    other worker competed with it for the cores).
 
     A task returns PCM bytes or, in order, the futures of the tasks it submitted."""
 
     def __init__(self, tts: TTS, sid: int, sentences: list[str], params: AudioParams) -> None:
         self.tts, self.sid, self.sentences, self.params = tts, sid, sentences, params
         self.futures: list[Future[Any]] = []
+        self.started: dict[int, Future[Any]] = {}  # sentence -> its step-0 task
         self.lock = threading.Lock()
         self.stopped = False
 
     def chunks(self) -> Iterator[bytes]:
         n = len(self.sentences)
-        started = [self._start(i) for i in range(min(AHEAD, n))]
+        self._start(0)  # sentences 1 .. AHEAD start once its prior is known (``_sentence``)
         for i in range(n):
-            if i + AHEAD < n:
-                started.append(self._start(i + AHEAD))
-            yield from _drain(started[i])
+            if 0 < i and i + AHEAD < n:
+                self._start(i + AHEAD)
+            yield from _drain(self.started[i])  # present: started before i - 1 finished
 
-    def _start(self, i: int) -> Future[Any]:
-        (future,) = self._submit(i, [(0, partial(self._sentence, i))])  # not stopped: in chunks
-        return future
+    def _start(self, i: int) -> None:
+        for future in self._submit(i, [(0, partial(self._sentence, i))]):  # none if stopped
+            self.started[i] = future
 
     def _submit(self, i: int, tasks: list[tuple[int, Callable[[], Any]]]) -> list[Future[Any]]:
         """Sentence ``i``'s (step, fn) tasks; none once the stream is cancelled."""
@@ -174,8 +182,12 @@ class _Stream:
     def _sentence(self, i: int) -> list[Future[Any]]:
         model = self.tts.voice.model
         zp = self.tts._prior(self.sentences[i], self.params)
+        if i == 0:  # not before: on shared cores the next priors slowed the first chunk 2x
+            for j in range(1, min(AHEAD + 1, len(self.sentences))):
+                self._start(j)
         parts = LAST_PARTS if i == len(self.sentences) - 1 else 1
-        plan = pieces(zp.shape[2], FIRST if i == 0 else 0, PIECE, parts)
+        first, growth = (FIRST, GROWTH) if i == 0 else (0, 1)
+        plan = pieces(zp.shape[2], first, PIECE, parts, growth)
         if i == 0 and len(plan) > 1:
             head = plan[0]
             return self._submit(i, [

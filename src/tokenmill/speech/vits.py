@@ -457,15 +457,24 @@ class Piece:
     hi: int
 
 
-def pieces(total: int, first: int = 0, size: int = 512, parts: int = 1) -> list[Piece]:
+def pieces(
+    total: int, first: int = 0, size: int = 512, parts: int = 1, growth: int = 1
+) -> list[Piece]:
     """Cut ``total`` latent frames into pieces that join into ``dec(z)`` up to rounding:
-    ``first`` frames (0: none), then the rest in equal pieces of at most ``size`` frames,
-    at least ``parts`` of them where each gets 64 frames or more (pieces for parallel
-    workers). Each piece costs 2 x ``CONTEXT`` frames more than its own (512: most
-    sentences' rest is one piece, ~8% of a 3.8 s sentence's decoding)."""
+    ``first`` frames (0: none), then (``growth`` > 1) pieces ``growth`` times the one
+    before while under ``size`` and while the rest holds at least two of them, then the
+    rest in equal pieces of at most ``size`` frames, at least ``parts`` of them where each
+    gets 64 frames or more (pieces for parallel workers). Each piece costs 2 x ``CONTEXT``
+    frames more than its own (512: most sentences' rest is one piece, ~8% of a 3.8 s
+    sentence's decoding). The ramp keeps a stream fed: each piece is decoded while the
+    one before plays (a piece of n frames decodes in ~0.15 n frames' time on one core)."""
     cuts = [0]
     if 0 < first < total:
         cuts.append(first)
+        step = first * growth
+        while growth > 1 and step < size and cuts[-1] + 2 * step <= total:
+            cuts.append(cuts[-1] + step)
+            step *= growth
     rest = total - cuts[-1]
     n = max(-(-rest // size), min(parts, rest // 64), 1)
     cuts += [cuts[-1] + rest * i // n for i in range(1, n + 1)]
