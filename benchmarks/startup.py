@@ -8,8 +8,9 @@ Each measurement is a fresh Python process (a restart, as a server would see it)
 - ``llama.cpp``: ``llama_cpp.Llama(model_path)`` on the same GGUF (installed in the venv).
 
 ``ready`` is the constructor's wall time (after imports; the imports are reported apart),
-``first`` adds one greedy token of a short prompt. Times are the median of ``--repeat``
-processes (the machine is shared). Models: the embedded SmolLM2-135M Q4_1 and Gemma3-270M
+``first`` adds one greedy token of a short prompt; the phases are the engine's own
+(``LLMEngine.startup_phases``: resolve, tokenizer, kernels, weights, kv cache, runner).
+Times are the median of ``--repeat`` processes (the machine is shared). Models: the embedded SmolLM2-135M Q4_1 and Gemma3-270M
 Q4_K_M (assembled like the ``gemma3_gguf`` test fixture); ``--model`` runs others instead
 (e.g. the Qwen2.5-Coder-1.5B Q4_K_M of the slow tests).
 
@@ -36,13 +37,14 @@ _TOKENMILL = """
 import json, sys, time
 t0 = time.perf_counter()
 from tokenmill import LLM, SamplingParams
+from tokenmill.metrics.startup import engine_startup_phases
 t1 = time.perf_counter()
 llm = LLM({model!r}, prepare_bundle={prepare}, cache_dir={cache!r}, max_model_len=512)
 t2 = time.perf_counter()
 out = llm.generate([{prompt!r}], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
 t3 = time.perf_counter()
 print(json.dumps({{"import": t1 - t0, "ready": t2 - t1, "first": t3 - t1,
-                  "token": out[0].outputs[0].token_ids[0]}}))
+                  "token": out[0].outputs[0].token_ids[0], "phases": engine_startup_phases(llm)}}))
 """
 
 _LLAMA_CPP = """
@@ -68,7 +70,10 @@ def _run(code: str) -> dict:
 
 
 def _median(runs: list[dict]) -> dict:
-    return {k: statistics.median(r[k] for r in runs) for k in ("import", "ready", "first")}
+    res = {k: statistics.median(r[k] for r in runs) for k in ("import", "ready", "first")}
+    phases = [r.get("phases") or {} for r in runs]
+    names = [n for n in phases[0] if all(n in p for p in phases)]  # the engine's log order
+    return res | {"phases": {n: statistics.median(p[n] for p in phases) for n in names}}
 
 
 def measure(model: str, repeat: int) -> dict[str, dict]:
@@ -96,6 +101,9 @@ def report(name: str, res: dict[str, dict]) -> None:
     for label, r in res.items():
         rows.append([label, f"{r['import']:.2f}", f"{r['ready']:.2f}", f"{r['first']:.2f}"])
     print(f"\n{name}\n{table(rows)}")
+    for label, r in res.items():
+        if r.get("phases"):
+            print(f"{label} phases: " + ", ".join(f"{n} {s:.2f} s" for n, s in r["phases"].items()))
     cold, warm, peer = res["cold"], res["warm"], res.get("llama.cpp")
     print(f"cold / warm: ready {cold['ready'] / warm['ready']:.1f}x, "
           f"first token {cold['first'] / warm['first']:.1f}x")  # fmt: skip
