@@ -17,9 +17,11 @@ generation_config), with the windows' token agreement. (The 60 s input's second 
 starts mid-word; without timestamps both engines decode one token there and stop, so that
 figure is two encoder passes and ~94 decoder steps: the encoder weighs more than in
 typical speech.) Then 8 concurrent transcriptions
-through the speech server vs the same 8 one after another. TTS: RTF and time to the first
-audio chunk (the rest of that sentence consumed too), tokenmill's VITS vs piper-tts
-(onnxruntime) on en_US-joe-medium, noise as the voice's config says.
+through the speech server vs the same 8 one after another. TTS: RTF, time to the first
+audio chunk (the rest of that sentence consumed too) and the worst stall of the 6-sentence
+stream (the most a listener playing from the first chunk on waits for the next; the max
+over the rounds), tokenmill's VITS vs piper-tts (onnxruntime) on en_US-joe-medium, noise
+as the voice's config says.
 
 OMP_WAIT_POLICY: torch's (and ctranslate2's) OpenMP threads spin at every barrier by
 default; on cores shared with other jobs a spinning thread burns the time slice its
@@ -266,12 +268,27 @@ def bench_tts(voice_dir: Path, repeat: int) -> list[list[str]]:
     theirs = PiperVoice.load(next(voice_dir.glob("*.onnx")))
     list(theirs.synthesize("Hello."))  # warm-up (ours warms up at load)
     samples = {"ours": 0, "theirs": 0}
+    stalls: dict[str, list[float]] = {"ours": [], "theirs": []}
+
+    def played(name: str, pcm: Iterator[bytes], rate: int) -> None:
+        """Samples of a stream, and its worst stall: how long after the audio so far ran
+        out (played from the first chunk on) a chunk arrived."""
+        t0 = time.perf_counter()
+        start, heard, worst = None, 0, 0.0
+        for chunk in pcm:
+            now = time.perf_counter() - t0
+            start = now if start is None else start
+            worst = max(worst, now - start - heard / rate)
+            heard += len(chunk) // 2
+        samples[name] = heard
+        stalls[name].append(worst)
 
     def ours_all() -> None:
-        samples["ours"] = sum(len(c) // 2 for c in ours.generate_speech_stream(text))
+        played("ours", ours.generate_speech_stream(text), ours.sample_rate)
 
     def theirs_all() -> None:
-        samples["theirs"] = sum(len(c.audio_int16_bytes) // 2 for c in theirs.synthesize(text))
+        chunks = (c.audio_int16_bytes for c in theirs.synthesize(text))
+        played("theirs", chunks, theirs.config.sample_rate)
 
     firsts: dict[str, list[float]] = {"ours": [], "theirs": []}
 
@@ -293,23 +310,22 @@ def bench_tts(voice_dir: Path, repeat: int) -> list[list[str]]:
         repeat,
     )
     first_ms = {k: statistics.median(v[-repeat:]) * 1000 for k, v in firsts.items()}
+    stall_ms = {k: max(v[-repeat:]) * 1000 for k, v in stalls.items()}
     dur = {"ours": samples["ours"] / ours.sample_rate,
            "theirs": samples["theirs"] / theirs.config.sample_rate}  # fmt: skip
     rtf = {k: res[k][0] / dur[k] for k in dur}
     cpu = {k: res[k][1] / dur[k] for k in dur}
     rows = [["TTS engine", "RTF", "CPU s / audio s", "x realtime", "first chunk ms",
-             "our speed / its (wall, CPU)"]]  # fmt: skip
+             "worst stall ms", "our speed / its (wall, CPU)"]]  # fmt: skip
     for k, name in (("ours", "tokenmill (torch VITS)"), ("theirs", "piper-tts (onnxruntime)")):
         vs = "" if k == "ours" else f"{rtf[k] / rtf['ours']:.2f}x, {cpu[k] / cpu['ours']:.2f}x"
         rows.append([name, f"{rtf[k]:.3f}", f"{cpu[k]:.3f}", f"{1 / rtf[k]:.1f}",
-                     f"{first_ms[k]:.0f}", vs])  # fmt: skip
+                     f"{first_ms[k]:.0f}", f"{stall_ms[k]:.0f}", vs])  # fmt: skip
     same = sum(
         ours.voice.ids(phonemize(s)) == theirs.phonemes_to_ids(theirs.phonemize(s)[0])
         for s in SENTENCES
     )
-    rows.append(
-        [f"same phoneme ids as piper-tts: {same}/{len(SENTENCES)} sentences", "", "", "", "", ""]
-    )
+    rows.append([f"same phoneme ids as piper-tts: {same}/{len(SENTENCES)} sentences", *[""] * 6])
     return rows
 
 
