@@ -30,6 +30,7 @@ MAKERS = {
     "mamba2_one_group": lambda p, tok: hc.make_mamba2(p, tok, n_groups=1),
     "lfm2": hc.make_lfm2,
     "falcon_h1": hc.make_falcon_h1,
+    "qwen3_next_dense": hc.make_qwen3_next_dense,  # DeltaNet projections grouped per key head
 }
 
 
@@ -81,8 +82,8 @@ def test_tp2_and_pp2_greedy_equal_one_process(checkpoints, family):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["lfm2", "falcon_h1"])
-def test_lfm2_and_falcon_h1_tp2_and_pp2(checkpoints, family):
+@pytest.mark.parametrize("family", ["lfm2", "falcon_h1", "qwen3_next_dense"])
+def test_other_families_tp2_and_pp2(checkpoints, family):
     _check(checkpoints, family, [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
 
 
@@ -100,8 +101,10 @@ def test_tp2_x_pp2_greedy_equals_one_process(checkpoints, family):
         ("lfm2", {"tensor_parallel_size": 3}, "hidden_size.*=64 is not divisible by 3"),
         (
             "qwen3_5",
-            {"tensor_parallel_size": 2, "speculative_config": {"method": "ngram",
-                                                               "num_speculative_tokens": 2}},
+            {
+                "tensor_parallel_size": 2,
+                "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+            },
             "speculative decoding on Qwen3_5ForCausalLM",
         ),  # fmt: skip
     ],

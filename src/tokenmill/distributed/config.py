@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from tokenmill.errors import InvalidRequestError
@@ -81,7 +80,9 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-def check_shapes(hf_config: dict, tp: int, model_name: str, problems: list[str] | None = None) -> None:
+def check_shapes(
+    hf_config: dict, tp: int, model_name: str, problems: list[str] | None = None
+) -> None:
     """Raise ``InvalidRequestError`` when ``tp`` ranks can not split this architecture:
     query heads, MLP width must divide; KV heads must divide or be divided by ``tp``
     (fewer KV heads than ranks: each is replicated on ``tp / kv_heads`` ranks).

@@ -133,8 +133,9 @@ QWEN3_5 = Family(
     table_attr="model.embed_tokens",
     final_attrs=("model.norm", "lm_head"),
     arch=_qwen3_5_arch,
-    kinds=lambda hf: [frozenset({STATE if t == "linear_attention" else PAGED})
-                      for t in _qwen3_5_types(hf)],  # fmt: skip
+    kinds=lambda hf: [
+        frozenset({STATE if t == "linear_attention" else PAGED}) for t in _qwen3_5_types(hf)
+    ],  # fmt: skip
     embed=lambda model, ids, ctx: model.model.embed_tokens(ids),
     layers=_qwen3_5_layers,
     finish=lambda model, c: model.model.norm.forward_residual(c[0], c[1])[0],

@@ -257,17 +257,23 @@ def _qwen3_5(hf: dict[str, Any]) -> HybridSplit:
         "linear_attn.in_proj_a": _take(lambda s: [vrows(s, per=1)]),
         "linear_attn": _take(lambda s: [vrows(s, per=1)]),  # dt_bias, A_log
         "linear_attn.in_proj_qkvz": _take(lambda s: [(s.rank * kh(s) * grouped, kh(s) * grouped)]),
-        "linear_attn.in_proj_ba": _take(lambda s: [(s.rank * kh(s) * 2 * group, kh(s) * 2 * group)]),
+        "linear_attn.in_proj_ba": _take(
+            lambda s: [(s.rank * kh(s) * 2 * group, kh(s) * 2 * group)]
+        ),
         "linear_attn.out_proj": _cols(lambda s: vrows(s)[1]),
         # gated attention: q and its gate interleaved per head, 2 * head_dim rows each
-        "self_attn.q_proj": _take(lambda s: [(s.rank * s.heads * 2 * s.cfg.head_dim,
-                                              s.heads * 2 * s.cfg.head_dim)]),  # fmt: skip
+        "self_attn.q_proj": _take(
+            lambda s: [(s.rank * s.heads * 2 * s.cfg.head_dim, s.heads * 2 * s.cfg.head_dim)]
+        ),  # fmt: skip
     }
     return HybridSplit(
-        problems=lambda n: attention_problems(cfg.arch, n)
-        + _problem("linear_num_key_heads", d.num_k_heads, n),
-        local=lambda n: {"linear_num_key_heads": d.num_k_heads // n,
-                         "linear_num_value_heads": d.num_v_heads // n},  # fmt: skip
+        problems=lambda n: (
+            attention_problems(cfg.arch, n) + _problem("linear_num_key_heads", d.num_k_heads, n)
+        ),
+        local=lambda n: {
+            "linear_num_key_heads": d.num_k_heads // n,
+            "linear_num_value_heads": d.num_v_heads // n,
+        },  # fmt: skip
         rules=rules,
     )
 
@@ -296,11 +302,16 @@ def _lfm2(hf: dict[str, Any]) -> HybridSplit:
         "feed_forward.w2": _cols(lambda s: ffn // s.size),
     }
     return HybridSplit(
-        problems=lambda n: attention_problems(cfg, n, mlp=False)
-        + _problem("hidden_size (the short conv's channels)", h, n)
-        + _problem("the feed-forward width", ffn, n),
-        local=lambda n: {"conv_channels": h // n, "block_auto_adjust_ff_dim": False,
-                         "intermediate_size": ffn // n},  # fmt: skip
+        problems=lambda n: (
+            attention_problems(cfg, n, mlp=False)
+            + _problem("hidden_size (the short conv's channels)", h, n)
+            + _problem("the feed-forward width", ffn, n)
+        ),
+        local=lambda n: {
+            "conv_channels": h // n,
+            "block_auto_adjust_ff_dim": False,
+            "intermediate_size": ffn // n,
+        },  # fmt: skip
         rules=rules,
     )
 
@@ -318,4 +329,3 @@ SPLITS: dict[str, Callable[[dict[str, Any]], HybridSplit]] = {
 def split_of(model_cls: type, hf: dict[str, Any]) -> HybridSplit | None:
     make = SPLITS.get(model_cls.__name__)
     return None if make is None else make(hf)
-

@@ -132,12 +132,16 @@ class TPShard:
         hybrid = {} if self.split is None else self.split.rules
         for name, tensor in stream:
             module, _, kind = name.rpartition(".")  # "model.layers.0.mlp.up_proj", "weight"
-            rule = hybrid.get(_in_layer(module)) or _RULES.get(module.rpartition(".")[2])
+            hybrid_rule = hybrid.get(_in_layer(module))
+            if hybrid_rule is not None:  # the hybrids load dense tensors only
+                yield name, hybrid_rule(self, kind, _dense(tensor))
+                continue
+            rule = _RULES.get(module.rpartition(".")[2])
             yield name, tensor if rule is None else rule(self, kind, tensor)
 
 
 def _in_layer(module: str) -> str:
-    """"backbone.layers.3.mixer.in_proj" -> "mixer.in_proj" ("" outside the layers)."""
+    """ "backbone.layers.3.mixer.in_proj" -> "mixer.in_proj" ("" outside the layers)."""
     _, found, rest = module.partition("layers.")
     return rest.partition(".")[2] if found else ""
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tokenmill.attention import StepContext
-from tokenmill.distributed.families import DECODER, Family, set_attr
+from tokenmill.distributed.families import DECODER, Carry, Family, set_attr
 from tokenmill.distributed.grid import Grid
 from tokenmill.distributed.group import RankGroup
 from tokenmill.distributed.messages import Forward
@@ -201,6 +201,7 @@ class PPStage:
     ) -> torch.Tensor | None:
         ctx = StepContext(m.attn, caches, None, m.state, m.adapter_ids, m.input_embeds)
         family, tokens = self.family, m.input_ids.shape[0]
+        carry: Carry
         if self.first:
             carry = (family.embed(model, m.input_ids, ctx), None)
         else:
@@ -209,7 +210,7 @@ class PPStage:
         if self.last:
             return family.finish(model, (hidden, residual))
         # kept alive until its send is taken
-        out = torch.stack([hidden, residual]) if family.pairs else hidden.contiguous()
+        out = torch.stack([hidden, residual]) if residual is not None else hidden.contiguous()
         work = dist.isend(out, dst=self.rank_of(self.stage + 1), group=self.group.device)
         sends.append((work, out))
         return None
@@ -219,7 +220,9 @@ class PPStage:
         family = self.family
         fp32 = family.carry_fp32(self.hf_config or {})
         dtype = torch.float32 if fp32 else model.dtype
-        shape = (2, tokens, self.cfg.hidden_size) if family.pairs else (tokens, self.cfg.hidden_size)
+        shape = (
+            (2, tokens, self.cfg.hidden_size) if family.pairs else (tokens, self.cfg.hidden_size)
+        )
         got = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(got, src=self.rank_of(self.stage - 1), group=self.group.device)
         return (got[0], got[1]) if family.pairs else (got, None)

@@ -19,10 +19,10 @@ from typing import Any, Protocol
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.distributed.grid import Grid
-from tokenmill.distributed.hybrid_split import split_of
-from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks, stage_group
 from tokenmill.distributed.families import family_of
+from tokenmill.distributed.grid import Grid
+from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks, stage_group
+from tokenmill.distributed.hybrid_split import split_of
 from tokenmill.distributed.messages import Forward, Ready, Stop, moved
 from tokenmill.distributed.part import ModelPart
 from tokenmill.distributed.shard import TPShard

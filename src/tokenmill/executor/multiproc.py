@@ -22,7 +22,8 @@ class MultiprocExecutor(Executor):
         self.runner = runner
         self.ranks = ranks
         if runner.state_step is not None:  # snapshot copies: the workers make them too
-            runner.state_step = runner.model.recording(runner.state_step)  # type: ignore[attr-defined]
+            driver: Any = runner.model  # a distributed/driver_model driver
+            runner.state_step = driver.recording(runner.state_step)
         self._dead: str | None = None
         self._stopped = False
 
