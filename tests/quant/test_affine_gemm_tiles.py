@@ -1,5 +1,5 @@
-"""The few-row affine-group kernel (affine_gemm: decode and verify steps) in row tiles of
-up to 8 tokens: against a dequantized float reference, and batch invariant bit for bit."""
+"""The few-row affine-group kernel (affine_gemm: decode and verify steps, row blocks of up
+to 4 tokens): against a dequantized float reference, and batch invariant bit for bit."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from tokenmill import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
 
-# every row-tile width 1..8 (the split-accumulator widths 1, 2 and the shared ones), whole
-# tiles plus tails (9 = 8 + 1, 13, 19), and a verify step of k = 8 drafts (9 rows)
+# every row-block width, whole blocks plus tails (5, 7, 9 = 4 + 4 + 1, 13, 19), blocks
+# wider than the kernel's (8), and a verify step of k = 8 drafts (9 rows)
 ROWS = [1, 2, 3, 4, 5, 7, 8, 9, 13, 19]
 
 
@@ -41,7 +41,7 @@ def test_rows_match_dequantized_matmul(bits, n, k, m):
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_row_does_not_depend_on_its_batch(bits):
     """Row i of any batch equals row i computed alone, bit for bit, whatever the batch size
-    and the row's place in its row tile."""
+    and the row's place in its row block."""
     n, k = 64, 576
     tiles, _ = _weights(bits, n, k, seed=7)
     x = torch.randn(max(ROWS), k, generator=torch.Generator().manual_seed(3))

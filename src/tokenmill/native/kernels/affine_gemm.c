@@ -13,9 +13,8 @@
  *   then scales[16] and offsets[16] as float16 (64 bytes).
  * so one 64-byte load feeds vpdpbusd for 16 rows at once, each lane a row.
  *
- * Threads: OpenMP over tiles (output columns, never tokens: every thread reads a different
- * part of the weights once, for all tokens), the runtime PyTorch itself loaded (same
- * libgomp), so torch.set_num_threads applies and no second thread pool competes for the cores.
+ * Threads: OpenMP over tiles, the runtime PyTorch itself loaded (same libgomp), so
+ * torch.set_num_threads applies and no second thread pool competes for the cores.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -24,7 +23,7 @@
 
 #define GROUP 32
 #define TILE 16
-#define MBLOCK 8 /* tokens per row tile: 8 x 16 rows (see tile_kernel) */
+#define MBLOCK 4
 #define PREFETCH 2048
 
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
@@ -67,19 +66,14 @@ static void quantize_row(const void *x, int bf16, int64_t K, int8_t *qx, float *
     }
 }
 
-/* mb tokens (mb <= MBLOCK) x one tile of 16 rows: each 64-byte weight load and its nibble
- * unpacking serve all mb tokens, whose accumulators stay in registers (mb = 8: 16 integer
- * + 8 float zmm). Per token an accumulator per term; with one or two tokens the even and
- * odd steps get their own (four per token), else too few vpdpbusd chains would be in
- * flight to hide its latency. The sums are exact integers, so the split never changes a
- * result: a token's output is the same whatever mb and its position in the block.
- * Always inlined with constant bits and mb (see tile_dispatch), so the loops over tokens
- * unroll and the accumulators stay in registers. */
+/* mb tokens (mb <= MBLOCK) x one tile of 16 rows. Four accumulators per token (term 1/2 x
+ * even/odd step) keep the vpdpbusd dependency chains short. Always inlined with constant
+ * bits and mb (see tile_dispatch), so the loops over tokens unroll and the accumulators
+ * stay in registers. */
 static inline __attribute__((always_inline)) void tile_kernel(
     const uint8_t *w, const int bits, int64_t groups, const int mb, const int8_t *qx,
     const float *dx, const float *sx, int64_t K, float *out /* [mb][16] */) {
     const int steps = bits == 4 ? 4 : 8;
-    const int split = mb <= 2; /* odd steps into a[m][term + 2] */
     const int64_t group_bytes = (int64_t)steps * 64 + 64;
     __m512 y[MBLOCK];
     for (int m = 0; m < MBLOCK; m++) y[m] = _mm512_setzero_ps();
@@ -91,25 +85,32 @@ static inline __attribute__((always_inline)) void tile_kernel(
             a[m][0] = a[m][1] = a[m][2] = a[m][3] = _mm512_setzero_si512();
         /* the hardware prefetchers stop at 4 KB pages: keep PREFETCH bytes in flight */
         for (int s = 0; s <= steps; s++) _mm_prefetch((const char *)gw + PREFETCH + s * 64, _MM_HINT_T0);
-        for (int i = 0; i < 4; i++) { /* inputs 8 i .. 8 i + 7 of the group */
-            __m512i v0, v1; /* inputs 8 i .. + 3 and 8 i + 4 .. + 7 of the 16 rows */
-            if (bits == 4) {
-                __m512i v = _mm512_loadu_si512((const void *)(gw + i * 64));
-                v0 = _mm512_and_si512(v, low4);
-                v1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-            } else {
-                v0 = _mm512_loadu_si512((const void *)(gw + 2 * i * 64));
-                v1 = _mm512_loadu_si512((const void *)(gw + 2 * i * 64 + 64));
+        if (bits == 4) {
+            for (int s = 0; s < 4; s++) {
+                __m512i v = _mm512_loadu_si512((const void *)(gw + s * 64));
+                __m512i lo = _mm512_and_si512(v, low4);
+                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+                for (int m = 0; m < mb; m++) {
+                    const int32_t *q1 = (const int32_t *)(qx + 2 * (m * K + g * GROUP) + s * 8);
+                    const int32_t *q2 = q1 + GROUP / 4;
+                    a[m][0] = _mm512_dpbusd_epi32(a[m][0], lo, _mm512_set1_epi32(q1[0]));
+                    a[m][1] = _mm512_dpbusd_epi32(a[m][1], hi, _mm512_set1_epi32(q1[1]));
+                    a[m][2] = _mm512_dpbusd_epi32(a[m][2], lo, _mm512_set1_epi32(q2[0]));
+                    a[m][3] = _mm512_dpbusd_epi32(a[m][3], hi, _mm512_set1_epi32(q2[1]));
+                }
             }
-            const int at = 8 * i;
-            const int odd = split ? 2 : 0;
-            for (int m = 0; m < mb; m++) {
-                const int32_t *q1 = (const int32_t *)(qx + 2 * (m * K + g * GROUP) + at);
-                const int32_t *q2 = q1 + GROUP / 4;
-                a[m][0] = _mm512_dpbusd_epi32(a[m][0], v0, _mm512_set1_epi32(q1[0]));
-                a[m][odd] = _mm512_dpbusd_epi32(a[m][odd], v1, _mm512_set1_epi32(q1[1]));
-                a[m][1] = _mm512_dpbusd_epi32(a[m][1], v0, _mm512_set1_epi32(q2[0]));
-                a[m][1 + odd] = _mm512_dpbusd_epi32(a[m][1 + odd], v1, _mm512_set1_epi32(q2[1]));
+        } else {
+            for (int s = 0; s < 8; s += 2) {
+                __m512i v0 = _mm512_loadu_si512((const void *)(gw + s * 64));
+                __m512i v1 = _mm512_loadu_si512((const void *)(gw + s * 64 + 64));
+                for (int m = 0; m < mb; m++) {
+                    const int32_t *q1 = (const int32_t *)(qx + 2 * (m * K + g * GROUP) + s * 4);
+                    const int32_t *q2 = q1 + GROUP / 4;
+                    a[m][0] = _mm512_dpbusd_epi32(a[m][0], v0, _mm512_set1_epi32(q1[0]));
+                    a[m][1] = _mm512_dpbusd_epi32(a[m][1], v1, _mm512_set1_epi32(q1[1]));
+                    a[m][2] = _mm512_dpbusd_epi32(a[m][2], v0, _mm512_set1_epi32(q2[0]));
+                    a[m][3] = _mm512_dpbusd_epi32(a[m][3], v1, _mm512_set1_epi32(q2[1]));
+                }
             }
         }
         const uint8_t *sc = gw + steps * 64;
@@ -118,8 +119,8 @@ static inline __attribute__((always_inline)) void tile_kernel(
         for (int m = 0; m < mb; m++) {
             int64_t gi = m * (K / GROUP) + g;
             /* 256 term1 + term2 < 2^31: |term1| <= 32 * 255 * 127 */
-            __m512i t1 = split ? _mm512_add_epi32(a[m][0], a[m][2]) : a[m][0];
-            __m512i t2 = split ? _mm512_add_epi32(a[m][1], a[m][3]) : a[m][1];
+            __m512i t1 = _mm512_add_epi32(a[m][0], a[m][1]);
+            __m512i t2 = _mm512_add_epi32(a[m][2], a[m][3]);
             __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(t1, 8), t2));
             y[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(scale, _mm512_set1_ps(dx[gi])), y[m]);
             y[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sx[gi]), y[m]);
@@ -129,17 +130,15 @@ static inline __attribute__((always_inline)) void tile_kernel(
 }
 
 #define TILE_CASE(B, MB)                                                                     \
-    case (B) * 16 + (MB):                                                                     \
+    case (B) * 8 + (MB):                                                                     \
         tile_kernel(w, B, groups, MB, qx, dx, sx, K, out);                                   \
         break;
 
 static void tile_dispatch(const uint8_t *w, int bits, int64_t groups, int mb, const int8_t *qx,
                           const float *dx, const float *sx, int64_t K, float *out) {
-    switch (bits * 16 + mb) {
+    switch (bits * 8 + mb) {
         TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3) TILE_CASE(4, 4)
-        TILE_CASE(4, 5) TILE_CASE(4, 6) TILE_CASE(4, 7) TILE_CASE(4, 8)
         TILE_CASE(8, 1) TILE_CASE(8, 2) TILE_CASE(8, 3) TILE_CASE(8, 4)
-        TILE_CASE(8, 5) TILE_CASE(8, 6) TILE_CASE(8, 7) TILE_CASE(8, 8)
     }
 }
 
