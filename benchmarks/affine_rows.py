@@ -44,7 +44,7 @@ def seconds(x: torch.Tensor, tiles: torch.Tensor, bits: int, n: int, calls: int)
 def forward_seconds(layers: list, xs: dict, bits: int, m: int) -> float:
     """One pass over every layer's projections, weights streamed from memory (> L3)."""
     start = time.perf_counter()
-    for name, n, k, tiles in layers:
+    for _name, n, k, tiles in layers:
         native.affine_gemm(xs[m, k], tiles, bits, n)
     return time.perf_counter() - start
 
