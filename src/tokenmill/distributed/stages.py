@@ -1,4 +1,5 @@
-"""One pipeline stage of a decoder: a contiguous run of layers, built and loaded alone.
+"""One pipeline stage of a causal model: a contiguous run of layers, built and loaded alone
+(any family of ``families.FAMILIES`` or a decoder: names and layer calls per family).
 
 Stage s of P holds layers [start_s, end_s) (an even split, earlier stages taking the
 remainder), renumbered from 0 so its KV caches and names are local. Stage 0 embeds; the
@@ -6,7 +7,8 @@ last stage holds the final norm, the output head and the sampler, and is the dri
 (rank 0), so the scheduler and sampler stay where they are with one device. Ranks 1..P-1
 are stages 0..P-2 (with tensor parallelism too, each stage is a TP group: ``grid.Grid``).
 Per step each stage receives the previous stage's (hidden, residual) [2, T, hidden]
-(stage 0: the token ids of the broadcast) from its peer rank, runs its layers over them
+(or the hidden [T, hidden] alone: ``Family.pairs``; stage 0: the token ids of the
+broadcast, and with recurrent layers each sequence's state slot) from its peer rank, runs its layers over them
 and sends the pair on, one micro-batch of rows at a time (``micro_batches``), so the
 stages overlap within a step. A worker's sends of a step are waited for only when the step
 after next starts (``Outbox``): with the stages overlapping across steps the driver takes
