@@ -111,3 +111,18 @@ def test_differences_sees_a_pipeline_change_the_probes_miss(smollm2_tok, tmp_pat
     (folder / "tokenizer.json").write_text(json.dumps(data))
     found = hf_folder.differences(smollm2_tok.hf, hf_folder.load_hf_folder(folder))
     assert found == ["the tokenizers pipeline (its JSON as the library writes it back)"]
+
+
+def test_gemma3_fast_form_equals_its_plain_folder(gemma_tok, tmp_path):
+    """The folder as ``save_pretrained`` writes it, loaded the slow way (AutoTokenizer:
+    GemmaTokenizer rebuilt in Python), and the fast form: the same tokenizer."""
+    from transformers import AutoTokenizer
+
+    plain_dir, fast_dir = tmp_path / "plain", tmp_path / "fast"
+    gemma_tok.hf.save_pretrained(str(plain_dir))
+    assert hf_folder.save_fast(gemma_tok.hf, fast_dir)
+    plain = AutoTokenizer.from_pretrained(str(plain_dir))
+    fast = hf_folder.load_hf_folder(fast_dir)
+    assert hf_folder.differences(plain, fast) == []
+    for text in MORE_TEXTS:
+        assert fast.encode(text) == plain.encode(text)
