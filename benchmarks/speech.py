@@ -260,7 +260,7 @@ def bench_tts(voice_dir: Path, repeat: int) -> list[list[str]]:
     from piper import PiperVoice
 
     from tokenmill.speech import TTS
-    from tokenmill.speech.espeak import phonemize
+    from tokenmill.speech.espeak import phonemize_sentences
 
     text = " ".join(SENTENCES[:6])
     first = SENTENCES[0]
@@ -321,11 +321,16 @@ def bench_tts(voice_dir: Path, repeat: int) -> list[list[str]]:
         vs = "" if k == "ours" else f"{rtf[k] / rtf['ours']:.2f}x, {cpu[k] / cpu['ours']:.2f}x"
         rows.append([name, f"{rtf[k]:.3f}", f"{cpu[k]:.3f}", f"{1 / rtf[k]:.1f}",
                      f"{first_ms[k]:.0f}", f"{stall_ms[k]:.0f}", vs])  # fmt: skip
-    same = sum(
-        ours.voice.ids(phonemize(s)) == theirs.phonemes_to_ids(theirs.phonemize(s)[0])
-        for s in SENTENCES
-    )
-    rows.append([f"same phoneme ids as piper-tts: {same}/{len(SENTENCES)} sentences", *[""] * 6])
+    same, same_but_j = 0, 0
+    for s in SENTENCES:
+        mine = [ours.voice.ids(p) for p in phonemize_sentences(s)]
+        phonemes = theirs.phonemize(s)
+        same += mine == [theirs.phonemes_to_ids(p) for p in phonemes]
+        # piper-tts' espeak-ng build (after 1.52) writes a linking ʲ after an i vowel
+        # before a vowel ("the old": ðɪʲ), a regression ours (1.52) does not have
+        same_but_j += mine == [theirs.phonemes_to_ids([c for c in p if c != "ʲ"]) for p in phonemes]
+    rows.append([f"same phoneme ids as piper-tts: {same}/{len(SENTENCES)} sentences, "
+                 f"{same_but_j}/{len(SENTENCES)} but its espeak-ng's ʲ", *[""] * 6])  # fmt: skip
     return rows
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.speech.espeak import phonemize
-from tokenmill.speech.tts import AudioParams, split_sentences
+from tokenmill.speech.espeak import phonemize, phonemize_sentences
+from tokenmill.speech.tts import AudioParams
 from tokenmill.speech.vits import Scales
 
 HIDDEN = [
@@ -71,11 +71,10 @@ def test_stream_pieces_join_into_the_whole(tts):
     chunks = list(tts.generate_speech_stream(text))
     assert len(chunks) > 3 and all(len(c) % 2 == 0 for c in chunks)  # sentences, in pieces
     streamed = np.frombuffer(b"".join(chunks), dtype="<i2").astype(np.int32)
-    whole = np.concatenate(
-        [(tts.synthesize(s).numpy() * 32767).round() for s in split_sentences(text)]
-    )
+    sentences = ["Hello there.", "How are you today?", "Fine, thanks."]
+    whole = np.concatenate([(tts.synthesize(s).numpy() * 32767).round() for s in sentences])
     assert len(streamed) == len(whole) and np.abs(streamed - whole).max() <= 1
-    assert split_sentences("One.  Two!\nThree") == ["One.", "Two!", "Three"]
+    assert len(phonemize_sentences("One.  Two!\nThree")) == 3
 
 
 def test_vocoder_pieces_equal_the_one_piece_output(tts):
@@ -149,7 +148,7 @@ def test_first_sentence_streams_in_growing_pieces(tts, long_sentences):
     assert [len(c) // 2 for c in chunks[:3]] == [24 * hop, 48 * hop, 96 * hop]
     streamed = np.frombuffer(b"".join(chunks), dtype="<i2").astype(np.int32)
     whole = np.concatenate(
-        [(tts.synthesize(s).numpy() * 32767).round() for s in split_sentences(text)]
+        [(tts.synthesize(s).numpy() * 32767).round() for s in long_sentences[:2]]
     )
     assert len(streamed) == len(whole) and np.abs(streamed - whole).max() <= 1
 
@@ -165,12 +164,15 @@ def test_next_sentences_wait_for_the_first_prior(piper_voice, monkeypatch):
     two = TTS(piper_voice, warmup=False, workers=2)
     events, lock = [], threading.Lock()
     prior = two._prior
+    names = dict(zip(phonemize_sentences("One. Two. Three. Four. Five."),
+                     ["One.", "Two.", "Three.", "Four.", "Five."]))  # fmt: skip
 
-    def traced(sentence, params):
+    def traced(phonemes, params):
+        sentence = names[phonemes]
         with lock:
             events.append(("start", sentence))
         time.sleep(0.05 if sentence == "One." else 0)
-        out = prior(sentence, params)
+        out = prior(phonemes, params)
         with lock:
             events.append(("end", sentence))
         return out
@@ -183,4 +185,121 @@ def test_next_sentences_wait_for_the_first_prior(piper_voice, monkeypatch):
     assert events[:2] == [("start", "One."), ("end", "One.")]
     assert sorted(s for kind, s in events if kind == "start") == sorted(
         ["One.", "Two.", "Three.", "Four.", "Five."]
+    )
+
+
+# piper-tts 1.8.0's phonemes (``PiperVoice.phonemize``, each sentence's symbols joined) for
+# inputs where a phonemizer goes wrong: numbers, abbreviations, quotes, dashes, ellipses,
+# ?! marks, brackets, accented letters, lines. Made with piper-tts (not a test dependency).
+PIPER_PHONEMES = {
+    "Hello, world! How are you? Fine; thanks: ok.": [
+        "həlˈoʊ, wˈɜːld!",
+        "hˈaʊ ɑːɹ juː?",
+        "fˈaɪn; θˈæŋks: ˌoʊkˈeɪ.",
+    ],
+    "I have 3 apples and 25 oranges, costing $4.50 in 2024.": [
+        "aɪ hæv θɹˈiːʲ ˈæpəlz ænd twˈɛnti fˈaɪv ˈɔɹɪndʒᵻz, kˈɔstɪŋ dˈɑːlɚ fˈɔːɹ pɔɪnt fˈaɪv zˈiəɹoʊ ɪn tˈuː θˈaʊzənd twˈɛnti fˈɔːɹ."
+    ],
+    "It's 3.14159 exactly.": ["ɪts θɹˈiː pɔɪnt wˈʌn fˈɔːɹ wˈʌn fˈaɪv nˈaɪn ɛɡzˈæktli."],
+    "The price is 1,234,567 dollars, i.e. a lot.": [
+        "ðə pɹˈaɪs ɪz wˈʌn mˈɪliən tˈuːhˈʌndɹɪd θˈɜːɾi fˈɔːɹ θˈaʊzənd fˈaɪvhˈʌndɹɪd sˈɪksti sˈɛvən dˈɑːlɚz, ˌaɪˌiːʲˈeɪ lˈɑːt."
+    ],
+    "The 1st, 2nd and 3rd place; 50% more. Call 555-1234 now!": [
+        "ðə fˈɜːst, sˈɛkənd ænd θˈɜːd plˈeɪs; fˈɪfti pɚsˈɛnt mˈɔːɹ.",
+        "kˈɔːl fˈaɪvhˈʌndɹɪd fˈɪfti fˈaɪv dˈæʃ wˈʌn θˈaʊzənd tˈuːhˈʌndɹɪd θˈɜːɾi fˈɔːɹ nˈaʊ!",
+    ],
+    "Dr. Smith lives on Main St. near the U.S. border.": [
+        "dˈɑːktɚ.",
+        "smˈɪθ lˈaɪvz ˌɔn mˈeɪnstɹˌiːt nˌɪɹ ðə jˌuːˈɛs bˈɔːɹdɚ.",
+    ],
+    "Mr. Jones arrived at 10:30 a.m. on Jan. 5th.": [
+        "mˈɪstɚ.",
+        "dʒˈoʊnz ɚɹˈaɪvd æt tˈɛn θˈɜːɾiʲ ˌeɪˈɛm ˌɔn dʒˈæn.",
+        "fˈɪfθ.",
+    ],
+    "e.g. this, etc.": ["fˌɔːɹɛɡzˈæmpəl ðˈɪs, ɛtsˈɛtɹə."],
+    'She said "hello" and left.': ["ʃiː sˈɛd həlˈoʊ ænd lˈɛft."],
+    "He said, “Don't go!” and ran.": ["hiː sˈɛd, dˈoʊnt ɡˈoʊ!", "ænd ɹˈæn."],
+    "He said: “It’s fine.” Then he left (quietly).": [
+        "hiː sˈɛd: ɪts fˈaɪn.",
+        "ðˈɛn hiː lˈɛft kwˈaɪətli.",
+    ],
+    "'Single quotes' here. « Bonjour » dit-il.": ["sˈɪŋɡəl kwˈoʊts hˈɪɹ.", "bɔːnʒˈʊɹ dˈɪtˈɪl."],
+    '"Quoted sentence." Another one.': ["kwˈoʊɾᵻd sˈɛntəns.", "ɐnˈʌðɚ wˌʌn."],
+    "Well — I think so. It's a well-known fact - really. Dash – en.": [
+        "wˈɛl; aɪ θˈɪŋk sˈoʊ.",
+        "ɪts ɐ wˈɛlnˈoʊn fˈækt ɹˈiəli.",
+        "dˈæʃ; ˈɛn.",
+    ],
+    "Wait... what? Ellipsis… unicode.": ["wˈeɪtwˌʌt?", "ɪlˈɪpsɪsjˈuːnɪkˌoʊd."],
+    "What?!? Are you sure...? No!!! Really??": ["wˌʌt?", "ɑːɹ juː ʃˈʊɹnˈoʊ!", "ɹˈiəli?"],
+    "Is it true?! Yes!": ["ɪz ɪt tɹˈuː?", "jˈɛs!"],
+    "The result (see above) was clear. (Parenthetical sentence.) Next. [Bracketed] {braced}.": [
+        "ðə ɹɪzˈʌlt sˈiːʲ əbˌʌv wʌz klˈɪɹ.",
+        "pɚɹənθˈɛɾɪkəl sˈɛntəns.",
+        "nˈɛkst.",
+        "bɹˈækɪɾᵻd bɹˈeɪst.",
+    ],
+    "Café naïve résumé façade Zürich. Über straße. Jalapeño crème brûlée, São Paulo.": [
+        "kæfˈeɪ naɪˈiːv ɹˈɛzuːmˌeɪ fəsˈɑːd zˈuːɹɪtʃ.",
+        "ˈuːbɚ stɹˈeɪs.",
+        "dʒˌælɐpˈiːnjoʊ kɹˈɛm bɹuːlˈeɪ, sˈaʊ pˈɔːloʊ.",
+    ],
+    "one. two. three.": ["wˈʌn tˈuː θɹˈiː."],
+    "First line.\nSecond line\nthird": ["fˈɜːst lˈaɪn.", "sˈɛkənd lˈaɪn θˈɜːd"],
+    "No punctuation at the end": ["nˈoʊ pˌʌŋktʃuːˈeɪʃən æt ðɪʲ ˈɛnd"],
+    "A line with a trailing comma,": ["ɐ lˈaɪn wɪð ɐ tɹˈeɪlɪŋ kˈɑːmə, "],
+    "  Two  spaces   here.\tTab.": ["tˈuː spˈeɪsᵻz hˈɪɹ.", "tˈæb."],
+}
+
+BENCHMARK_PHONEMES = {
+    "My grandmother planted tomatoes and beans in her garden every spring.": "maɪ ɡɹˈændmʌðɚ plˈæntᵻd təmˈeɪɾoʊz ænd bˈiːnz ɪn hɜː ɡˈɑːɹdən ˈɛvɹi spɹˈɪŋ.",
+    "The train to the city leaves from platform number four.": "ðə tɹˈeɪn tə ðə sˈɪɾi lˈiːvz fɹʌm plˈætfɔːɹm nˈʌmbɚ fˈɔːɹ.",
+    "Children were playing football in the park after school.": "tʃˈɪldɹən wɜː plˈeɪɪŋ fˈʊtbɔːl ɪnðə pˈɑːɹk ˈæftɚ skˈuːl.",
+    "Turn left at the bank and walk straight until you see the library.": "tˈɜːn lˈɛft æt ðə bˈæŋk ænd wˈɔːk stɹˈeɪt ʌntˈɪl juː sˈiː ðə lˈaɪbɹɛɹi.",
+    "The doctor told him to drink more water and sleep longer.": "ðə dˈɑːktɚ tˈoʊld hˌɪm tə dɹˈɪŋk mˈɔːɹ wˈɔːɾɚ ænd slˈiːp lˈɔŋɡɚ.",
+    "A cold wind was blowing from the north all night long.": "ɐ kˈoʊld wˈɪnd wʌz blˈoʊɪŋ fɹʌmðə nˈɔːɹθ ˈɔːl nˈaɪt lˈɔŋ.",
+    "She bought a new computer because the old one was too slow.": "ʃiː bˈɔːt ɐ nˈuː kəmpjˈuːɾɚ bɪkˈʌz ðɪʲ ˈoʊld wˈʌn wʌz tˈuː slˈoʊ.",
+    "The museum opens at ten and closes at five on weekdays.": "ðə mjuːzˈiəm ˈoʊpənz æt tˈɛn ænd klˈoʊzᵻz æt fˈaɪv ˌɔn wˈiːkdeɪz.",
+    "Our team finished the report just before the deadline.": "ˌaʊɚ tˈiːm fˈɪnɪʃt ðə ɹᵻpˈɔːɹt dʒˈʌst bᵻfˌɔːɹ ðə dˈɛdlaɪn.",
+    "He likes to read history books while drinking black coffee.": "hiː lˈaɪks tə ɹˈiːd hˈɪstɚɹi bˈʊks wˌaɪl dɹˈɪŋkɪŋ blˈæk kˈɔfi.",
+    "The river flows through the valley and into the sea.": "ðə ɹˈɪvɚ flˈoʊz θɹuː ðə vˈæli ænd ˌɪntʊ ðə sˈiː.",
+    "Remember to lock the door when you leave the house.": "ɹᵻmˈɛmbɚ tə lˈɑːk ðə dˈɔːɹ wɛn juː lˈiːv ðə hˈaʊs.",
+    "The little boat sailed across the quiet lake at sunrise.": "ðə lˈɪɾəl bˈoʊt sˈeɪld əkɹˌɑːs ðə kwˈaɪət lˈeɪk æt sˈʌnɹaɪz.",
+    "Please bring your umbrella because it may rain this afternoon.": "plˈiːz bɹˈɪŋ jʊɹ ʌmbɹˈɛlə bɪkˈʌz ɪt mˈeɪ ɹˈeɪn ðɪs ˌæftɚnˈuːn.",
+    "Fresh bread and warm soup make a wonderful dinner in winter.": "fɹˈɛʃ bɹˈɛd ænd wˈɔːɹm sˈuːp mˌeɪk ɐ wˈʌndɚfəl dˈɪnɚɹ ɪn wˈɪntɚ.",
+    "The students listened carefully while the teacher explained the lesson.": "ðə stˈuːdənts lˈɪsənd kˈɛɹfəli wˌaɪl ðə tˈiːtʃɚɹ ɛksplˈeɪnd ðə lˈɛsən.",
+}
+
+
+def _piper_ids(voice_dir, sentences):
+    import json
+
+    m = json.loads(next(voice_dir.glob("*.onnx.json")).read_text())["phoneme_id_map"]
+    return [m["^"] + m["_"] + [i for ch in s if ch in m for i in m[ch] + m["_"]] + m["$"]
+            for s in sentences]  # fmt: skip
+
+
+def _without_linking_j(sentences):
+    """piper-tts' espeak-ng build (after 1.52) writes the linking phoneme between an i vowel
+    and a vowel as ʲ ("the old" -> ðɪʲ ˈoʊld), a regression (espeak-ng issue #2367) that
+    1.52, ours, and the espeak-ng the voices were trained with do not have."""
+    return [s.replace("\u02b2", "") for s in sentences]
+
+
+def test_phoneme_ids_equal_piper_tts(piper_voice):
+    """Our ids for each sentence equal those piper-tts makes from ``PIPER_PHONEMES`` and
+    ``BENCHMARK_PHONEMES`` (its espeak-ng's ʲ aside): the sentences as espeak-ng splits
+    them, each clause followed by its mark, no quote or bracket kept, no word lost after a
+    decimal point."""
+    cases = [*PIPER_PHONEMES.items(), *((t, [p]) for t, p in BENCHMARK_PHONEMES.items())]
+    for text, expected in cases:
+        ours = phonemize_sentences(text)
+        assert ours == _without_linking_j(expected), text
+        assert _piper_ids(piper_voice, ours) == _piper_ids(
+            piper_voice, _without_linking_j(expected)
+        )
+    # the sentence piper-tts gives ʲ (15 of the 16 equal it verbatim)
+    assert (
+        "ðɪʲ" in BENCHMARK_PHONEMES["She bought a new computer because the old one was too slow."]
     )

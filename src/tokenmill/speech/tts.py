@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenmill.speech.espeak import phonemize
+from tokenmill.speech.espeak import phonemize, phonemize_sentences
 from tokenmill.speech.piper import load_piper
 from tokenmill.speech.vits import Piece, pieces
 from tokenmill.speech.workers import TaskPool
@@ -36,12 +35,6 @@ class AudioParams:
     def __post_init__(self) -> None:
         if not 0.25 <= self.speed <= 4.0:
             raise ValueError(f"speed must be in [0.25, 4.0], got {self.speed}")
-
-
-def split_sentences(text: str) -> list[str]:
-    """Sentences (end punctuation then space); each is synthesized and streamed on its own."""
-    parts = re.split(r"(?<=[.!?;:])\s+|\n+", text.strip())
-    return [p.strip() for p in parts if p.strip()]
 
 
 def to_pcm16(audio: torch.Tensor) -> bytes:
@@ -97,9 +90,9 @@ class TTS:
                 f"unknown voice {params.voice!r}; known voices: {self.list_voices()} (or 'default')"
             )
 
-    def _prior(self, sentence: str, params: AudioParams) -> torch.Tensor:
-        """One sentence -> the flows' input [1, inter, frames] (``Vits.prior``)."""
-        ids = self.voice.ids(phonemize(sentence, self.voice.espeak_voice))
+    def _prior(self, phonemes: str, params: AudioParams) -> torch.Tensor:
+        """One sentence's phonemes -> the flows' input [1, inter, frames] (``Vits.prior``)."""
+        ids = self.voice.ids(phonemes)
         base = self.voice.scales
         scales = replace(base, length=base.length / params.speed)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
@@ -111,7 +104,8 @@ class TTS:
 
         def run() -> torch.Tensor:
             model = self.voice.model
-            return model.dec(model.flows(self._prior(sentence, params)))[0, 0]
+            phonemes = phonemize(sentence, self.voice.espeak_voice)
+            return model.dec(model.flows(self._prior(phonemes, params)))[0, 0]
 
         return self._pool.submit((next(self._streams),), run).result()  # type: ignore[no-any-return]
 
@@ -119,10 +113,12 @@ class TTS:
         self, text: str, params: AudioParams = AudioParams()
     ) -> Iterator[bytes]:
         """int16 LE mono PCM chunks in order, each as soon as it is synthesized: sentence
-        by sentence, the first one's first ``FIRST`` frames on their own (the same bytes
-        whatever the timing and the workers: the pieces depend on the text only)."""
+        by sentence (espeak-ng's sentences, split as piper-tts splits them: an abbreviation's
+        full stop or a semicolon ends none), the first one's first ``FIRST`` frames on their
+        own (the same bytes whatever the timing and the workers: the pieces depend on the
+        text only)."""
         self._check(params)
-        sentences = split_sentences(text)
+        sentences = phonemize_sentences(text, self.voice.espeak_voice)
         if not sentences:
             raise ValueError("the input text is empty")
         stream = _Stream(self, next(self._streams), sentences, params)
