@@ -8,17 +8,22 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "hybrid"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "multimodal"))
 import hybrid_checkpoints as hc  # noqa: E402
+from qwen_vl_checkpoints import make_qwen_vl, random_image  # noqa: E402
 
 from tokenmill.distributed.hybrid_split import SpreadGroupNorm  # noqa: E402
 from tokenmill.errors import UnsupportedModelError  # noqa: E402
 from tokenmill.executor.multiproc import MultiprocExecutor  # noqa: E402
 
+Probe = Callable[[Any], None]
 STEPS = 6
 PROMPTS = hc.random_prompts(5, seed=1, longest=40)
 OPTIONS = {"num_kv_blocks": 20, "max_model_len": 64, "ssm_state_cache_size": 5,
@@ -26,6 +31,8 @@ OPTIONS = {"num_kv_blocks": 20, "max_model_len": 64, "ssm_state_cache_size": 5,
 """20 blocks of 4 tokens for 5 sequences of up to 46: some are preempted and recomputed."""
 MAKERS = {
     "qwen3_5": hc.make_qwen3_5,
+    # Qwen3_5ForConditionalGeneration: text_config, model.language_model.*, model.visual.*
+    "qwen3_5_vl": hc.make_qwen3_5_vl,
     # one group of B / C for all 8 heads: each rank's gated norm sums over both ranks
     "mamba2_one_group": lambda p, tok: hc.make_mamba2(p, tok, n_groups=1),
     "lfm2": hc.make_lfm2,
@@ -47,12 +54,15 @@ def checkpoints(tmp_path_factory, smollm2_hf_tokenizer):
     return get
 
 
-def _session(path: Path, **sizes) -> tuple[list, list, int, int]:
+def _session(path: Path, probe: Probe | None = None, **sizes) -> tuple[list, list, int, int]:
     """The batch's greedy tokens, then a second turn of prompt 1 (resumed from the snapshot
-    of its first turn), the preemptions and the snapshot restores."""
+    of its first turn), the preemptions and the snapshot restores. ``probe``: called with
+    the parallel engines first."""
     with hc.hybrid_llm(path, **OPTIONS, **sizes) as llm:
         if sizes:
             assert isinstance(llm.engine.executor, MultiprocExecutor)
+            if probe is not None:
+                probe(llm)
         batch = [t for t, _ in hc.tokenmill_greedy(llm, PROMPTS, STEPS)]
         [(turn1, _)] = hc.tokenmill_greedy(llm, [PROMPTS[1]], STEPS)
         turn2 = PROMPTS[1] + turn1 + [7, 8, 9]  # resumes at turn 1's prompt end but one
@@ -65,12 +75,12 @@ def _session(path: Path, **sizes) -> tuple[list, list, int, int]:
         return batch, again, llm.engine.scheduler.num_preemptions, restores
 
 
-def _check(checkpoints, family: str, sizes: list[dict]) -> None:
+def _check(checkpoints, family: str, sizes: list[dict], probe: Probe | None = None) -> None:
     path = checkpoints(family)
     ref_batch, ref_again, ref_preempted, ref_restores = _session(path)
     assert ref_preempted > 0 and ref_restores > 0  # the case is what it claims to be
     for size in sizes:
-        batch, again, preempted, restores = _session(path, **size)
+        batch, again, preempted, restores = _session(path, probe, **size)
         assert batch == ref_batch, size
         assert again == ref_again, size
         assert preempted > 0 and restores == ref_restores, size
@@ -87,8 +97,36 @@ def test_other_families_tp2_and_pp2(checkpoints, family):
     _check(checkpoints, family, [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
 
 
+def _refuses_an_image(llm) -> None:
+    """tokenmill runs no Qwen3.5 vision tower: media are refused as on one process."""
+    image = {"prompt": "hi", "multi_modal_data": {"image": random_image(28, 28, 0)}}
+    with pytest.raises(ValueError, match="no vision or audio encoder"):
+        llm.generate(image, use_tqdm=False)
+
+
+def test_qwen3_5_vision_checkpoint_tp2_and_pp2_text(checkpoints):
+    """The real Qwen3.5 checkpoints' layout (text_config, model.language_model.*, a
+    model.visual.* tower): the stage and shard cuts reach the language model's config."""
+    sizes = [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]
+    _check(checkpoints, "qwen3_5_vl", sizes, probe=_refuses_an_image)
+
+
+@pytest.mark.parametrize("sizes", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
+def test_a_model_with_a_vision_encoder_is_refused_before_any_worker(tmp_path, sizes):
+    """Qwen2.5-VL's encoder (and the embeddings it hands the first stage) run on one
+    process only: a clear refusal, not its nested config's missing vocab_size."""
+    path = make_qwen_vl(tmp_path / "vl")
+    started = time.monotonic()
+    with pytest.raises(
+        ValueError,
+        match="vision / audio encoder.*use tensor_parallel_size=pipeline_parallel_size=1",
+    ):
+        hc.hybrid_llm(path, **sizes)
+    assert time.monotonic() - started < 5
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen3_5", "mamba2_one_group"])
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_vl", "mamba2_one_group"])
 def test_tp2_x_pp2_greedy_equals_one_process(checkpoints, family):
     _check(checkpoints, family, [{"tensor_parallel_size": 2, "pipeline_parallel_size": 2}])
 

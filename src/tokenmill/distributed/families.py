@@ -11,6 +11,7 @@ says it once per family; ``stages.PPStage`` runs any of them the same way.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,13 @@ class Family:
     types: Callable[[dict[str, Any]], Sequence[str]] | None = None
     carry_fp32: Callable[[dict[str, Any]], bool] = lambda hf: False
     """Whether the hidden between stages is float32 (Mamba2's ``residual_in_fp32``)."""
+    text: Callable[[dict[str, Any]], dict[str, Any]] = lambda hf: hf
+    """config.json -> the language model's config, which every callable above reads."""
+    nest: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
+    """(config.json, a rank's edited language config) -> the config.json the rank builds
+    from; None: a flat config (the edits are config.json itself). ``nested.NestedPart``."""
+    drops: tuple[str, ...] = ()
+    """Checkpoint name prefixes no rank loads (a vision tower the model never runs)."""
 
     def layer_types(self, hf: dict[str, Any]) -> list[str] | None:
         return None if self.types is None else list(self.types(hf))
@@ -235,8 +243,30 @@ FALCON_H1 = Family(
 )
 
 
+# -- Qwen3.5 vision-language checkpoints: the same layers one level down -------------------
+
+
+def _qwen3_5_vl_text(hf: dict[str, Any]) -> dict[str, Any]:
+    from tokenmill.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+
+    return Qwen3_5ForConditionalGeneration.text_config(hf)  # the top-level tie flag wins
+
+
+QWEN3_5_VL = dataclasses.replace(
+    QWEN3_5,
+    # "model.language_model.layers.N." etc.: the built model's attributes stay model.*
+    layers_name="model.language_model.layers.",
+    table_names=("model.language_model.embed_tokens.",),
+    final_names=("model.language_model.norm.", "lm_head."),
+    text=_qwen3_5_vl_text,
+    nest=lambda hf, text: {**hf, "text_config": text},
+    drops=("model.visual.",),  # one process drops them too (text-only language model)
+)
+
+
 FAMILIES: dict[str, Family] = {
     "Qwen3_5ForCausalLM": QWEN3_5,
+    "Qwen3_5ForConditionalGeneration": QWEN3_5_VL,
     "Qwen3NextForCausalLM": QWEN3_5,
     "Mamba2ForCausalLM": MAMBA2,
     "Lfm2ForCausalLM": LFM2,

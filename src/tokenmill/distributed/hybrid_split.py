@@ -319,6 +319,7 @@ def _lfm2(hf: dict[str, Any]) -> HybridSplit:
 SPLITS: dict[str, Callable[[dict[str, Any]], HybridSplit]] = {
     "Qwen3_5ForCausalLM": _qwen3_5,
     "Qwen3NextForCausalLM": _qwen3_5,
+    "Qwen3_5ForConditionalGeneration": _qwen3_5,  # given the text_config (Family.text)
     "Mamba2ForCausalLM": _mamba2,
     "Lfm2ForCausalLM": _lfm2,
     "FalconH1ForCausalLM": _falcon_h1,

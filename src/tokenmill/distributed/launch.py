@@ -156,9 +156,10 @@ def check_parallel_model(config: EngineConfig) -> None:
     """Raise a ValueError unless the checkpoint's model splits as ``config.parallel`` says."""
     parallel = config.parallel
     ckpt = load_checkpoint(config.model)
-    hf = ckpt.hf_config
-    model_cls = resolve_model_class(hf.get("architectures"))
+    model_cls = resolve_model_class(ckpt.hf_config.get("architectures"))
+    check_media(config, model_cls)
     family = family_of(model_cls)
+    hf = family.text(ckpt.hf_config)  # the language model's (a vision checkpoint nests it)
     name = model_cls.__name__
     kinds = family.kinds(hf)
     if STATE in frozenset().union(*kinds) and config.speculative is not None:
@@ -175,6 +176,23 @@ def check_parallel_model(config: EngineConfig) -> None:
     check_stage_caches(kinds, stages, name)
     if config.torch_device().type == "cuda" and parallel.distributed_executor_backend == "mp":
         check_devices(parallel, torch.cuda.device_count())
+
+
+def check_media(config: EngineConfig, model_cls: type) -> None:
+    """The ranks split a language model only: a model whose vision / audio encoder
+    tokenmill runs (``SupportsMultiModal.encode``: Qwen2/2.5/3-VL, Gemma3, SmolVLM,
+    Qwen2-Audio) is refused under TP / PP, before its nested config is read (its encoder
+    and the placeholder embeddings it hands the first stage are one process's). Qwen3.5's
+    vision checkpoints run their language model (text prompts; media requests are refused
+    as on one process: tokenmill runs no Qwen3.5 vision tower)."""
+    if callable(getattr(model_cls, "encode", None)):
+        p = config.parallel
+        raise UnsupportedModelError(
+            f"{model_cls.__name__} has a vision / audio encoder, which does not run under "
+            f"tensor_parallel_size={p.tensor_parallel_size} x pipeline_parallel_size="
+            f"{p.pipeline_parallel_size} (the ranks split the language model only); use "
+            "tensor_parallel_size=pipeline_parallel_size=1 for this model"
+        )
 
 
 def check_stage_caches(kinds: list[frozenset[str]], stages: list[range], name: str) -> None:

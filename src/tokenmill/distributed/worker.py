@@ -24,6 +24,7 @@ from tokenmill.distributed.grid import Grid
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks, stage_group
 from tokenmill.distributed.hybrid_split import split_of
 from tokenmill.distributed.messages import Forward, Ready, Stop, moved
+from tokenmill.distributed.nested import nested
 from tokenmill.distributed.part import ModelPart
 from tokenmill.distributed.shard import TPShard
 from tokenmill.distributed.stages import PPStage
@@ -59,19 +60,23 @@ def device_of(config: EngineConfig, index: int) -> torch.device:
 def model_part(config: EngineConfig, group: RankGroup) -> ModelPart:
     """This rank's part of the checkpoint's model: a tensor-parallel shard, a stage, or a
     shard of a stage. Collective with TP and PP together (the stages' groups are made)."""
-    hf = load_checkpoint(config.model).hf_config
-    model_cls = resolve_model_class(hf.get("architectures"))
+    raw = load_checkpoint(config.model).hf_config
+    model_cls = resolve_model_class(raw.get("architectures"))
     family = family_of(model_cls)
+    hf = family.text(raw)  # the language model's config (nested in a vision checkpoint)
     cfg = family.arch(hf)
     parallel = config.parallel
     grid = Grid(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
     split = split_of(model_cls, hf)
+    part: ModelPart
     if grid.pp == 1:
-        return TPShard(cfg, group, split)
-    stage = PPStage(cfg, group, grid, family, hf)
-    if grid.tp == 1:
-        return stage
-    return TPStage(TPShard(cfg, stage_group(group, grid), split), stage)
+        part = TPShard(cfg, group, split)
+    elif grid.tp == 1:
+        part = PPStage(cfg, group, grid, family, hf)
+    else:
+        stage = PPStage(cfg, group, grid, family, hf)
+        part = TPStage(TPShard(cfg, stage_group(group, grid), split), stage)
+    return nested(part, family)
 
 
 class Reports(Protocol):
