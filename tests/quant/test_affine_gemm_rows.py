@@ -112,3 +112,17 @@ def test_linear_module_and_shape_checks():
     assert q(x).shape == (2, 5, 48)
     with pytest.raises(ValueError, match="divisible"):
         RowsInt8Linear.of(torch.nn.Linear(60, 48), terms=1)
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+def test_a_row_does_not_depend_on_its_batch(terms):
+    """Row i of a batch equals row i computed in a batch of another size, bit for bit,
+    however the batch falls into chunks (610 rows: 204 + 204 + 202; 300: 152 + 148)."""
+    gen = torch.Generator().manual_seed(11)
+    k, n = 384, 96
+    x = torch.randn(610, k, generator=gen)
+    tiles, _ = _dequantized(torch.randn(n, k, generator=gen) * 0.05)
+    whole = gemm_rows(x, tiles, n, None, terms)
+    for start, m in ((0, 1), (0, 4), (0, 256), (200, 300), (600, 10), (0, 513)):
+        part = gemm_rows(x[start : start + m].contiguous(), tiles, n, None, terms)
+        assert torch.equal(part, whole[start : start + m]), (start, m)
