@@ -33,7 +33,9 @@ DECAY = 0.8
 
 class Recurrent(nn.Module):
     """x [T, hidden] -> x + U tanh(h_t), h_t = DECAY * h_{t-1} + W x_t per sequence; the
-    state after the step's last token goes back to the sequence's slot."""
+    state after the step's last token goes back to the sequence's slot, and the states the
+    step keeps inside a chunk (``run_saves``: a prompt's last token but one) go to their
+    snapshot rows, as every recurrent layer must (a prefix hit resumes from them)."""
 
     def __init__(self, layer_idx: int) -> None:
         super().__init__()
@@ -49,9 +51,14 @@ class Recurrent(nn.Module):
         qsl = ctx.attn.query_start_loc
         for i, (slot, fresh) in enumerate(zip(meta.slot_list, meta.fresh_list)):
             h = torch.zeros(HIDDEN) if fresh else state[slot]
+            saves = dict(meta.run_saves[i]) if meta.run_saves else {}  # tokens in -> row
             for t in range(qsl[i], qsl[i + 1]):
                 h = DECAY * h + drive[t]
                 hs[t] = h
+                row = saves.get(t - qsl[i] + 1)
+                if row is not None:
+                    assert meta.snapshots is not None
+                    meta.snapshots[self.layer_idx][row] = h  # type: ignore[index]
             if qsl[i + 1] > qsl[i]:
                 state[slot] = h
         return x + torch.tanh(hs) @ self.u.T
