@@ -61,9 +61,10 @@ def test_ray_ranks_give_the_one_process_tokens(llama_dir, split):
     assert "worker rank 1" in out.error and "exit code 1" in out.error
     [again] = llm.generate(PROMPTS[:1], sp, use_tqdm=False)  # later requests fail at once
     assert again.outputs[0].finish_reason == "error"
-    # Bounded, not prompt: usually seconds, but a full-suite CI run once saw the driver wait
-    # out the gloo timeout (COLLECTIVE_TIMEOUT, 120 s) in a recv from a live stage-0 rank
-    # left waiting on the dead one (4 ranks). A no-hang bound, not a timing assertion.
-    assert time.monotonic() - started < COLLECTIVE_TIMEOUT.total_seconds() + 60
+    # A no-hang bound, not a timing assertion: before the executor's watchdog, a full-suite
+    # CI run saw the driver wait out the gloo timeout (COLLECTIVE_TIMEOUT, 120 s) in a recv
+    # from a live stage-0 rank left waiting on the dead one (4 ranks). The watchdog kills
+    # the live ranks once one is dead, so no collective waits that long any more.
+    assert time.monotonic() - started < COLLECTIVE_TIMEOUT.total_seconds()
     llm.close()
     assert not ray.is_initialized()  # the engine's own Ray ended with its ranks
