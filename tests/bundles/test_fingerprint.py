@@ -7,7 +7,10 @@ import json
 import os
 
 import pytest
+import tokenizers
+import transformers
 
+from tokenmill import native
 from tokenmill.bundles.fingerprint import (
     BundleInputs,
     FileIdentity,
@@ -24,8 +27,11 @@ BASE = BundleInputs(
     quantization="auto",
     device="cpu",
     cpu_features=("x86_64", "avx512f", "native=True"),
+    native_isa="avx512",
     tokenmill_version="0.1.0",
     torch_version="2.5.0",
+    transformers_version="5.0.0",
+    tokenizers_version="0.22.0",
     format_version=1,
     layout='{"max_model_len":null}',
 )
@@ -38,8 +44,11 @@ CHANGED = {
     "quantization": "int8",
     "device": "cuda-sm90",
     "cpu_features": ("x86_64", "avx512f", "native=False"),
+    "native_isa": "avx2",
     "tokenmill_version": "0.2.0",
     "torch_version": "2.6.0",
+    "transformers_version": "5.1.0",
+    "tokenizers_version": "0.23.0",
     "format_version": 2,
     "layout": '{"max_model_len":512}',
 }
@@ -158,3 +167,42 @@ def test_gguf_file(smollm2_gguf):
     assert [f.name for f in inputs.files] == [smollm2_gguf.name]
     assert inputs.files[0].sha256 is None  # big: size + mtime_ns
     assert inputs.architecture == ""  # read from the file only when loading
+
+
+def test_library_versions_are_the_running_ones(tiny_llama_dir):
+    inputs = bundle_inputs(EngineConfig(model=str(tiny_llama_dir)))
+    assert inputs.transformers_version == transformers.__version__
+    assert inputs.tokenizers_version == tokenizers.__version__
+
+
+@pytest.fixture
+def avx512_cpu(monkeypatch):
+    """A CPU that runs both ISA levels (whatever this one runs); nothing is compiled."""
+    if not hasattr(native, "default_isa"):
+        pytest.skip("native.default_isa (the TOKENMILL_NATIVE_ISA levels) is not in this tree")
+    flags = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"}
+    monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
+    monkeypatch.setattr(native, "isas_available", lambda: ("avx512", "avx2"))
+    monkeypatch.setattr(native, "available", lambda: True)
+    monkeypatch.delenv("TOKENMILL_NATIVE_ISA", raising=False)
+    native.default_isa.cache_clear()
+    yield
+    native.default_isa.cache_clear()  # re-read on this CPU by the next caller
+
+
+def test_native_isa_env_changes_the_key(avx512_cpu, monkeypatch, tiny_llama_dir):
+    """TOKENMILL_NATIVE_ISA picks the kernels' level: another level is another bundle."""
+    best = bundle_inputs(EngineConfig(model=str(tiny_llama_dir)))
+    monkeypatch.setenv("TOKENMILL_NATIVE_ISA", "avx2")
+    native.default_isa.cache_clear()
+    lower = bundle_inputs(EngineConfig(model=str(tiny_llama_dir)))
+    assert (best.native_isa, lower.native_isa) == ("avx512", "avx2")
+    assert best.cpu_features == lower.cpu_features  # the flags alone do not tell them apart
+    assert fingerprint(best) != fingerprint(lower)
+
+
+def test_native_isa_without_default_isa(monkeypatch, tiny_llama_dir):
+    """A native package without ``default_isa`` (before it landed) still gives a key."""
+    monkeypatch.setattr(native, "available", lambda: True)  # library() calls default_isa
+    monkeypatch.delattr(native, "default_isa", raising=False)
+    assert bundle_inputs(EngineConfig(model=str(tiny_llama_dir))).native_isa == ""

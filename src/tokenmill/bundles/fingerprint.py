@@ -18,7 +18,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import tokenizers
 import torch
+import transformers
 
 import tokenmill
 from tokenmill.loader.resolve import default_model_path, detect_format
@@ -70,9 +72,18 @@ class BundleInputs:
     """Device kind: cpu, or cuda with its compute capability."""
     cpu_features: tuple[str, ...]
     """The ``ISA_FLAGS`` this CPU has, and whether the native kernels run."""
+    native_isa: str
+    """The ISA level the native kernels are built for (``native.default_isa()``, which
+    ``TOKENMILL_NATIVE_ISA`` sets): their tile formats and summation order follow it
+    ("" where they run none)."""
     tokenmill_version: str
     torch_version: str
     """PyTorch's packed int4/int8 layouts (the fallback kernels) follow its version."""
+    transformers_version: str
+    """The tokenizer saved in the bundle (a GGUF's converted by transformers' converter, the
+    special tokens and chat template as its tokenizer classes resolve them)."""
+    tokenizers_version: str
+    """The Rust tokenizer pipeline serialized into the bundle's tokenizer.json."""
     format_version: int
     layout: str
     """Load options that change tensors: max_model_len (rotary tables), attention_backend
@@ -108,8 +119,11 @@ def bundle_inputs(config: EngineConfig) -> BundleInputs:
         quantization=config.quantization,
         device=_device_kind(config.torch_device()),
         cpu_features=cpu_features(),
+        native_isa=native_isa(),
         tokenmill_version=tokenmill.__version__,
         torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        tokenizers_version=tokenizers.__version__,
         format_version=FORMAT_VERSION,
         layout=_canonical(layout),
     )
@@ -121,6 +135,15 @@ def cpu_features() -> tuple[str, ...]:
     flags = native._cpu_flags()  # the same /proc/cpuinfo read the kernel build keys on
     found = [f for f in ISA_FLAGS if f in flags]
     return (platform.machine(), *found, f"native={native.available()}")
+
+
+def native_isa() -> str:
+    """The native kernels' ISA level ("" where none runs; a bad ``TOKENMILL_NATIVE_ISA`` is
+    the ValueError the kernels' build would raise). Older trees lack ``default_isa``: ""."""
+    from tokenmill import native
+
+    default_isa = getattr(native, "default_isa", None)
+    return (default_isa() or "") if default_isa is not None else ""
 
 
 def _device_kind(device: torch.device) -> str:
