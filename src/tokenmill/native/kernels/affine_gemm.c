@@ -23,8 +23,6 @@
 
 #define GROUP 32
 #define TILE 16
-#define MBLOCK 4
-#define PREFETCH 2048
 
 static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
     uint32_t u;
@@ -33,6 +31,10 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
     u += 0x7fff + ((u >> 16) & 1);
     return (uint16_t)(u >> 16);
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define MBLOCK 4
+#define PREFETCH 2048
 
 static inline __m512 load16(const void *x, int bf16, int64_t k) {
     if (bf16) {
@@ -367,3 +369,141 @@ void affine_gemm_rows(const void *x, _Bool bf16, int64_t M, int64_t K, const uin
         }
     }
 }
+
+#else
+/* -- portable C: the same contract, for builds without AVX-512 VNNI ----------------- */
+static inline float load1(const void *x, int bf16, int64_t k) {
+    if (!bf16) return ((const float *)x)[k];
+    uint32_t u = (uint32_t)((const uint16_t *)x)[k] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline void store1(void *y, int bf16, int64_t i, float v) {
+    if (bf16)
+        ((uint16_t *)y)[i] = f32_to_bf16(v);
+    else
+        ((float *)y)[i] = v;
+}
+
+/* nearest even, as cvtps2dq under the default rounding mode */
+static inline int32_t round_even(float f) { return (int32_t)nearbyintf(f); }
+
+static void quantize_row(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx) {
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        float v[GROUP], amax = 0.f, sum = 0.f;
+        for (int i = 0; i < GROUP; i++) {
+            v[i] = load1(x, bf16, g * GROUP + i);
+            amax = fmaxf(amax, fabsf(v[i]));
+            sum += v[i];
+        }
+        sx[g] = sum;
+        float d1 = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+        dx[g] = d1 / 256.f;
+        int8_t *q1 = qx + 2 * g * GROUP, *q2 = q1 + GROUP;
+        for (int i = 0; i < GROUP; i++) {
+            int32_t a = round_even(v[i] * inv);
+            int32_t b = round_even(fmaf(-d1, (float)a, v[i]) * (inv * 256.f));
+            q1[i] = (int8_t)a;
+            q2[i] = (int8_t)(b > 127 ? 127 : b < -127 ? -127 : b);
+        }
+    }
+}
+
+static void quantize_row1(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx) {
+    for (int64_t g = 0; g < K / GROUP; g++) {
+        float v[GROUP], amax = 0.f;
+        for (int i = 0; i < GROUP; i++) {
+            v[i] = load1(x, bf16, g * GROUP + i);
+            amax = fmaxf(amax, fabsf(v[i]));
+        }
+        dx[g] = amax / 127.f;
+        float inv = amax > 0.f ? 127.f / amax : 0.f;
+        int32_t total = 0;
+        for (int i = 0; i < GROUP; i++) {
+            int32_t a = round_even(v[i] * inv);
+            qx[g * GROUP + i] = (int8_t)a;
+            total += a;
+        }
+        sx[g] = dx[g] * (float)total;
+    }
+}
+
+/* code of row r, input i of a group's code bytes (layout at the top) */
+static inline int code_at(const uint8_t *gw, int bits, int r, int i) {
+    if (bits == 8) return gw[(i / 4) * 64 + 4 * r + i % 4];
+    uint8_t b = gw[(i / 8) * 64 + 4 * r + i % 4];
+    return i % 8 < 4 ? b & 15 : b >> 4;
+}
+
+/* y[r] (16 rows of one tile) for one token whose activations are `terms` int8 rows of 32
+ * per group (qx + g * terms * 32), scales dx and sums sx per group */
+static void tile_rows(const uint8_t *w, int bits, int64_t groups, int terms, const int8_t *qx,
+                      const float *dx, const float *sx, float *y) {
+    const int64_t group_bytes = (bits == 4 ? 4 : 8) * 64 + 64;
+    for (int r = 0; r < TILE; r++) y[r] = 0.f;
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *gw = w + g * group_bytes;
+        const uint16_t *sc = (const uint16_t *)(gw + group_bytes - 64);
+        const int8_t *q = qx + g * terms * GROUP;
+        for (int r = 0; r < TILE; r++) {
+            int32_t t[2] = {0, 0};
+            for (int i = 0; i < GROUP; i++)
+                for (int u = 0; u < terms; u++) t[u] += code_at(gw, bits, r, i) * q[u * GROUP + i];
+            int32_t i32 = terms == 2 ? t[0] * 256 + t[1] : t[0];
+            float scale = _cvtsh_ss(sc[r]), offset = _cvtsh_ss(sc[TILE + r]);
+            y[r] = fmaf((float)i32, scale * dx[g], y[r]);
+            y[r] = fmaf(offset, sx[g], y[r]);
+        }
+    }
+}
+
+void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
+                 int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx) {
+    const int64_t groups = K / GROUP, tiles = N / TILE;
+    const int64_t tile_bytes = groups * ((bits == 4 ? 4 : 8) * 64 + 64);
+    const int64_t xsize = x_bf16 ? 2 : 4;
+    for (int64_t m = 0; m < M; m++)
+        quantize_row((const char *)x + m * K * xsize, x_bf16, K, qx + 2 * m * K, dx + m * groups,
+                     sx + m * groups);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t m = 0; m < M; m++) {
+            float out[TILE];
+            tile_rows(w + t * tile_bytes, bits, groups, 2, qx + 2 * m * K, dx + m * groups,
+                      sx + m * groups, out);
+            for (int r = 0; r < TILE; r++) store1(y, y_bf16, m * N + t * TILE + r, out[r]);
+        }
+}
+
+static inline float gelu_erf1(float x) { return 0.5f * x * (1.f + erff(x * 0.707106781f)); }
+
+void affine_gemm_rows(const void *x, _Bool bf16, int64_t M, int64_t K, const uint8_t *w,
+                      int64_t N, const float *bias, const void *res, int gelu, int terms,
+                      void *y, int8_t *qx, float *dx, float *sx) {
+    const int64_t xsize = bf16 ? 2 : 4;
+    const int64_t groups = K / GROUP, tiles = N / TILE, tile_bytes = groups * (8 * 64 + 64);
+    for (int64_t m = 0; m < M; m++) {
+        const char *row = (const char *)x + m * K * xsize;
+        if (terms == 2)
+            quantize_row(row, bf16, K, qx + 2 * m * K, dx + m * groups, sx + m * groups);
+        else
+            quantize_row1(row, bf16, K, qx + m * K, dx + m * groups, sx + m * groups);
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t m = 0; m < M; m++) {
+            float out[TILE];
+            tile_rows(w + t * tile_bytes, 8, groups, terms, qx + terms * m * K, dx + m * groups,
+                      sx + m * groups, out);
+            for (int r = 0; r < TILE; r++) {
+                int64_t i = m * N + t * TILE + r;
+                float v = out[r] + (bias ? bias[t * TILE + r] : 0.f);
+                if (res) v += load1(res, bf16, i);
+                if (gelu) v = gelu_erf1(v);
+                store1(y, bf16, i, v);
+            }
+        }
+}
+#endif
