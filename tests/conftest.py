@@ -32,6 +32,47 @@ def device(request) -> torch.device:
     return torch.device(request.param)
 
 
+def _native_isas() -> tuple[str, ...]:
+    from tokenmill import native
+
+    return native.isas_available()
+
+
+@pytest.fixture(params=[*_native_isas(), "fallback"])
+def native_isa(request) -> str:
+    """Runs the test once per native ISA level this CPU runs (``native.isas_available()``:
+    "avx512" and "avx2" on an AVX-512 machine, "avx2" on Zen 1-3 / Haswell) and once as
+    "fallback", each inside ``native.use(level)``: every wrapper of ``tokenmill.native``,
+    ``available()`` and what decides on it at build time (the linear methods chosen at
+    load) see that level only; "fallback" is ``native.use(None)``: ``available()`` False,
+    the PyTorch path. The value is the level's name. Build the model or layer under test
+    inside the test (objects built before keep what they chose). A level whose library
+    can not be built here (no C compiler) is skipped. For kernels without a fallback use
+    ``native_level``."""
+    from tokenmill import native
+
+    level = None if request.param == "fallback" else request.param
+    if level is not None and native.library(level) is None:
+        pytest.skip(f"the native kernels for {level} can not be built here")
+    with native.use(level):
+        yield request.param
+
+
+@pytest.fixture(
+    params=_native_isas()
+    or [pytest.param("none", marks=pytest.mark.skip(reason="no native ISA level here"))]
+)
+def native_level(request) -> str:
+    """``native_isa`` without "fallback": the test runs once per ISA level this CPU runs,
+    inside ``native.use(level)``; skipped where it runs none."""
+    from tokenmill import native
+
+    if native.library(request.param) is None:
+        pytest.skip(f"the native kernels for {request.param} can not be built here")
+    with native.use(request.param):
+        yield request.param
+
+
 @pytest.fixture(scope="module")
 def sm90_build(request) -> dict[str, dict]:
     """The test module's ``CASES`` compiled for sm_90 on this machine (tests/triton_aot.py);

@@ -71,6 +71,19 @@ TOKENMILL_NUM_THREADS: EnvVar[int] = _declare(
 )
 
 
+TOKENMILL_NATIVE_ISA: EnvVar[str] = _declare(
+    EnvVar(
+        "TOKENMILL_NATIVE_ISA",
+        default="",
+        parse=lambda raw: raw.strip().lower(),
+        doc="ISA level the native CPU kernels are built for: 'avx512' (AVX-512F/BW + VNNI) "
+        "or 'avx2' (AVX2 + FMA + F16C). Empty (the default): the best this CPU runs. A lower "
+        "level runs the AVX2 code on an AVX-512 CPU (tests, comparisons); a level the CPU "
+        "lacks, or an unknown name, is an error.",
+    )
+)
+
+
 def cache_dir() -> Path:
     """Root folder of tokenmill's caches (``$TOKENMILL_CACHE_DIR``, default ~/.cache/tokenmill)."""
     return TOKENMILL_CACHE_DIR.get()

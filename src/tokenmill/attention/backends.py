@@ -169,8 +169,8 @@ def _check_native(device: torch.device, dtype: torch.dtype | None) -> None:
         )
     if not native.available():
         raise InvalidRequestError(
-            "attention_backend='native' needs the native CPU kernels (x86-64 with AVX512-VNNI "
-            "and a C compiler); use attention_backend='reference'"
+            "attention_backend='native' needs the native CPU kernels (x86-64 with "
+            "AVX2+FMA+F16C and a C compiler); use attention_backend='reference'"
         )
     if dtype is not None and dtype != torch.float32:
         raise InvalidRequestError(

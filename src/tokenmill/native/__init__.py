@@ -8,14 +8,18 @@
 
 The C files are compiled together with the system C compiler (``cc -O3 -march=native
 -fopenmp``, about two seconds) the first time they are needed and cached under
-``$TOKENMILL_CACHE_DIR/kernels``, keyed by the sources and the CPU's feature flags. The
-library links the OpenMP runtime PyTorch has already loaded, so it shares PyTorch's
-threads. Without a compiler, or on a CPU without AVX512-VNNI, ``available()`` is False
-and the layers use PyTorch's own kernels.
+``$TOKENMILL_CACHE_DIR/kernels``, keyed by the sources, the CPU's feature flags and the ISA
+level (``ISA_LEVELS``): ``avx512`` (AVX-512F/BW + VNNI) where ``/proc/cpuinfo`` has it, else
+``avx2`` (AVX2 + FMA + F16C: Zen 1-3, Haswell .. Comet Lake), compiled with AVX-512 off.
+``library(isa)`` builds and loads any level the CPU runs (the AVX2 code is tested on AVX-512
+machines too); ``TOKENMILL_NATIVE_ISA`` picks the default one. The library links the OpenMP
+runtime PyTorch has already loaded, so it shares PyTorch's threads. Without a compiler, or
+on a CPU below AVX2, ``available()`` is False and the layers use PyTorch's own kernels.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -26,61 +30,174 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from tokenmill.env import cache_dir
+from tokenmill.env import TOKENMILL_NATIVE_ISA, cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(sorted((Path(__file__).parent / "kernels").glob("*.c")))
-_REQUIRED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "f16c")
+_KERNELS = Path(__file__).parent / "kernels"
+_SOURCES = tuple(sorted(_KERNELS.glob("*.c")))
+_HEADERS = tuple(sorted(_KERNELS.glob("*.h")))
 TILE, GROUP = 16, 32
 
 
-def _cpu_flags() -> set[str]:
+@dataclass(frozen=True)
+class IsaLevel:
+    """An instruction set the library can be built for."""
+
+    name: str
+    flags: tuple[str, ...]
+    """``/proc/cpuinfo`` flags the CPU must have to run it."""
+    cflags: tuple[str, ...]
+    """Compiler options selecting it (on top of -O3 -fopenmp)."""
+
+
+ISA_LEVELS: tuple[IsaLevel, ...] = (
+    IsaLevel("avx512", ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni"),
+             ("-march=native",)),
+    IsaLevel("avx2", ("avx2", "fma", "f16c"), ("-march=native", "-mno-avx512f")),
+)  # fmt: skip
+"""Best first. ``-mno-avx512f`` turns every AVX-512 extension off, whatever the CPU has."""
+_LEVELS = {level.name: level for level in ISA_LEVELS}
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
 
 
-def _build(out: Path) -> None:
+def isas_available() -> tuple[str, ...]:
+    """The ISA levels this CPU runs, best first (empty off x86-64 or below AVX2)."""
+    if platform.machine() != "x86_64":
+        return ()
+    flags = _cpu_flags()
+    return tuple(lv.name for lv in ISA_LEVELS if all(f in flags for f in lv.flags))
+
+
+def _check_level(isa: str, source: str) -> str:
+    if isa not in _LEVELS:
+        known = ", ".join(_LEVELS)
+        raise ValueError(f"{source}={isa!r} is no native ISA level (one of: {known})")
+    here = isas_available()
+    if isa not in here:
+        missing = sorted(set(_LEVELS[isa].flags) - _cpu_flags())
+        runs = ", ".join(here) or "none"
+        raise ValueError(
+            f"{source}={isa!r} needs CPU flags {', '.join(missing)} this CPU lacks "
+            f"(levels it runs: {runs})"
+        )
+    return isa
+
+
+@functools.cache
+def default_isa() -> str | None:
+    """The level of the default library: ``$TOKENMILL_NATIVE_ISA``, else the best this CPU
+    runs; None where it runs none. Read once (``default_isa.cache_clear()`` re-reads)."""
+    wanted = TOKENMILL_NATIVE_ISA.get()
+    if wanted:
+        return _check_level(wanted, "TOKENMILL_NATIVE_ISA")
+    here = isas_available()
+    return here[0] if here else None
+
+
+def _build(out: Path, level: IsaLevel) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc) found")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         target = Path(tmp) / out.name
-        cmd = [compiler, "-O3", "-march=native", "-fopenmp", "-fPIC", "-shared",
+        cmd = [compiler, "-O3", *level.cflags, "-fopenmp", "-fPIC", "-shared",
                *map(str, _SOURCES), "-o", str(target), "-lm"]  # fmt: skip
         subprocess.run(cmd, check=True, capture_output=True, text=True)
         target.replace(out)  # atomic: concurrent builders never see a partial file
 
 
-@functools.cache
+def library(isa: str | None = None) -> ctypes.CDLL | None:
+    """The native library built for ``isa`` (default: ``default_isa()``), compiled on first
+    use; None where it can not be built here. A level this CPU can not run is a ValueError,
+    never an illegal instruction."""
+    if isa is None:
+        isa = default_isa()  # checked when read
+        return None if isa is None else _load(isa)
+    return _load(_check_level(isa, "isa"))
+
+
+_forced: list[str | None] = []
+"""Levels ``use`` forces, innermost last; None forces the PyTorch path."""
+
+
+@contextlib.contextmanager
+def use(isa: str | None) -> Iterator[None]:
+    """Within the block every wrapper here (and ``available()``) runs the library built for
+    ``isa``; ``None`` makes ``available()`` False, so code deciding on it takes the PyTorch
+    path. For tests and comparisons on one machine: what was built or decided before the
+    block (a loaded model's kernel choice) stays as it was. Not thread-scoped: one process,
+    one active level."""
+    if isa is not None and library(isa) is None:
+        raise RuntimeError(f"the native CPU kernels for {isa!r} could not be built here")
+    _forced.append(isa)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def _need() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(
+            "the native CPU kernels are unavailable here (x86-64 with AVX2+FMA+F16C and a C "
+            "compiler needed) or switched off (native.use(None))"
+        )
+    return lib
+
+
+def active_isa() -> str | None:
+    """The level the wrappers run now: the one ``use`` forces, else ``default_isa()``; None
+    where they run none (forced off, no supported CPU, or the build failed)."""
+    isa = _forced[-1] if _forced else default_isa()
+    return isa if isa is not None and _load(isa) is not None else None
+
+
 def _library() -> ctypes.CDLL | None:
+    """The library every wrapper calls: the one ``use`` forces, else the default level's."""
+    if _forced:
+        isa = _forced[-1]
+        return None if isa is None else _load(isa)
+    return library()
+
+
+@functools.cache
+def _load(isa: str) -> ctypes.CDLL | None:
+    level = _LEVELS[isa]
     flags = _cpu_flags()
-    if platform.machine() != "x86_64" or not all(f in flags for f in _REQUIRED_FLAGS):
-        logger.info("native CPU kernels need x86-64 with AVX512-VNNI: using PyTorch's")
-        return None
-    sources = b"".join(p.read_bytes() for p in _SOURCES)
-    key = hashlib.sha256(sources + " ".join(sorted(flags)).encode()).hexdigest()
-    path = cache_dir() / "kernels" / f"tokenmill-{key[:16]}.so"
+    sources = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
+    spec = " ".join([isa, *level.cflags, *sorted(flags)]).encode()
+    key = hashlib.sha256(sources + spec).hexdigest()
+    path = cache_dir() / "kernels" / f"tokenmill-{isa}-{key[:16]}.so"
     try:
         if not path.exists():
-            logger.info("compiling the native CPU kernels (once) into %s", path)
-            _build(path)
+            logger.info("compiling the native CPU kernels for %s (once) into %s", isa, path)
+            _build(path, level)
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("native CPU kernels unavailable (%s): using PyTorch's", detail)
+        logger.warning("native CPU kernels (%s) unavailable (%s): using PyTorch's", isa, detail)
         return None
+    logger.info("native CPU kernels: ISA level %s (%s)", isa, path.name)
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_bool
     lib.affine_gemm.argtypes = [ptr, flag, i64, i64, ptr, ctypes.c_int, i64, ptr, flag,
                                 ptr, ptr, ptr]  # fmt: skip
@@ -142,7 +259,7 @@ class StepArgs(ctypes.Structure):
 
 def decode_layer(desc: ctypes.Structure, step: ctypes.Structure) -> None:
     """Run one decoder layer (see kernels/decoder_layer.c) on ``step``'s buffers in place."""
-    _library().decode_layer(ctypes.byref(desc), ctypes.byref(step))
+    _need().decode_layer(ctypes.byref(desc), ctypes.byref(step))
 
 
 def available() -> bool:
@@ -181,7 +298,7 @@ def affine_gemm(x: torch.Tensor, tiles: torch.Tensor, bits: int, n: int) -> torc
     m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype)
     bf16 = x.dtype == torch.bfloat16
-    _library().affine_gemm(x.data_ptr(), bf16, m, k, tiles.data_ptr(), bits, n, y.data_ptr(),
+    _need().affine_gemm(x.data_ptr(), bf16, m, k, tiles.data_ptr(), bits, n, y.data_ptr(),
                            bf16, *_scratch.pointers(m, k))  # fmt: skip
     return y
 
@@ -194,7 +311,7 @@ def add_rms_norm(
     min_norm) * weight per row. float32 [T, D] contiguous; weight float32 [D]."""
     out = torch.empty_like(residual)
     add = x is not None
-    _library().add_rms_norm(x.data_ptr() if add else 0, residual.data_ptr(), weight.data_ptr(),
+    _need().add_rms_norm(x.data_ptr() if add else 0, residual.data_ptr(), weight.data_ptr(),
                             out.data_ptr(), residual.shape[0], residual.shape[1], min_norm, add)  # fmt: skip
     return out
 
@@ -206,7 +323,7 @@ def rope_store_kv(
     """Rotate the q and k heads of qkv [T, (H + 2 KVH) D] in place and store k, v at
     ``slots`` of kv_cache [2, NB, BS, KVH, D]. cos/sin [T, D] (see ``RopeTables``)."""
     slots_total = kv_cache.shape[1] * kv_cache.shape[2]
-    _library().rope_store_kv(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), q_heads, kv_heads,
+    _need().rope_store_kv(qkv.data_ptr(), qkv.shape[0], qkv.stride(0), q_heads, kv_heads,
                              head_dim, cos.data_ptr(), sin.data_ptr(), kv_cache.data_ptr(),
                              slots_total, slots.data_ptr())  # fmt: skip
 
@@ -223,7 +340,7 @@ def decode_attention(
     out = torch.empty(batch, q_heads * head_dim, dtype=torch.float32)
     scores = torch.empty(batch * q_heads * (max_len + extras), dtype=torch.float32)
     _, nb, bs = kv_cache.shape[:3]
-    _library().decode_attention(qkv.data_ptr(), batch, qkv.stride(0), q_heads, kv_heads,
+    _need().decode_attention(qkv.data_ptr(), batch, qkv.stride(0), q_heads, kv_heads,
                                 head_dim, kv_cache.data_ptr(), nb * bs, bs,
                                 block_tables.data_ptr(), block_tables.stride(0),
                                 seq_lens.data_ptr(), scale, window or 0, out.data_ptr(),

@@ -82,5 +82,5 @@ def gemm(x: torch.Tensor, tiles: torch.Tensor, kernel: int, n: int) -> torch.Ten
     """x [M, K] float32 contiguous -> y [M, n] float32."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=torch.float32)
-    native._library().dense16_gemm(x.data_ptr(), m, k, tiles.data_ptr(), kernel, n, y.data_ptr())
+    native._need().dense16_gemm(x.data_ptr(), m, k, tiles.data_ptr(), kernel, n, y.data_ptr())
     return y

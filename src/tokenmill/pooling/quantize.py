@@ -52,7 +52,8 @@ def resolve_pooling_quantization(
     if not native.available():
         raise InvalidRequestError(
             "quantization='int8' for pooling models needs the native CPU kernels (x86-64 with "
-            "AVX512-VNNI and a C compiler); they are unavailable here: use quantization='none'"
+            "AVX2+FMA+F16C and a C compiler); they are unavailable here: use "
+            "quantization='none'"
         )
     return "int8"
 

@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from tokenmill import native
 from tokenmill.native import dense16
 from tokenmill.quant.base import LinearMethod, check_rows, row_chunks, to_float
 
@@ -74,9 +75,14 @@ def _in_features(layer) -> int:
     return layer.in_features if hasattr(layer, "in_features") else layer.embedding_dim
 
 
-@functools.cache
 def dense16_method(name: str) -> Dense16Method:
-    """The method of format ``name`` (bf16 / fp16) with this CPU's best kernel (chosen once)."""
+    """The method of format ``name`` (bf16 / fp16) with the best kernel of the native
+    library in use (chosen once per ISA level, ``native.active_isa()``)."""
+    return _method(name, native.active_isa())
+
+
+@functools.cache
+def _method(name: str, isa: str | None) -> Dense16Method:
     kernel = dense16.best_kernel(FORMATS[name])
     logger.info("%s weights: native kernel %s", name, kernel)
     return Dense16Method(kernel)

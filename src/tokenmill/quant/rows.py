@@ -24,11 +24,19 @@ from tokenmill import native
 from tokenmill.quant.gguf_blocks import GROUP, affine_groups
 
 
-@functools.cache
 def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     lib = native._library()
     if lib is None:
-        raise RuntimeError("the native CPU kernels are unavailable (AVX512-VNNI and cc needed)")
+        raise RuntimeError(
+            "the native CPU kernels are unavailable (x86-64 with AVX2+FMA+F16C and a C "
+            "compiler needed)"
+        )
+    return _typed(lib)
+
+
+@functools.cache
+def _typed(lib: ctypes.CDLL) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    """``lib``'s affine_gemm_rows with its argument types (once per library: one per ISA level)."""
     fn = lib.affine_gemm_rows
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ctypes.c_bool, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int,

@@ -7,10 +7,11 @@
  *
  * Threads: OpenMP (PyTorch's runtime) over rows / (sequence, kv head) pairs.
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "simd.h"
 
 void add_rms_norm(float *x, float *residual, const float *w, float *out, int64_t rows, int64_t dim,
                   float min_norm, _Bool add) {
@@ -64,56 +65,36 @@ void rope_store_kv(float *qkv, int64_t tokens, int64_t row_stride, int64_t q_hea
     }
 }
 
-/* Round b of a 16 x 16 transpose (rows x lanes): swap the off-diagonal b x b blocks of each
- * 2b x 2b block. Row i (bit b clear) keeps its lanes without bit b (LO), row i + b those
- * with it (HI); index 16 + l is lane l of row i + b. Rounds 8, 4, 2, 1 transpose. */
-static const int32_t TRANSPOSE_LO[4][16] = {
-    {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
-    {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
-    {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
-    {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
-static const int32_t TRANSPOSE_HI[4][16] = {
-    {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
-    {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
-    {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
-    {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
-
-static inline __attribute__((always_inline)) void transpose16(__m512 *r) {
-#pragma GCC unroll 4
-    for (int round = 0; round < 4; round++) {
-        const int b = 8 >> round;
-        const __m512i lo = _mm512_loadu_si512(TRANSPOSE_LO[round]);
-        const __m512i hi = _mm512_loadu_si512(TRANSPOSE_HI[round]);
-#pragma GCC unroll 16
-        for (int i = 0; i < 16; i++) {
-            if (i & b) continue;
-            __m512 x = r[i], y = r[i + b];
-            r[i] = _mm512_permutex2var_ps(x, lo, y);
-            r[i + b] = _mm512_permutex2var_ps(x, hi, y);
-        }
-    }
-}
+/* Keys per pass over q in key_scores: their accumulators stay in registers. */
+#define KEY_GROUP (VF16_REGS >= 32 ? 16 : 4)
 
 /* dst[p] = scale * (q . keys[p]) for n <= 16 keys of d floats (d % 16 == 0), rounded as
- * the scalar loop `omp simd reduction` compiles to: per lane i a fused multiply-add chain
- * over the 16-float chunks, then the lanes added in order, 0 + l0 + l1 + ... + l15. The
- * keys go across the lanes of one transposed block, so the 16 sums are 16 vector adds. */
+ * the scalar loop `omp simd reduction` compiles to on AVX-512: per lane i a fused
+ * multiply-add chain over the 16-float chunks, then the lanes added in order, 0 + l0 + l1
+ * + ... + l15 (the same at either ISA level). The keys go across the lanes of one
+ * transposed block, so the 16 sums are 16 vector adds. */
 static void key_scores(const float *q, const float *const *keys, int n, int64_t d, float scale,
                        float *dst) {
-    __m512 acc[16];
+    vf16 acc[16];
+    for (int p0 = 0; p0 < 16; p0 += KEY_GROUP) {
+        vf16 a[KEY_GROUP];
 #pragma GCC unroll 16
-    for (int p = 0; p < 16; p++) acc[p] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < d; c += 16) {
-        const __m512 qc = _mm512_loadu_ps(q + c);
+        for (int p = 0; p < KEY_GROUP; p++) a[p] = vf16_zero();
+        if (p0 < n)
+            for (int64_t c = 0; c < d; c += 16) {
+                const vf16 qc = vf16_load(q + c);
 #pragma GCC unroll 16
-        for (int p = 0; p < 16; p++)
-            if (p < n) acc[p] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(keys[p] + c), acc[p]);
+                for (int p = 0; p < KEY_GROUP; p++)
+                    if (p0 + p < n) a[p] = vf16_fmadd(qc, vf16_load(keys[p0 + p] + c), a[p]);
+            }
+#pragma GCC unroll 16
+        for (int p = 0; p < KEY_GROUP; p++) acc[p0 + p] = a[p];
     }
-    transpose16(acc);
-    __m512 sum = _mm512_setzero_ps();
+    vf16_transpose(acc);
+    vf16 sum = vf16_zero();
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; i++) sum = _mm512_add_ps(sum, acc[i]);
-    _mm512_mask_storeu_ps(dst, (__mmask16)((1u << n) - 1), _mm512_mul_ps(sum, _mm512_set1_ps(scale)));
+    for (int i = 0; i < 16; i++) sum = vf16_add(sum, acc[i]);
+    vf16_store_n(dst, vf16_mul(sum, vf16_set1(scale)), n);
 }
 
 /* The cache rows (k: plane 0, v: plane 1) of sequence positions first .. len - 1 in order,
@@ -138,23 +119,26 @@ static inline __attribute__((always_inline)) void value_sum_n(
     const float *v, int64_t row, SlotWalk walk, int64_t first, int64_t len, const int64_t *extra,
     int64_t n_extra, const float *wgt, int64_t wstride, int64_t xoff, const int H, const int C,
     float *out, int64_t ostride) {
-    __m512 acc[3][4];
+    vf16 acc[3][4];
     for (int h = 0; h < H; h++)
-        for (int u = 0; u < C; u++) acc[h][u] = _mm512_setzero_ps();
+        for (int u = 0; u < C; u++) acc[h][u] = vf16_zero();
     for (int64_t p = first; p < len + n_extra; p++) {
         const int64_t slot = p < len ? next_slot(&walk) : extra[p - len];
         const int64_t at = p < len ? p : xoff + p - len;
         const float *vp = v + slot * row;
-        __m512 vu[4];
-        for (int u = 0; u < C; u++) vu[u] = _mm512_loadu_ps(vp + 16 * u);
+        vf16 vu[4];
+        for (int u = 0; u < C; u++) vu[u] = vf16_load(vp + 16 * u);
         for (int h = 0; h < H; h++) {
-            const __m512 w = _mm512_set1_ps(wgt[h * wstride + at]);
-            for (int u = 0; u < C; u++) acc[h][u] = _mm512_fmadd_ps(w, vu[u], acc[h][u]);
+            const vf16 w = vf16_set1(wgt[h * wstride + at]);
+            for (int u = 0; u < C; u++) acc[h][u] = vf16_fmadd(w, vu[u], acc[h][u]);
         }
     }
     for (int h = 0; h < H; h++)
-        for (int u = 0; u < C; u++) _mm512_storeu_ps(out + h * ostride + 16 * u, acc[h][u]);
+        for (int u = 0; u < C; u++) vf16_store(out + h * ostride + 16 * u, acc[h][u]);
 }
+
+/* 16-float chunks per value_sum call: the 3 x VALUE_CHUNKS sums stay in registers. */
+#define VALUE_CHUNKS (VF16_REGS >= 32 ? 4 : 2)
 
 #define VALUE_CASE(H, C)                                                                     \
     case (H) * 8 + (C):                                                                      \
@@ -278,9 +262,11 @@ void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q
                 const int heads = group - j < 3 ? (int)(group - j) : 3;
                 const float *wgt = scratch + (b * q_heads + g * group + j) * stride;
                 float *o = out + b * q_heads * d + (g * group + j) * d;
-                for (int64_t c = 0; c < d; c += 64)
+                for (int64_t c = 0; c < d; c += 16 * VALUE_CHUNKS)
                     value_sum(v + c, kv_heads * d, walk0, first, len, extra, n_extra, wgt, stride,
-                              max_len, heads, d - c >= 64 ? 4 : (int)(d - c) / 16, o + c, d);
+                              max_len, heads,
+                              d - c >= 16 * VALUE_CHUNKS ? VALUE_CHUNKS : (int)(d - c) / 16,
+                              o + c, d);
             }
         }
     }

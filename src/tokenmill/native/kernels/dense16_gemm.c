@@ -11,23 +11,31 @@
  *            hi = bf16(x), lo = bf16(x - hi) (16 significant bits; relative error <= 2^-17),
  *            so the float32 activations are kept to about float32's accuracy, not rounded to
  *            bfloat16.
- *   BF16_FMA bfloat16 on AVX512F: the weights widened to float32 (a shift), float32 FMAs;
- *            the exact products of float32 weights (the fallback, any AVX-512 CPU).
- *   FP16_FMA float16 on AVX512F + F16C: vcvtph2ps, float32 FMAs on input pairs, the pair
- *            lanes added at the end.
+ *            Built only where the compiler targets AVX512-BF16; elsewhere BF16_DP runs as
+ *            BF16_FMA (the same tiles).
+ *   BF16_FMA bfloat16 on AVX-512F or AVX2: the weights widened to float32 (a shift),
+ *            float32 FMAs; the exact products of float32 weights (the fallback everywhere).
+ *   FP16_FMA float16 through F16C (vcvtph2ps), float32 FMAs on input pairs, the pair lanes
+ *            added at the end.
+ * The FMA kernels are written once on simd.h's vf16 and give the same bits at both ISA
+ * levels: only the register blocking differs.
  *
- * Blocking: 2 tiles (32 rows) x up to 4 tokens per register block, with separate
- * accumulators per term (hi/lo, even/odd input) so the FMA chains stay short. Tile pairs
- * are split across OpenMP threads (the runtime PyTorch loaded); a pair's weights are read
- * from memory once and serve every token from cache.
+ * Blocking: 2 tiles (32 rows) x up to 4 tokens per register block on AVX-512 (2 tiles x 1
+ * token or 1 tile x 2 tokens on AVX2), with separate accumulators per term (hi/lo,
+ * even/odd input) so the FMA chains stay short. Tile pairs are split across OpenMP
+ * threads (the runtime PyTorch loaded); a pair's weights are read from memory once and
+ * serve every token from cache.
  */
-#include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define TILE 16
-#define MBLOCK 4
+/* tokens per register block: 4 x 2 tiles on AVX-512; 2 x 1 tile or 1 x 2 tiles on AVX2,
+ * where 8 x 2 halves are the 16 ymm registers */
+#define MBLOCK (VF16_REGS >= 32 ? 4 : 2)
 #define PREFETCH 1024
 
 enum { DENSE16_BF16_DP = 0, DENSE16_BF16_FMA = 1, DENSE16_FP16_FMA = 2 };
@@ -53,32 +61,26 @@ static void *scratch_for(size_t bytes) {
     return scratch;
 }
 
-static inline __m512 widen_even(__m512i w) { /* bfloat16 in the low halves -> float32 */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
-}
-
-static inline __m512 widen_odd(__m512i w) { /* bfloat16 in the high halves -> float32 */
-    return _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32((int)0xffff0000)));
-}
-
-/* tb tiles (1 or 2) x mb tokens (<= MBLOCK). xs: per token 2 K2 values (BF16_DP: the hi
- * bfloat16 then, xs_lo, the lo ones; else float32). out [tb][mb][16]. Always inlined with
- * constant kernel, tb and mb (see block_dispatch) so the accumulators stay in registers. */
+/* tb tiles (1 or 2) x mb tokens (<= MBLOCK; tb * mb <= 2 on AVX2). xs: per token 2 K2
+ * values (BF16_DP: the hi bfloat16 then, xs_lo, the lo ones; else float32). out [tb][MBLOCK]
+ * [16]. Always inlined with constant kernel, tb and mb (see block_dispatch) so the
+ * accumulators stay in registers. */
 static inline __attribute__((always_inline)) void block_kernel(
     const int kernel, const uint16_t *w, int64_t tile_elems, const int tb, const int mb,
     const void *xs, const void *xs_lo, int64_t K2, float *out) {
-    __m512 acc[2][MBLOCK][2];
+    vf16 acc[2][MBLOCK][2];
     for (int t = 0; t < 2; t++)
-        for (int m = 0; m < MBLOCK; m++) acc[t][m][0] = acc[t][m][1] = _mm512_setzero_ps();
+        for (int m = 0; m < MBLOCK; m++) acc[t][m][0] = acc[t][m][1] = vf16_zero();
     for (int64_t j = 0; j < K2; j++) {
-        __m512i wv[2];
+        const uint16_t *p[2];
         for (int t = 0; t < tb; t++) {
-            const uint16_t *p = w + t * tile_elems + j * 32;
-            _mm_prefetch((const char *)p + PREFETCH, _MM_HINT_T0);
-            wv[t] = _mm512_loadu_si512((const void *)p);
+            p[t] = w + t * tile_elems + j * 32;
+            _mm_prefetch((const char *)p[t] + PREFETCH, _MM_HINT_T0);
         }
         if (kernel == DENSE16_BF16_DP) {
 #ifdef __AVX512BF16__
+            __m512i wv[2];
+            for (int t = 0; t < tb; t++) wv[t] = _mm512_loadu_si512((const void *)p[t]);
             for (int m = 0; m < mb; m++) {
                 __m512bh hi = (__m512bh)_mm512_set1_epi32(((const int32_t *)xs)[m * K2 + j]);
                 __m512bh lo = (__m512bh)_mm512_set1_epi32(((const int32_t *)xs_lo)[m * K2 + j]);
@@ -89,43 +91,35 @@ static inline __attribute__((always_inline)) void block_kernel(
             }
 #endif
         } else if (kernel == DENSE16_BF16_FMA) {
-            __m512 we[2], wo[2];
-            for (int t = 0; t < tb; t++) we[t] = widen_even(wv[t]), wo[t] = widen_odd(wv[t]);
+            vf16 we[2], wo[2];
+            for (int t = 0; t < tb; t++) we[t] = vf16_bf16_even(p[t]), wo[t] = vf16_bf16_odd(p[t]);
             for (int m = 0; m < mb; m++) {
                 const float *xm = (const float *)xs + m * 2 * K2 + 2 * j;
-                __m512 x0 = _mm512_set1_ps(xm[0]), x1 = _mm512_set1_ps(xm[1]);
+                const vf16 x0 = vf16_set1(xm[0]), x1 = vf16_set1(xm[1]);
                 for (int t = 0; t < tb; t++) {
-                    acc[t][m][0] = _mm512_fmadd_ps(we[t], x0, acc[t][m][0]);
-                    acc[t][m][1] = _mm512_fmadd_ps(wo[t], x1, acc[t][m][1]);
+                    acc[t][m][0] = vf16_fmadd(we[t], x0, acc[t][m][0]);
+                    acc[t][m][1] = vf16_fmadd(wo[t], x1, acc[t][m][1]);
                 }
             }
         } else { /* FP16_FMA: lanes (row r, input 2j + p) for rows 0-7 (a) and 8-15 (b) */
-            __m512 wa[2], wb[2];
-            for (int t = 0; t < tb; t++) {
-                wa[t] = _mm512_cvtph_ps(_mm512_castsi512_si256(wv[t]));
-                wb[t] = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(wv[t], 1));
-            }
+            vf16 wa[2], wb[2];
+            for (int t = 0; t < tb; t++) wa[t] = vf16_from_fp16(p[t]), wb[t] = vf16_from_fp16(p[t] + 16);
             for (int m = 0; m < mb; m++) {
-                int64_t pair; /* (x[2j], x[2j+1]), broadcast 8 times */
-                memcpy(&pair, (const float *)xs + m * 2 * K2 + 2 * j, 8);
-                __m512 xp = _mm512_castsi512_ps(_mm512_set1_epi64(pair));
+                /* (x[2j], x[2j+1]), broadcast 8 times */
+                const vf16 xp = vf16_set1_pair((const float *)xs + m * 2 * K2 + 2 * j);
                 for (int t = 0; t < tb; t++) {
-                    acc[t][m][0] = _mm512_fmadd_ps(wa[t], xp, acc[t][m][0]);
-                    acc[t][m][1] = _mm512_fmadd_ps(wb[t], xp, acc[t][m][1]);
+                    acc[t][m][0] = vf16_fmadd(wa[t], xp, acc[t][m][0]);
+                    acc[t][m][1] = vf16_fmadd(wb[t], xp, acc[t][m][1]);
                 }
             }
         }
     }
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
     for (int t = 0; t < tb; t++)
         for (int m = 0; m < mb; m++) {
-            __m512 a = acc[t][m][0], b = acc[t][m][1], r;
-            if (kernel == DENSE16_FP16_FMA) /* add each row's two input lanes */
-                r = _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
-            else
-                r = _mm512_add_ps(a, b);
-            _mm512_storeu_ps(out + (t * MBLOCK + m) * TILE, r);
+            const vf16 a = acc[t][m][0], b = acc[t][m][1];
+            /* FP16: add each row's two input lanes */
+            const vf16 r = kernel == DENSE16_FP16_FMA ? vf16_pair_sums(a, b) : vf16_add(a, b);
+            vf16_store(out + (t * MBLOCK + m) * TILE, r);
         }
 }
 
@@ -133,9 +127,13 @@ static inline __attribute__((always_inline)) void block_kernel(
     case ((KERNEL) * 4 + (TB)) * 8 + (MB):                                                    \
         block_kernel(KERNEL, w, tile_elems, TB, MB, xs, xs_lo, K2, out);                      \
         break;
+#if MBLOCK == 4
 #define BLOCK_CASES(KERNEL, TB)                                                               \
     BLOCK_CASE(KERNEL, TB, 1) BLOCK_CASE(KERNEL, TB, 2) BLOCK_CASE(KERNEL, TB, 3)             \
     BLOCK_CASE(KERNEL, TB, 4)
+#else
+#define BLOCK_CASES(KERNEL, TB) BLOCK_CASE(KERNEL, TB, 1) BLOCK_CASE(KERNEL, TB, 2)
+#endif
 
 static void block_dispatch(int kernel, const uint16_t *w, int64_t tile_elems, int tb, int mb,
                            const void *xs, const void *xs_lo, int64_t K2, float *out) {
@@ -173,6 +171,9 @@ static void prepare_row(int kernel, const float *x, int64_t K, int64_t K2, float
 /* x [M, K] float32 (row stride K), w [ceil(N / 16)] tiles, y [M, N] float32. */
 void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int kernel, int64_t N,
                   float *y) {
+#ifndef __AVX512BF16__
+    if (kernel == DENSE16_BF16_DP) kernel = DENSE16_BF16_FMA; /* same tiles; not built here */
+#endif
     const int64_t K2 = (K + 1) / 2, tiles = (N + TILE - 1) / TILE, tile_elems = K2 * 32;
     const int64_t row = 2 * K2; /* values per token in the scratch */
     const int dp = kernel == DENSE16_BF16_DP;
@@ -198,9 +199,16 @@ void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int k
             const int mb = (int)(M - m0 < MBLOCK ? M - m0 : MBLOCK);
             float out[2 * MBLOCK * TILE];
             const int64_t xoff = m0 * (dp ? K2 : row); /* int32 pairs (dp) or floats */
-            block_dispatch(kernel, wp, tile_elems, tb, mb,
-                           dp ? (const void *)((const int32_t *)xs + xoff) : (const void *)((const float *)xs + xoff),
-                           (const void *)((const int32_t *)xs_lo + m0 * K2), K2, out);
+            const void *xm = dp ? (const void *)((const int32_t *)xs + xoff)
+                                : (const void *)((const float *)xs + xoff);
+            const void *xm_lo = (const void *)((const int32_t *)xs_lo + m0 * K2);
+            if (VF16_REGS < 32 && tb == 2 && mb > 1) { /* one tile at a time */
+                block_dispatch(kernel, wp, tile_elems, 1, mb, xm, xm_lo, K2, out);
+                block_dispatch(kernel, wp + tile_elems, tile_elems, 1, mb, xm, xm_lo, K2,
+                               out + MBLOCK * TILE);
+            } else {
+                block_dispatch(kernel, wp, tile_elems, tb, mb, xm, xm_lo, K2, out);
+            }
             for (int t = 0; t < tb; t++) {
                 const int64_t n0 = (2 * p + t) * TILE;
                 const int64_t cols = N - n0 < TILE ? N - n0 : TILE;
