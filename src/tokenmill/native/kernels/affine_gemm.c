@@ -370,140 +370,308 @@ void affine_gemm_rows(const void *x, _Bool bf16, int64_t M, int64_t K, const uin
     }
 }
 
-#else
-/* -- portable C: the same contract, for builds without AVX-512 VNNI ----------------- */
-static inline float load1(const void *x, int bf16, int64_t k) {
-    if (!bf16) return ((const float *)x)[k];
-    uint32_t u = (uint32_t)((const uint16_t *)x)[k] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+#else /* AVX2 + FMA + F16C (-mno-avx512f): the same functions, bit for bit */
+/* No vpdpbusd: vpmaddubsw multiplies unsigned x signed bytes and adds pairs into int16
+ * (saturating), vpmaddwd by 1 widens pairs of those to int32. The codes are used as 4-bit
+ * nibbles (8-bit codes split into theirs), so a pair is at most 2 * 15 * 127 = 3810 and
+ * an int16 lane can sum the 8 pairs of a whole group (<= 30480 < 32767) before one
+ * vpmaddwd per group: 4-bit codes take 4 steps x (low, high) nibble, 8-bit ones 8 steps
+ * per nibble, 16 x 3810 = 60960 for the two nibble sums kept apart and joined as
+ * 16 high + low in int32. The integer dot products are thus those of vpdpbusd exactly,
+ * and every float step is the AVX-512 one lane by lane in the same order (the horizontal
+ * sums in the order of GCC's _mm512_reduce_add_ps), so both levels give the same bits.
+ *
+ * A unit is 8 output rows: half a tile, bytes 32 h .. 32 h + 31 of each 64-byte step,
+ * one ymm register. 16 ymm registers hold MAX_MB tokens x (one int16 sum per term and
+ * nibble + one float32 sum): mblock() picks how many tokens share each weight load. */
+#define MAX_MB 4
+#define PREFETCH 2048
+#define RCHUNK 256
+#define SERIAL_MACS (1 << 24)
+
+/* tokens per register block: the int16 sums plus y of each token in 12 registers */
+static inline int mblock(int bits, int terms) { return bits == 8 && terms == 2 ? 2 : 4; }
+
+static inline __m256 load8(const void *x, int bf16, int64_t k) {
+    if (bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + k));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)x + k);
 }
 
-static inline void store1(void *y, int bf16, int64_t i, float v) {
-    if (bf16)
-        ((uint16_t *)y)[i] = f32_to_bf16(v);
-    else
-        ((float *)y)[i] = v;
+static inline __m256 abs8(__m256 v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), v); }
+
+static inline float hmax8(__m256 v) {
+    __m128 a = _mm_max_ps(_mm256_extractf128_ps(v, 1), _mm256_castps256_ps128(v));
+    a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+    return fmaxf(_mm_cvtss_f32(a), _mm_cvtss_f32(_mm_shuffle_ps(a, a, 1)));
 }
 
-/* nearest even, as cvtps2dq under the default rounding mode */
-static inline int32_t round_even(float f) { return (int32_t)nearbyintf(f); }
+/* the sum of 16 lanes (lo = 0-7, hi = 8-15) in _mm512_reduce_add_ps's order (GCC):
+ * halves, then quarters, then (0 + 2) + (1 + 3) */
+static inline float hsum16(__m256 lo, __m256 hi) {
+    __m256 t = _mm256_add_ps(hi, lo);
+    __m128 a = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+    a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+    return _mm_cvtss_f32(a) + _mm_cvtss_f32(_mm_shuffle_ps(a, a, 1));
+}
 
+/* 4 x 8 int32 (each in -127 .. 127) -> 32 int8 in order */
+static inline void store_i8x32(int8_t *q, const __m256i *a) {
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(a[0], a[1]), _mm256_packs_epi32(a[2], a[3]));
+    /* packs works per 128-bit lane: dword i of p holds a[i % 4] lanes 4 (i / 4) .. + 3 */
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, p);
+}
+
+static inline void load_group(const void *x, int bf16, int64_t k, __m256 *v) {
+    for (int i = 0; i < 4; i++) v[i] = load8(x, bf16, k + 8 * i);
+}
+
+/* x = v[0..3] as 2 x 16 lanes (v[0] v[1]: the AVX-512 kernel's first zmm) */
+static inline float group_amax(const __m256 *v) {
+    return hmax8(_mm256_max_ps(_mm256_max_ps(abs8(v[0]), abs8(v[2])),
+                               _mm256_max_ps(abs8(v[1]), abs8(v[3]))));
+}
+
+/* as the AVX-512 quantize_row: two int8 terms, scale dx, exact group sums sx */
 static void quantize_row(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx) {
+    const __m256i lim = _mm256_set1_epi32(127), nlim = _mm256_set1_epi32(-127);
     for (int64_t g = 0; g < K / GROUP; g++) {
-        float v[GROUP], amax = 0.f, sum = 0.f;
-        for (int i = 0; i < GROUP; i++) {
-            v[i] = load1(x, bf16, g * GROUP + i);
-            amax = fmaxf(amax, fabsf(v[i]));
-            sum += v[i];
-        }
-        sx[g] = sum;
+        __m256 v[4];
+        load_group(x, bf16, g * GROUP, v);
+        float amax = group_amax(v);
+        sx[g] = hsum16(_mm256_add_ps(v[0], v[2]), _mm256_add_ps(v[1], v[3]));
         float d1 = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
         dx[g] = d1 / 256.f;
-        int8_t *q1 = qx + 2 * g * GROUP, *q2 = q1 + GROUP;
-        for (int i = 0; i < GROUP; i++) {
-            int32_t a = round_even(v[i] * inv);
-            int32_t b = round_even(fmaf(-d1, (float)a, v[i]) * (inv * 256.f));
-            q1[i] = (int8_t)a;
-            q2[i] = (int8_t)(b > 127 ? 127 : b < -127 ? -127 : b);
+        const __m256 vinv = _mm256_set1_ps(inv), vinv256 = _mm256_set1_ps(inv * 256.f);
+        const __m256 vd1 = _mm256_set1_ps(d1);
+        __m256i a[4], b[4];
+        for (int i = 0; i < 4; i++) {
+            a[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv)); /* nearest even */
+            __m256 r = _mm256_fnmadd_ps(vd1, _mm256_cvtepi32_ps(a[i]), v[i]); /* what q1 leaves */
+            b[i] = _mm256_cvtps_epi32(_mm256_mul_ps(r, vinv256));
+            b[i] = _mm256_max_epi32(_mm256_min_epi32(b[i], lim), nlim);
         }
+        store_i8x32(qx + 2 * g * GROUP, a);
+        store_i8x32(qx + 2 * g * GROUP + GROUP, b);
     }
 }
 
+/* as the AVX-512 quantize_row1: one int8 term, sx the sum of the quantized group */
 static void quantize_row1(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx) {
     for (int64_t g = 0; g < K / GROUP; g++) {
-        float v[GROUP], amax = 0.f;
-        for (int i = 0; i < GROUP; i++) {
-            v[i] = load1(x, bf16, g * GROUP + i);
-            amax = fmaxf(amax, fabsf(v[i]));
-        }
+        __m256 v[4];
+        load_group(x, bf16, g * GROUP, v);
+        float amax = group_amax(v);
         dx[g] = amax / 127.f;
-        float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int32_t total = 0;
-        for (int i = 0; i < GROUP; i++) {
-            int32_t a = round_even(v[i] * inv);
-            qx[g * GROUP + i] = (int8_t)a;
-            total += a;
-        }
-        sx[g] = dx[g] * (float)total;
+        const __m256 vinv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+        __m256i a[4];
+        for (int i = 0; i < 4; i++) a[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], vinv));
+        __m256i t = _mm256_add_epi32(_mm256_add_epi32(a[0], a[1]), _mm256_add_epi32(a[2], a[3]));
+        __m128i s = _mm_add_epi32(_mm256_extracti128_si256(t, 1), _mm256_castsi256_si128(t));
+        s = _mm_hadd_epi32(s, s);
+        sx[g] = dx[g] * (float)(_mm_cvtsi128_si32(s) + _mm_extract_epi32(s, 1));
+        store_i8x32(qx + g * GROUP, a);
     }
 }
 
-/* code of row r, input i of a group's code bytes (layout at the top) */
-static inline int code_at(const uint8_t *gw, int bits, int r, int i) {
-    if (bits == 8) return gw[(i / 4) * 64 + 4 * r + i % 4];
-    uint8_t b = gw[(i / 8) * 64 + 4 * r + i % 4];
-    return i % 8 < 4 ? b & 15 : b >> 4;
-}
-
-/* y[r] (16 rows of one tile) for one token whose activations are `terms` int8 rows of 32
- * per group (qx + g * terms * 32), scales dx and sums sx per group */
-static void tile_rows(const uint8_t *w, int bits, int64_t groups, int terms, const int8_t *qx,
-                      const float *dx, const float *sx, float *y) {
-    const int64_t group_bytes = (bits == 4 ? 4 : 8) * 64 + 64;
-    for (int r = 0; r < TILE; r++) y[r] = 0.f;
+/* y[m] (8 rows: unit h of the tile at w) for mb tokens, qx rows of qrow bytes (a group's
+ * terms side by side, 32 bytes each). Always inlined with constant bits, terms and mb
+ * (unit_dispatch), so the token loops unroll and the sums stay in registers. */
+static inline __attribute__((always_inline)) void unit_kernel(
+    const uint8_t *w, int h, const int bits, const int terms, const int mb, int64_t groups,
+    const int8_t *qx, int64_t qrow, const float *dx, const float *sx, __m256 *y) {
+    const int steps = bits == 4 ? 4 : 8;
+    const int64_t group_bytes = (int64_t)steps * 64 + 64;
+    const __m256i low4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int m = 0; m < mb; m++) y[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gw = w + g * group_bytes;
-        const uint16_t *sc = (const uint16_t *)(gw + group_bytes - 64);
-        const int8_t *q = qx + g * terms * GROUP;
-        for (int r = 0; r < TILE; r++) {
-            int32_t t[2] = {0, 0};
-            for (int i = 0; i < GROUP; i++)
-                for (int u = 0; u < terms; u++) t[u] += code_at(gw, bits, r, i) * q[u * GROUP + i];
-            int32_t i32 = terms == 2 ? t[0] * 256 + t[1] : t[0];
-            float scale = _cvtsh_ss(sc[r]), offset = _cvtsh_ss(sc[TILE + r]);
-            y[r] = fmaf((float)i32, scale * dx[g], y[r]);
-            y[r] = fmaf(offset, sx[g], y[r]);
+        /* the hardware prefetchers stop at 4 KB pages: keep PREFETCH bytes in flight */
+        if (h == 0)
+            for (int s = 0; s <= steps; s++) _mm_prefetch((const char *)gw + PREFETCH + s * 64, _MM_HINT_T0);
+        __m256i a[MAX_MB][2][2]; /* int16 sums [token][term][low / high nibble of 8-bit codes] */
+        for (int m = 0; m < mb; m++)
+            for (int u = 0; u < terms; u++) a[m][u][0] = a[m][u][1] = _mm256_setzero_si256();
+        for (int s = 0; s < steps; s++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(gw + s * 64 + 32 * h));
+            __m256i lo = _mm256_and_si256(v, low4);
+            __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+            for (int m = 0; m < mb; m++)
+                for (int u = 0; u < terms; u++) {
+                    const int8_t *q = qx + m * qrow + g * GROUP * terms + u * GROUP;
+                    if (bits == 4) { /* inputs 8 s + j: low nibbles j < 4, high ones j >= 4 */
+                        const int32_t *q4 = (const int32_t *)(q + 8 * s);
+                        __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(q4[0])),
+                                                     _mm256_maddubs_epi16(hi, _mm256_set1_epi32(q4[1])));
+                        a[m][u][0] = _mm256_add_epi16(a[m][u][0], p);
+                    } else { /* inputs 4 s + j, code = 16 high + low */
+                        __m256i b = _mm256_set1_epi32(*(const int32_t *)(q + 4 * s));
+                        a[m][u][0] = _mm256_add_epi16(a[m][u][0], _mm256_maddubs_epi16(lo, b));
+                        a[m][u][1] = _mm256_add_epi16(a[m][u][1], _mm256_maddubs_epi16(hi, b));
+                    }
+                }
+        }
+        const uint8_t *sc = gw + steps * 64 + 16 * h;
+        const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sc));
+        const __m256 offset = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + 32)));
+        for (int m = 0; m < mb; m++) {
+            __m256i t[2];
+            for (int u = 0; u < terms; u++) {
+                t[u] = _mm256_madd_epi16(a[m][u][0], ones);
+                if (bits == 8)
+                    t[u] = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(a[m][u][1], ones), 4), t[u]);
+            }
+            /* 256 term1 + term2 < 2^31: |term1| <= 32 * 255 * 127 */
+            __m256i i = terms == 2 ? _mm256_add_epi32(_mm256_slli_epi32(t[0], 8), t[1]) : t[0];
+            const int64_t gi = m * groups + g;
+            y[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(scale, _mm256_set1_ps(dx[gi])), y[m]);
+            y[m] = _mm256_fmadd_ps(offset, _mm256_set1_ps(sx[gi]), y[m]);
         }
     }
 }
 
+#define UNIT_CASE(B, U, MB)                                                                  \
+    case (B) * 100 + (U) * 10 + (MB):                                                        \
+        unit_kernel(w, h, B, U, MB, groups, qx, qrow, dx, sx, y);                            \
+        break;
+#define UNIT_MB4(B, U) UNIT_CASE(B, U, 1) UNIT_CASE(B, U, 2) UNIT_CASE(B, U, 3) UNIT_CASE(B, U, 4)
+
+/* the (bits, terms, mb) the callers use: mb up to mblock(bits, terms) */
+static void unit_dispatch(const uint8_t *w, int h, int bits, int terms, int mb, int64_t groups,
+                          const int8_t *qx, int64_t qrow, const float *dx, const float *sx,
+                          __m256 *y) {
+    switch (bits * 100 + terms * 10 + mb) {
+        UNIT_MB4(4, 2) UNIT_MB4(8, 1) UNIT_CASE(8, 2, 1) UNIT_CASE(8, 2, 2)
+    }
+}
+
+/* 8 floats -> bfloat16, round to nearest even (f32_to_bf16 vectorized; NaN stays NaN) */
+static inline __m128i to_bf16x8(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+static inline void store8(void *y, int bf16, int64_t i, __m256 v) {
+    if (bf16)
+        _mm_storeu_si128((__m128i *)((uint16_t *)y + i), to_bf16x8(v));
+    else
+        _mm256_storeu_ps((float *)y + i, v);
+}
+
+/* x [M, K] (float32 or bfloat16), w tiles [N / 16][K / 32][...], y [M, N] (float32 or bfloat16).
+ * work: 2 * M * K int8 + 2 * M * K / 32 floats of scratch. */
 void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
                  int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx) {
     const int64_t groups = K / GROUP, tiles = N / TILE;
     const int64_t tile_bytes = groups * ((bits == 4 ? 4 : 8) * 64 + 64);
     const int64_t xsize = x_bf16 ? 2 : 4;
+    const int mbk = mblock(bits, 2);
+#pragma omp parallel for schedule(static) if (M * K > 8192)
     for (int64_t m = 0; m < M; m++)
         quantize_row((const char *)x + m * K * xsize, x_bf16, K, qx + 2 * m * K, dx + m * groups,
                      sx + m * groups);
+    /* tile-major: a tile's weights come from memory once and serve every token from L1 */
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++)
-        for (int64_t m = 0; m < M; m++) {
-            float out[TILE];
-            tile_rows(w + t * tile_bytes, bits, groups, 2, qx + 2 * m * K, dx + m * groups,
-                      sx + m * groups, out);
-            for (int r = 0; r < TILE; r++) store1(y, y_bf16, m * N + t * TILE + r, out[r]);
-        }
+        for (int h = 0; h < 2; h++)
+            for (int64_t m0 = 0; m0 < M; m0 += mbk) {
+                const int mb = (int)(M - m0 < mbk ? M - m0 : mbk);
+                __m256 out[MAX_MB];
+                unit_dispatch(w + t * tile_bytes, h, bits, 2, mb, groups, qx + 2 * m0 * K, 2 * K,
+                              dx + m0 * groups, sx + m0 * groups, out);
+                for (int m = 0; m < mb; m++) store8(y, y_bf16, (m0 + m) * N + t * TILE + 8 * h, out[m]);
+            }
 }
 
-static inline float gelu_erf1(float x) { return 0.5f * x * (1.f + erff(x * 0.707106781f)); }
+/* -- many rows: affine_gemm_rows (8-bit codes; see the AVX-512 version for the contract) */
+
+/* exp(y) for y <= 0, as the AVX-512 exp_neg; 2^n built in the exponent field (n >= -126,
+ * so p 2^n is one correctly rounded product, as vscalefps) */
+static inline __m256 exp_neg(__m256 y) {
+    y = _mm256_max_ps(y, _mm256_set1_ps(-87.f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(y, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), y);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    __m256 p = _mm256_set1_ps(1.f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* GELU, exact erf form, as the AVX-512 gelu_erf */
+static inline __m256 gelu_erf(__m256 x) {
+    __m256 z = _mm256_mul_ps(abs8(x), _mm256_set1_ps(0.707106781f));
+    __m256 t = _mm256_div_ps(_mm256_set1_ps(1.f),
+                             _mm256_fmadd_ps(z, _mm256_set1_ps(0.3275911f), _mm256_set1_ps(1.f)));
+    __m256 p = _mm256_set1_ps(1.061405429f);
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-1.453152027f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(1.421413741f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(-0.284496736f));
+    p = _mm256_fmadd_ps(p, t, _mm256_set1_ps(0.254829592f));
+    __m256 tail = _mm256_mul_ps(_mm256_mul_ps(p, t), exp_neg(_mm256_mul_ps(_mm256_sub_ps(_mm256_setzero_ps(), z), z)));
+    __m256 pos = _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GE_OQ);
+    __m256 one_plus = _mm256_blendv_ps(tail, _mm256_sub_ps(_mm256_set1_ps(2.f), tail), pos);
+    return _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(0.5f)), one_plus);
+}
+
+/* acc[m] + bias (+ res) (GELU) -> y, for mb tokens of one unit; at: y's element of (0, col) */
+static inline void rows_store(const __m256 *acc, int mb, const float *bias, const void *res,
+                              int gelu, void *y, int bf16, int64_t N, int64_t at) {
+    const __m256 b = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    for (int m = 0; m < mb; m++) {
+        __m256 v = _mm256_add_ps(acc[m], b);
+        if (res) v = _mm256_add_ps(v, load8(res, bf16, at + m * N));
+        if (gelu) v = gelu_erf(v);
+        store8(y, bf16, at + m * N, v);
+    }
+}
 
 void affine_gemm_rows(const void *x, _Bool bf16, int64_t M, int64_t K, const uint8_t *w,
                       int64_t N, const float *bias, const void *res, int gelu, int terms,
                       void *y, int8_t *qx, float *dx, float *sx) {
     const int64_t xsize = bf16 ? 2 : 4;
     const int64_t groups = K / GROUP, tiles = N / TILE, tile_bytes = groups * (8 * 64 + 64);
-    for (int64_t m = 0; m < M; m++) {
-        const char *row = (const char *)x + m * K * xsize;
-        if (terms == 2)
-            quantize_row(row, bf16, K, qx + 2 * m * K, dx + m * groups, sx + m * groups);
-        else
-            quantize_row1(row, bf16, K, qx + m * K, dx + m * groups, sx + m * groups);
-    }
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++)
+    const int64_t chunks = (M + RCHUNK - 1) / RCHUNK;
+    const int rb = mblock(8, terms);
+    /* rows per chunk: M spread evenly, whole register blocks (see the AVX-512 version) */
+    const int64_t per = ((M + chunks - 1) / chunks + MAX_MB - 1) / MAX_MB * MAX_MB;
+#pragma omp parallel if (M * K * N >= SERIAL_MACS)
+    {
+#pragma omp for schedule(static)
         for (int64_t m = 0; m < M; m++) {
-            float out[TILE];
-            tile_rows(w + t * tile_bytes, 8, groups, terms, qx + terms * m * K, dx + m * groups,
-                      sx + m * groups, out);
-            for (int r = 0; r < TILE; r++) {
-                int64_t i = m * N + t * TILE + r;
-                float v = out[r] + (bias ? bias[t * TILE + r] : 0.f);
-                if (res) v += load1(res, bf16, i);
-                if (gelu) v = gelu_erf1(v);
-                store1(y, bf16, i, v);
-            }
+            const char *row = (const char *)x + m * K * xsize;
+            if (terms == 2)
+                quantize_row(row, bf16, K, qx + 2 * m * K, dx + m * groups, sx + m * groups);
+            else
+                quantize_row1(row, bf16, K, qx + m * K, dx + m * groups, sx + m * groups);
         }
+#pragma omp for schedule(static)
+        for (int64_t job = 0; job < chunks * tiles; job++) {
+            const int64_t c = job / tiles, t = job % tiles;
+            const int64_t end = (c + 1) * per < M ? (c + 1) * per : M;
+            for (int h = 0; h < 2; h++)
+                for (int64_t m0 = c * per; m0 < end; m0 += rb) {
+                    const int mb = (int)(end - m0 < rb ? end - m0 : rb);
+                    __m256 acc[MAX_MB];
+                    unit_dispatch(w + t * tile_bytes, h, 8, terms, mb, groups, qx + terms * m0 * K,
+                                  terms * K, dx + m0 * groups, sx + m0 * groups, acc);
+                    const int64_t col = t * TILE + 8 * h;
+                    rows_store(acc, mb, bias ? bias + col : 0, res, gelu, y, bf16, N, m0 * N + col);
+                }
+        }
+    }
 }
 #endif
