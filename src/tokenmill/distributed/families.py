@@ -247,9 +247,9 @@ FALCON_H1 = Family(
 
 
 def _qwen3_5_vl_text(hf: dict[str, Any]) -> dict[str, Any]:
-    from tokenmill.models.qwen3_5 import Qwen3_5ForConditionalGeneration
+    from tokenmill.models.qwen3_5_vl import vl_text_config
 
-    return Qwen3_5ForConditionalGeneration.text_config(hf)  # the top-level tie flag wins
+    return vl_text_config(hf)  # the top-level tie flag wins
 
 
 QWEN3_5_VL = dataclasses.replace(

@@ -8,9 +8,10 @@ one ``full_attention``). Every layer is pre-norm with (1 + w) RMSNorms and a gat
 - full attention: q and a per-head output gate from one projection, q/k RMSNorm, rotary on
   the first ``partial_rotary_factor * head_dim`` dims, paged K/V, out * sigmoid(gate).
 
-Text positions only: Qwen3.5's multimodal rope sections coincide for text, so the rotary is
-the plain one. ``Qwen3_5ForConditionalGeneration`` runs the language model of the vision
-checkpoint (its ``model.language_model.*`` weights; the vision tower is not loaded).
+Text positions here: Qwen3.5's multimodal rope sections coincide for text, so the rotary is
+the plain one. The vision checkpoints (``Qwen3_5ForConditionalGeneration``: the tower, its
+``model.language_model.*`` weights, interleaved M-RoPE over positions [3, T]) are
+``qwen3_5_vl.py``.
 """
 
 from __future__ import annotations
@@ -173,7 +174,7 @@ class HybridModel(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if ctx.input_embeds is not None:
             hidden[ctx.input_embeds.rows] = ctx.input_embeds.values.to(hidden.dtype)
-        rope = self.rotary.tables(positions)
+        rope = self.rope_tables(positions)
         plan = StatePlan.of(ctx) if self.has_state else None  # once per step, for every layer
         residual: torch.Tensor | None = None
         for layer in self.layers:
@@ -181,12 +182,17 @@ class HybridModel(nn.Module):
         assert residual is not None
         return self.norm.forward_residual(hidden, residual)[0]
 
+    def rope_tables(self, positions: torch.Tensor) -> RopeTables:
+        """positions [T] -> the cos/sin rows every attention layer of the step uses."""
+        return self.rotary.tables(positions)
+
 
 class Qwen3_5ForCausalLM(CausalLM):
     """Qwen3.5 text model; weights under HF names (``model.layers.N.linear_attn...``)."""
 
     weight_prefix = "model."
     """Where the language model's weights sit in the checkpoint (before ``layers.N``)."""
+    model_cls: type[HybridModel] = HybridModel
 
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
                  max_positions: int | None = None, quant: Any = None,
@@ -200,7 +206,9 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.ops = ops or select_ops(torch.get_default_device(), dtype)
         self.num_layers, self.num_kv_heads, self.head_dim = a.num_layers, a.num_kv_heads, a.head_dim
         self.vocab_size = a.vocab_size
-        self.model = HybridModel(cfg, dtype, max_positions or a.max_position_embeddings, self.ops)
+        self.model = self.model_cls(
+            cfg, dtype, max_positions or a.max_position_embeddings, self.ops
+        )
         self.lm_head = (
             None if a.tie_word_embeddings else Linear(a.hidden_size, a.vocab_size, False, dtype)
         )
@@ -228,7 +236,11 @@ class Qwen3_5ForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("lm_head.weight",) if self.lm_head is None else ()
         packed: Mapping[str, tuple[str, int]] = {**PACKED_MODULES, **PACKED_IN_PROJ}
-        return load_weights(self, self._renamed(weights), skip=skip, packed=packed)
+        return load_weights(self.language_part(), self._renamed(weights), skip=skip, packed=packed)
+
+    def language_part(self) -> nn.Module:
+        """The modules the language model's weights fill (here: all of this one)."""
+        return self
 
     def _renamed(self, weights: Iterable[tuple[str, torch.Tensor]]):
         """The language model's tensors under this module's names; others are dropped
@@ -238,19 +250,6 @@ class Qwen3_5ForCausalLM(CausalLM):
                 yield "model." + name[len(self.weight_prefix) :], tensor
             elif name == "lm_head.weight":
                 yield name, tensor
-
-
-class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
-    """The language model of a Qwen3.5 vision-language checkpoint (text input only)."""
-
-    weight_prefix = "model.language_model."
-
-    @staticmethod
-    def text_config(hf_config: dict[str, Any]) -> dict[str, Any]:
-        text = dict(hf_config.get("text_config") or hf_config)
-        if "tie_word_embeddings" in hf_config:  # the top-level flag ties (as HF ties)
-            text["tie_word_embeddings"] = hf_config["tie_word_embeddings"]
-        return text
 
 
 class Qwen3NextForCausalLM(Qwen3_5ForCausalLM):

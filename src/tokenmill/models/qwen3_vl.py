@@ -33,16 +33,7 @@ class InterleavedMRopeDecoderModel(MRopeDecoderModel):
     """Qwen3-VL's trunk: interleaved M-RoPE columns, DeepStack rows after the first layers."""
 
     def _mrope(self, rotary: RotaryEmbedding, positions: torch.Tensor) -> RopeTables:
-        """positions [3, T] -> cos/sin [T, 1, D]: column j from axis ``axes[j]``."""
-        axes = interleaved_axes(self.mrope_section, rotary.cos_cache.shape[1] // 2)
-        t, d = positions.shape[1], 2 * axes.shape[0]
-        pick = torch.cat((axes, axes)).to(positions.device).expand(1, t, d)
-
-        def gather(cache: torch.Tensor) -> torch.Tensor:
-            rows = cache.index_select(0, positions.reshape(-1)).view(3, t, d)
-            return rows.gather(0, pick)[0].unsqueeze(1)
-
-        return RopeTables(gather(rotary.cos_cache), gather(rotary.sin_cache))
+        return interleaved_mrope(rotary, positions, self.mrope_section)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
@@ -62,6 +53,22 @@ class InterleavedMRopeDecoderModel(MRopeDecoderModel):
         if residual is None:
             return self.norm(hidden)
         return self.norm.forward_residual(hidden, residual)[0]
+
+
+def interleaved_mrope(
+    rotary: RotaryEmbedding, positions: torch.Tensor, section: tuple[int, ...]
+) -> RopeTables:
+    """positions [3, T] -> cos/sin [T, 1, D]: column j from axis ``axes[j]`` (Qwen3-VL's
+    and Qwen3.5's rule; D is the rotated width, a partial rotary's too)."""
+    axes = interleaved_axes(section, rotary.cos_cache.shape[1] // 2)
+    t, d = positions.shape[1], 2 * axes.shape[0]
+    pick = torch.cat((axes, axes)).to(positions.device).expand(1, t, d)
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        rows = cache.index_select(0, positions.reshape(-1)).view(3, t, d)
+        return rows.gather(0, pick)[0].unsqueeze(1)
+
+    return RopeTables(gather(rotary.cos_cache), gather(rotary.sin_cache))
 
 
 def interleaved_axes(section: tuple[int, ...], half: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3_5ForCausalLM": ("tokenmill.models.qwen3_5", "Qwen3_5ForCausalLM"),
     "Qwen3NextForCausalLM": ("tokenmill.models.qwen3_5", "Qwen3NextForCausalLM"),
     "Qwen3_5ForConditionalGeneration": (
-        "tokenmill.models.qwen3_5",
+        "tokenmill.models.qwen3_5_vl",
         "Qwen3_5ForConditionalGeneration",
     ),
     "Gemma3ForConditionalGeneration": (
