@@ -180,14 +180,20 @@ def _library() -> ctypes.CDLL | None:
     return library()
 
 
+def library_path(isa: str) -> Path:
+    """Where the library of level ``isa`` is cached: keyed by the sources, the level's
+    compiler options and this CPU's flags (``-march=native`` follows them)."""
+    level = _LEVELS[isa]
+    sources = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
+    spec = " ".join([isa, *level.cflags, *sorted(_cpu_flags())]).encode()
+    key = hashlib.sha256(sources + spec).hexdigest()
+    return cache_dir() / "kernels" / f"tokenmill-{isa}-{key[:16]}.so"
+
+
 @functools.cache
 def _load(isa: str) -> ctypes.CDLL | None:
     level = _LEVELS[isa]
-    flags = _cpu_flags()
-    sources = b"".join(p.read_bytes() for p in (*_SOURCES, *_HEADERS))
-    spec = " ".join([isa, *level.cflags, *sorted(flags)]).encode()
-    key = hashlib.sha256(sources + spec).hexdigest()
-    path = cache_dir() / "kernels" / f"tokenmill-{isa}-{key[:16]}.so"
+    path = library_path(isa)
     try:
         if not path.exists():
             logger.info("compiling the native CPU kernels for %s (once) into %s", isa, path)
