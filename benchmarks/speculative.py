@@ -8,11 +8,13 @@
    (``llama-cpp-python``'s ``LlamaPromptLookupDecoding``; goal >= 2x its rate).
 3. A free-form chat workload: speculation (adaptive) on vs off (goal >= 1.0x).
    Both workloads also run suffix decoding with draft trees (draft_top_k=2, 2k nodes).
-4. With --draft-pair: Qwen2.5-Coder-1.5B with the 0.5B draft on code generation
-   (``make setup-slow`` installs the chunks): speedup over no speculation (goal >= 1.5x)
-   and mean acceptance length.
+4. With --draft-pair (or --draft-pair-only): Qwen2.5-Coder-1.5B with the 0.5B draft on
+   code generation (``make setup-slow`` installs the chunks): tokens/s with speculation
+   off, k = 2..5 fixed and adaptive (one engine, columns swapped into its hook), speedup
+   over no speculation (goal >= 1.5x) and mean acceptance length per column.
 
     python benchmarks/speculative.py [--k 8] [--repeat 3] [--curve-only] [--draft-pair]
+    python benchmarks/speculative.py --draft-pair-only [--repeat 1] [--pair-max-tokens 128]
 
 Rates are medians over ``--repeat`` rounds, the configurations alternating within a round.
 """
@@ -20,15 +22,19 @@ Rates are medians over ``--repeat`` rounds, the configurations alternating withi
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from common import table
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.spec_decode.adaptive import DraftLength
 from tokenmill.spec_decode.calibrate import measure_cost_curve
+from tokenmill.spec_decode.metrics import SpecDecodeStats
 from tokenmill.spec_decode.proposer import DraftHook
 
 TEXT = (
@@ -121,8 +127,12 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--draft-pair", action="store_true", help="also the Qwen2.5-Coder pair")
+    ap.add_argument("--draft-pair-only", action="store_true", help="only the Qwen2.5-Coder pair")
+    ap.add_argument("--pair-max-tokens", type=int, default=128, help="new tokens per code task")
     ap.add_argument("--curve-only", action="store_true", help="only the verify-cost curve")
     args = ap.parse_args()
+    if args.draft_pair_only:
+        return draft_pair(args)
     path = smollm2()
     k = args.k
 
@@ -192,35 +202,85 @@ def main() -> None:
         draft_pair(args)
 
 
+PAIR_KS = (2, 3, 4, 5)
+"""Fixed draft lengths of the pair's columns; the adaptive column caps at the largest."""
+
+
+@dataclass
+class PairConfig:
+    """One column of the pair's table: a draft cap (None: speculation off) and its own
+    acceptance counters, swapped into the one engine's hook while its requests run."""
+
+    length: DraftLength | None
+    stats: SpecDecodeStats | None
+
+
+def pair_configs(hook: DraftHook) -> dict[str, PairConfig]:
+    """Speculation off, k fixed for each of PAIR_KS, and the adaptive default, all on the
+    same engine (target + draft loaded once: seven engines would not fit in memory)."""
+    adaptive = hook.length
+    configs = {"off": PairConfig(None, None)}
+    for k in PAIR_KS:
+        fixed = DraftLength(k, adaptive.curve, adaptive=False, proposal=adaptive.proposal)
+        configs[f"k={k}"] = PairConfig(fixed, SpecDecodeStats(hook.proposer.name, k))
+    configs["adaptive"] = PairConfig(adaptive, hook.stats)
+    return configs
+
+
+def pair_rate(llm: LLM, config: PairConfig, ids: list[int], max_tokens: int):
+    """(tokens/s, tokens) of one greedy request under ``config``."""
+    (hook,) = [h for h in llm.engine.hooks if isinstance(h, DraftHook)]
+    if config.length is not None:
+        hook.length, hook.num_tokens, hook.stats = (
+            config.length,
+            config.length.max_tokens,
+            config.stats,
+        )
+    params = SamplingParams(temperature=0, max_tokens=max_tokens,
+                            disable_spec_decode=config.length is None)  # fmt: skip
+    start = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
+    return len(out.token_ids) / (time.perf_counter() - start), len(out.token_ids)
+
+
 def draft_pair(args) -> None:
+    """Qwen2.5-Coder-1.5B with its 0.5B draft on code generation: tokens/s off, with k
+    fixed and adaptive (one engine; ``disable_spec_decode`` for the plain column)."""
+    from tokenmill import native
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import qwen_coder_draft_path, qwen_coder_path
 
     target, draft = str(qwen_coder_path()), str(qwen_coder_draft_path())
-    plain = LLM(target, max_model_len=2048)
-    spec = LLM(target, max_model_len=2048, speculative_config={
-        "method": "draft_model", "model": draft, "num_speculative_tokens": 4,
+    llm = LLM(target, max_model_len=2048, speculative_config={
+        "method": "draft_model", "model": draft, "num_speculative_tokens": max(PAIR_KS),
     })  # fmt: skip
-    fixed = LLM(target, max_model_len=2048, speculative_config={
-        "method": "draft_model", "model": draft, "num_speculative_tokens": 4, "adaptive": False,
-    })  # fmt: skip
-    ids_list = prompts(plain, CODE_TASKS)
-    runners = {
-        "off": lambda ids, n: tm_rate(plain, ids, n),
-        "draft 0.5B": lambda ids, n: tm_rate(spec, ids, n),
-        "draft 0.5B, k=4 fixed": lambda ids, n: tm_rate(fixed, ids, n),
-    }
+    (hook,) = [h for h in llm.engine.hooks if isinstance(h, DraftHook)]
+    configs = pair_configs(hook)
+    ids_list = prompts(llm, CODE_TASKS)
+    runners = {name: functools.partial(pair_rate, llm, c) for name, c in configs.items()}
     for run in runners.values():
         run(ids_list[0], 8)
-    res = run_workload(runners, ids_list, 128, args.repeat)
-    print("\nQwen2.5-Coder-1.5B Q4_K_M, code generation, tokens/s (adaptive, and k=4 fixed):")
-    print(table([["off", "draft 0.5B", "speedup", "mean acceptance length",
-                  "k=4 fixed", "speedup", "mean acceptance length"],
-                 [f"{res['off']:.1f}", f"{res['draft 0.5B']:.1f}",
-                  f"{res['draft 0.5B'] / res['off']:.2f}x", f"{mean_acceptance(spec):.2f}",
-                  f"{res['draft 0.5B, k=4 fixed']:.1f}",
-                  f"{res['draft 0.5B, k=4 fixed'] / res['off']:.2f}x",
-                  f"{mean_acceptance(fixed):.2f}"]]))  # fmt: skip
+    for c in configs.values():  # the warm-up's drafts are not counted
+        if c.stats is not None:
+            c.stats = SpecDecodeStats(c.stats.method, c.stats.max_tokens)
+    res = run_workload(runners, ids_list, args.pair_max_tokens, args.repeat)
+    isa = native.active_isa() if native.available() else "none (PyTorch kernels)"
+    print(
+        f"\nQwen2.5-Coder-1.5B Q4_K_M + 0.5B draft, code generation, {args.pair_max_tokens} "
+        f"greedy tokens, tokens/s (native kernels: {isa}; adaptive caps at k={max(PAIR_KS)}):"
+    )
+    rows = [
+        ["", *configs],
+        ["tokens/s", *(f"{res[n]:.2f}" for n in configs)],
+        ["vs off", *(f"{res[n] / res['off']:.2f}x" for n in configs)],
+        [
+            "mean acceptance length",
+            "-",
+            *(f"{c.stats.mean_acceptance_length:.2f}" for c in configs.values() if c.stats),
+        ],
+    ]
+    print(table(rows))
 
 
 if __name__ == "__main__":
