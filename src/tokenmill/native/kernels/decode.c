@@ -13,25 +13,30 @@
 
 #include "simd.h"
 
+/* n <= 16 floats of a row: res += x (when add), then acc += res * res lane by lane */
+SIMD_INLINE vf16 add_square(float *res, const float *x, int n, _Bool add, vf16 acc) {
+    vf16 v = n == 16 ? vf16_load(res) : vf16_load_n(res, n);
+    if (add) {
+        v = vf16_add(v, n == 16 ? vf16_load(x) : vf16_load_n(x, n));
+        if (n == 16)
+            vf16_store(res, v);
+        else
+            vf16_store_n(res, v, n);
+    }
+    return vf16_fmadd(v, v, acc);
+}
+
 void add_rms_norm(float *x, float *residual, const float *w, float *out, int64_t rows, int64_t dim,
                   float min_norm, _Bool add) {
 #pragma omp parallel for schedule(static) if (rows * dim > 65536)
     for (int64_t r = 0; r < rows; r++) {
         float *res = residual + r * dim;
         const float *xr = x + r * dim;
-        float ss = 0.f;
-        if (add) {
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) {
-                float v = res[i] + xr[i];
-                res[i] = v;
-                ss += v * v;
-            }
-        } else {
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < dim; i++) ss += res[i] * res[i];
-        }
-        float norm = sqrtf(ss);
+        vf16 acc = vf16_zero(); /* per lane an FMA chain over the chunks: same bits per level */
+        int64_t i = 0;
+        for (; i + 16 <= dim; i += 16) acc = add_square(res + i, xr + i, 16, add, acc);
+        if (i < dim) acc = add_square(res + i, xr + i, (int)(dim - i), add, acc);
+        float norm = sqrtf(vf16_sum_lanes(acc));
         float inv = 1.f / (norm > min_norm ? norm : min_norm);
         float *o = out + r * dim;
 #pragma omp simd
@@ -69,10 +74,10 @@ void rope_store_kv(float *qkv, int64_t tokens, int64_t row_stride, int64_t q_hea
 #define KEY_GROUP (VF16_REGS >= 32 ? 16 : 4)
 
 /* dst[p] = scale * (q . keys[p]) for n <= 16 keys of d floats (d % 16 == 0), rounded as
- * the scalar loop `omp simd reduction` compiles to on AVX-512: per lane i a fused
- * multiply-add chain over the 16-float chunks, then the lanes added in order, 0 + l0 + l1
- * + ... + l15 (the same at either ISA level). The keys go across the lanes of one
- * transposed block, so the 16 sums are 16 vector adds. */
+ * vf16_dot (the path for other d): per lane i a fused multiply-add chain over the 16-float
+ * chunks, then the lanes added in order, 0 + l0 + l1 + ... + l15, the same bits at either
+ * ISA level. The keys go across the lanes of one transposed block, so the 16 sums are 16
+ * vector adds. */
 static void key_scores(const float *q, const float *const *keys, int n, int64_t d, float scale,
                        float *dst) {
     vf16 acc[16];
@@ -208,19 +213,13 @@ void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q
                 } else {
                     for (int64_t p = first; p < len; p++) {
                         const float *k = cache + (next_slot(&walk) * kv_heads + g) * d;
-                        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t i = 0; i < d; i++) dot += qh[i] * k[i];
-                        dot *= scale;
+                        const float dot = vf16_dot(qh, k, d) * scale;
                         scores[p] = dot;
                         top = dot > top ? dot : top;
                     }
                     for (int64_t e = 0; e < n_extra; e++) {
                         const float *k = cache + (extra[e] * kv_heads + g) * d;
-                        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                        for (int64_t i = 0; i < d; i++) dot += qh[i] * k[i];
-                        dot *= scale;
+                        const float dot = vf16_dot(qh, k, d) * scale;
                         scores[max_len + e] = dot;
                         top = dot > top ? dot : top;
                     }

@@ -6,7 +6,7 @@
  *
  * Every operation works lane by lane with the same float32 rounding on both (the same
  * fused multiply-adds, the same additions in the same order), so a kernel written on vf16
- * gives the same bits at either level. VF16_REGS is how many vf16 fit in the register file
+ * gives the same bits at either level (the reductions below fix their order for that). VF16_REGS is how many vf16 fit in the register file
  * (32 zmm / 16 ymm = 8 pairs): register blocks are sized from it.
  */
 #ifndef TOKENMILL_SIMD_H
@@ -34,6 +34,10 @@ SIMD_INLINE vf16 vf16_mul(vf16 a, vf16 b) { return _mm512_mul_ps(a, b); }
 /* the first n (0 .. 16) lanes of a to p */
 SIMD_INLINE void vf16_store_n(float *p, vf16 a, int n) {
     _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a);
+}
+/* p[0 .. n - 1] (n <= 16), zero in the other lanes; nothing past them is read */
+SIMD_INLINE vf16 vf16_load_n(const float *p, int n) {
+    return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
 }
 
 /* 32 bfloat16 at p (64 bytes): the even ones (low halves of each 32 bits) / the odd ones
@@ -130,6 +134,11 @@ SIMD_INLINE void vf16_store_n(float *p, vf16 a, int n) {
     vf16_store(tmp, a);
     memcpy(p, tmp, (size_t)n * sizeof(float));
 }
+SIMD_INLINE vf16 vf16_load_n(const float *p, int n) {
+    float tmp[16] = {0};
+    memcpy(tmp, p, (size_t)n * sizeof(float));
+    return vf16_load(tmp);
+}
 
 SIMD_INLINE vf16 vf16_bf16_even(const uint16_t *p) {
     const __m256i a = _mm256_loadu_si256((const __m256i *)p);
@@ -199,5 +208,26 @@ SIMD_INLINE void vf16_transpose(vf16 *r) {
     }
 }
 #endif
+
+/* 0 + a[0] + a[1] + ... + a[15], in that order (the same bits at either level) */
+SIMD_INLINE float vf16_sum_lanes(vf16 a) {
+    float tmp[16], sum = 0.f;
+    vf16_store(tmp, a);
+    for (int i = 0; i < 16; i++) sum += tmp[i];
+    return sum;
+}
+
+/* q . k over d floats: a fused multiply-add chain per lane over the 16-float chunks (the
+ * last one zero-padded), then vf16_sum_lanes */
+SIMD_INLINE float vf16_dot(const float *q, const float *k, int64_t d) {
+    vf16 acc = vf16_zero();
+    int64_t i = 0;
+    for (; i + 16 <= d; i += 16) acc = vf16_fmadd(vf16_load(q + i), vf16_load(k + i), acc);
+    if (i < d) {
+        const int n = (int)(d - i);
+        acc = vf16_fmadd(vf16_load_n(q + i, n), vf16_load_n(k + i, n), acc);
+    }
+    return vf16_sum_lanes(acc);
+}
 
 #endif

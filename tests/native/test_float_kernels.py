@@ -1,0 +1,178 @@
+"""The float32 kernels (kernels/decode.c, dense16_gemm.c) at every ISA level this CPU runs
+against PyTorch in float64, on random shapes including odd ones; and, where the CPU runs
+two levels, the same bits at each (simd.h's promise for the kernels written on vf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import native
+from tokenmill.native import dense16
+
+DIMS = [1, 7, 16, 17, 64, 100, 576, 1001]
+
+
+def rms_reference(x, residual, w, min_norm):
+    r = residual.double() + (0 if x is None else x.double())
+    norm = r.norm(dim=-1, keepdim=True).clamp_min(min_norm)
+    return r, r / norm * w.double()
+
+
+@pytest.mark.parametrize("dim", DIMS)
+@pytest.mark.parametrize("rows", [1, 3, 70])
+@pytest.mark.parametrize("add", [True, False])
+def test_add_rms_norm(native_level, dim, rows, add) -> None:
+    g = torch.Generator().manual_seed(dim * 10 + rows)
+    x = torch.randn(rows, dim, generator=g) if add else None
+    residual = torch.randn(rows, dim, generator=g)
+    residual[0] *= 1e-9  # below min_norm: divided by min_norm, not by its own norm
+    w = torch.randn(dim, generator=g)
+    want_res, want = rms_reference(x, residual, w, 1e-6)
+    out = native.add_rms_norm(x, residual, w, 1e-6)
+    torch.testing.assert_close(residual.double(), want_res, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out.double(), want, rtol=2e-5, atol=2e-5)
+
+
+def rope_reference(qkv, heads, kv_heads, d, cos, sin):
+    q = qkv.double().clone()
+    rot = q[:, : (heads + kv_heads) * d].view(len(q), heads + kv_heads, d)
+    half = d // 2
+    turned = torch.cat((rot[..., half:], rot[..., :half]), dim=-1)  # [x2 | x1]
+    rot.copy_(rot * cos.double()[:, None] + turned * sin.double()[:, None])
+    return q
+
+
+@pytest.mark.parametrize("d", [2, 6, 18, 64, 80])
+@pytest.mark.parametrize(("heads", "kv_heads", "tokens"), [(3, 1, 1), (4, 2, 5), (2, 2, 33)])
+def test_rope_store_kv(native_level, d, heads, kv_heads, tokens) -> None:
+    g = torch.Generator().manual_seed(d + 100 * tokens)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)
+    angle = torch.randn(tokens, d // 2, generator=g)
+    cos = torch.cat((angle.cos(), angle.cos()), -1)
+    sin = torch.cat((-angle.sin(), angle.sin()), -1)
+    cache = torch.zeros(2, 8, 8, kv_heads, d)
+    slots = torch.randperm(64, generator=g)[:tokens]
+    want = rope_reference(qkv, heads, kv_heads, d, cos, sin)
+    native.rope_store_kv(qkv, heads, kv_heads, d, cos, sin, cache, slots)
+    torch.testing.assert_close(qkv.double(), want, rtol=1e-6, atol=1e-6)
+    flat = cache.view(2, 64, kv_heads * d)
+    k0, v0 = heads * d, (heads + kv_heads) * d
+    assert torch.equal(flat[0, slots], qkv[:, k0:v0])
+    assert torch.equal(flat[1, slots], qkv[:, v0:])
+    untouched = torch.ones(64, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat[:, untouched].any()
+
+
+def _attention_case(d: int, heads: int, kv_heads: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    batch, blocks, block_size, width = 3, 24, 7, 6
+    cache = torch.randn(2, blocks, block_size, kv_heads, d, generator=g)
+    tables = torch.randperm(blocks, generator=g)[: batch * width].view(batch, width)
+    lens = torch.tensor([1, 17, width * block_size - 1])
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * d, generator=g)
+    return qkv, cache, tables.contiguous(), lens
+
+
+@pytest.mark.parametrize("d", [8, 24, 40, 48, 96, 256])
+def test_decode_attention_odd_head_sizes(native_level, d) -> None:
+    """Head sizes beside the ones tests/attention covers: below one vf16, odd multiples of
+    8 (the scalar path), multiples of 16 with a half value chunk at the AVX2 level."""
+    heads, kv_heads = 6, 2
+    qkv, cache, tables, lens = _attention_case(d, heads, kv_heads, seed=d)
+    out = native.decode_attention(
+        qkv, heads, kv_heads, d, cache, tables, lens, int(lens.max()), d**-0.5, None
+    )
+    flat = cache.double().reshape(2, -1, kv_heads, d)
+    for b, n in enumerate(lens.tolist()):
+        slots = [int(tables[b, p // 7]) * 7 + p % 7 for p in range(n)]
+        q = qkv[b, : heads * d].double().view(kv_heads, heads // kv_heads, d)
+        w = torch.softmax(torch.einsum("gjd,sgd->gjs", q, flat[0, slots]) * d**-0.5, -1)
+        want = torch.einsum("gjs,sgd->gjd", w, flat[1, slots]).reshape(-1)
+        torch.testing.assert_close(out[b].double(), want, rtol=1e-5, atol=1e-5)
+
+
+GEMM_SHAPES = [(1, 1, 1), (1, 7, 5), (2, 33, 17), (3, 64, 48), (5, 301, 100), (7, 576, 31)]
+
+
+def _fma_kernels() -> list[str]:
+    return ["bf16-fma", "fp16-fma"]
+
+
+@pytest.mark.parametrize("kernel", [*_fma_kernels(), "bf16-avx512bf16"])
+@pytest.mark.parametrize(("m", "k", "n"), GEMM_SHAPES)
+def test_dense16_gemm(native_level, kernel, m, k, n) -> None:
+    """16-bit weights of any shape (padded tiles) times float32 rows; the exact-product
+    kernels to float32 rounding of a float64 sum, the two-term bfloat16 one to ~2^-16."""
+    if kernel == "bf16-avx512bf16" and not dense16.has_avx512_bf16():
+        pytest.skip("no AVX512-BF16 in this library")
+    code, dtype = dense16.KERNELS[kernel]
+    g = torch.Generator().manual_seed(m * 1000 + k + n)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g)
+    tiles = dense16.empty_tiles(n, k, dtype)
+    dense16.write_rows(tiles, 0, w)
+    y = dense16.gemm(x, tiles, code, n)
+    want = x.double() @ w.double().T
+    scale = (x.double().abs() @ w.double().abs().T).max().item()
+    tol = 2e-5 if kernel == "bf16-avx512bf16" else 2e-6
+    assert (y.double() - want).abs().max().item() <= tol * scale
+
+
+def _levels() -> tuple[str, ...]:
+    return native.isas_available()
+
+
+two_levels = pytest.mark.skipif(len(_levels()) < 2, reason="this CPU runs one ISA level")
+
+
+def _at_each_level(fn):
+    out = []
+    for isa in _levels():
+        with native.use(isa):
+            out.append(fn())
+    return out
+
+
+@two_levels
+@pytest.mark.parametrize("kernel", _fma_kernels())
+@pytest.mark.parametrize(("m", "k", "n"), GEMM_SHAPES)
+def test_dense16_fma_kernels_give_the_same_bits_at_each_level(kernel, m, k, n) -> None:
+    code, dtype = dense16.KERNELS[kernel]
+    g = torch.Generator().manual_seed(k + n)
+    tiles = dense16.empty_tiles(n, k, dtype)
+    dense16.write_rows(tiles, 0, torch.randn(n, k, generator=g))
+    x = torch.randn(m, k, generator=g)
+    first, *rest = _at_each_level(lambda: dense16.gemm(x, tiles, code, n))
+    assert all(torch.equal(first, r) for r in rest)
+
+
+@two_levels
+@pytest.mark.parametrize("d", [16, 64, 80, 128])
+def test_decode_attention_gives_the_same_bits_at_each_level(d) -> None:
+    qkv, cache, tables, lens = _attention_case(d, 9, 3, seed=d)
+    first, *rest = _at_each_level(
+        lambda: native.decode_attention(
+            qkv, 9, 3, d, cache, tables, lens, int(lens.max()), d**-0.5, 64
+        )
+    )
+    assert all(torch.equal(first, r) for r in rest)
+
+
+@two_levels
+@pytest.mark.parametrize("dim", DIMS)
+def test_add_rms_norm_gives_the_same_bits_at_each_level(dim) -> None:
+    g = torch.Generator().manual_seed(dim)
+    x, residual, w = (
+        torch.randn(4, dim, generator=g),
+        torch.randn(4, dim, generator=g),
+        torch.randn(dim, generator=g),
+    )
+
+    def run():
+        r = residual.clone()
+        return torch.cat((native.add_rms_norm(x, r, w, 1e-6), r))
+
+    first, *rest = _at_each_level(run)
+    assert all(torch.equal(first, r) for r in rest)
