@@ -1,6 +1,7 @@
 """The native decode attention kernel (kernels/decode.c) against a PyTorch softmax over the
 gathered keys: grouped-query heads, scattered blocks of several sizes, sliding windows,
-draft-tree extra slots, head sizes on the 16-keys-at-once path (d % 16 == 0) and off it."""
+draft-tree extra slots, head sizes on the 16-keys-at-once path (d % 16 == 0) and off it;
+at each ISA level this CPU runs (``native_level``)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 
 from tokenmill import native
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+pytestmark = pytest.mark.usefixtures("native_level")  # every ISA level this CPU runs
 
 
 def reference(qkv, heads, kv_heads, d, cache, tables, lens, scale, window, extra):

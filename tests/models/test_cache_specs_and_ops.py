@@ -43,14 +43,22 @@ def test_dense_models_select_the_reference_and_pytorch():
     assert all(layer.self_attn.backend is ops.backend for layer in model.model.layers)
 
 
-@pytest.mark.skipif(not native.available(), reason="native kernels unavailable here")
-def test_quantized_float32_on_cpu_selects_the_native_kernels():
+def test_quantized_float32_on_cpu_selects_the_native_kernels(native_level):
     plan = build_plan("int8", {})
     ops = select_ops(CPU, torch.float32, plan)
     assert ops.backend.name == "native" and ops.kernels is NATIVE_KERNELS
     assert select_ops(CPU, torch.float32, plan, "reference").backend.name == "reference"
     # bfloat16 activations: the native attention can not run them, auto does not pick it.
     assert select_ops(CPU, torch.bfloat16, plan).backend.name == "reference"
+
+
+def test_without_the_native_kernels_quantized_models_select_pytorch():
+    plan = build_plan("int8", {})
+    with native.use(None):
+        ops = select_ops(CPU, torch.float32, plan)
+        assert ops.backend.name == "reference" and ops.kernels is TORCH_KERNELS
+        with pytest.raises(InvalidRequestError, match=r"AVX2\+FMA\+F16C and a C compiler"):
+            select_ops(CPU, torch.float32, plan, "native")
 
 
 def test_a_backend_that_can_not_run_the_model_is_an_error_not_a_switch():

@@ -169,3 +169,5 @@ def test_int8_refused_where_no_path():
         resolve_pooling_quantization("int8", "auto", torch.device("cuda"), BertModel, False)
     assert resolve_pooling_quantization("auto", "bfloat16", cpu, ModernBertModel, False) == "none"
     assert resolve_pooling_quantization("int8", "float32", cpu, BertModel, False) == "int8"
+    with native.use(None), pytest.raises(InvalidRequestError, match=r"AVX2\+FMA\+F16C"):
+        resolve_pooling_quantization("int8", "float32", cpu, BertModel, False)

@@ -13,7 +13,7 @@ from tokenmill.native import dense16
 from tokenmill.quant.dense16 import Dense16Method
 from tokenmill.quant.plan import resolve_quantization
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable here")
+pytestmark = pytest.mark.usefixtures("native_level")  # every ISA level this CPU runs
 
 
 def _kernels() -> list:
@@ -103,3 +103,12 @@ def test_auto_keeps_16bit_hf_checkpoints(stored, dtype, expected) -> None:
     cpu = torch.device("cpu")
     assert resolve_quantization("auto", dtype, cpu, "hf", stored) == expected
     assert resolve_quantization("auto", "auto", torch.device("cuda"), "hf", stored) == "none"
+
+
+def test_auto_without_the_kernels_keeps_hf_checkpoints_dense() -> None:
+    """Where the native kernels are off, a 16-bit folder loads as dense weights (PyTorch)."""
+    with native.use(None):
+        assert (
+            resolve_quantization("auto", "auto", torch.device("cpu"), "hf", torch.bfloat16)
+            == "none"
+        )

@@ -7,7 +7,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf_synth import synthetic_tensors, write_gguf
 
-from tokenmill import native
 from tokenmill.attention import AttentionMetadata, ForwardContext
 from tokenmill.loader import load_checkpoint
 from tokenmill.models import resolve_model_class
@@ -44,7 +43,8 @@ def prefill_logits(model, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
     ids=["int4", "int8", "mixed"],
 )
 @pytest.mark.parametrize("tied", [False, True], ids=["head", "tied"])
-def test_quantized_logits_follow_dequantized(tmp_path, types, tied) -> None:
+def test_quantized_logits_follow_dequantized(tmp_path, types, tied, native_isa) -> None:
+    """At each native ISA level and on the PyTorch fallback (``native_isa``)."""
     path = write_gguf(tmp_path / "m.gguf", synthetic_tensors(types, tied=tied))
     ckpt = load_checkpoint(str(path))
     reference = build(ckpt, torch.float32, "none")
@@ -92,8 +92,7 @@ def decode_logits(model, prompts: list[list[int]], steps: int, fast=None) -> lis
     return out
 
 
-@pytest.mark.skipif(not native.available(), reason="native kernels unavailable here")
-def test_native_decode_layers_equal_the_per_op_path(tmp_path) -> None:
+def test_native_decode_layers_equal_the_per_op_path(tmp_path, native_level) -> None:
     path = write_gguf(tmp_path / "m.gguf", synthetic_tensors([Q.Q4_1, Q.Q4_K, Q.Q8_0]))
     model = build(load_checkpoint(str(path)), torch.float32, "gguf")
     fast = NativeDecode.build(model)
