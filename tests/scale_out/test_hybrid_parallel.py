@@ -97,18 +97,21 @@ def test_other_families_tp2_and_pp2(checkpoints, family):
     _check(checkpoints, family, [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])
 
 
-def _refuses_an_image(llm) -> None:
-    """tokenmill runs no Qwen3.5 vision tower: media are refused as on one process."""
+def _text_only_ranks(llm) -> None:
+    """The driver (as every rank) built the language model without the vision tower, and
+    a request with an image is refused at the boundary (one process runs it)."""
+    assert llm.engine.loaded.model.local.visual is None
     image = {"prompt": "hi", "multi_modal_data": {"image": random_image(28, 28, 0)}}
-    with pytest.raises(ValueError, match="no vision or audio encoder"):
+    with pytest.raises(ValueError, match="no vision or audio encoder: it takes text only"):
         llm.generate(image, use_tqdm=False)
 
 
 def test_qwen3_5_vision_checkpoint_tp2_and_pp2_text(checkpoints):
     """The real Qwen3.5 checkpoints' layout (text_config, model.language_model.*, a
-    model.visual.* tower): the stage and shard cuts reach the language model's config."""
+    model.visual.* tower): the stage and shard cuts reach the language model's config;
+    text prompts run, media requests are refused."""
     sizes = [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]
-    _check(checkpoints, "qwen3_5_vl", sizes, probe=_refuses_an_image)
+    _check(checkpoints, "qwen3_5_vl", sizes, probe=_text_only_ranks)
 
 
 @pytest.mark.parametrize("sizes", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}])

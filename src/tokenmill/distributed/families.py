@@ -63,7 +63,11 @@ class Family:
     """(config.json, a rank's edited language config) -> the config.json the rank builds
     from; None: a flat config (the edits are config.json itself). ``nested.NestedPart``."""
     drops: tuple[str, ...] = ()
-    """Checkpoint name prefixes no rank loads (a vision tower the model never runs)."""
+    """Checkpoint name prefixes no rank loads (a vision tower the ranks never run)."""
+    text_only: bool = False
+    """The ranks build the language model without the checkpoint's encoder (``nest``
+    leaves its config out): text prompts run under TP / PP, media requests are refused
+    at the boundary (``launch.check_media``)."""
 
     def layer_types(self, hf: dict[str, Any]) -> list[str] | None:
         return None if self.types is None else list(self.types(hf))
@@ -259,8 +263,13 @@ QWEN3_5_VL = dataclasses.replace(
     table_names=("model.language_model.embed_tokens.",),
     final_names=("model.language_model.norm.", "lm_head."),
     text=_qwen3_5_vl_text,
-    nest=lambda hf, text: {**hf, "text_config": text},
-    drops=("model.visual.",),  # one process drops them too (text-only language model)
+    # without vision_config: the ranks (the driver too) build the language model only
+    nest=lambda hf, text: {
+        **{k: v for k, v in hf.items() if k != "vision_config"},
+        "text_config": text,
+    },
+    drops=("model.visual.",),
+    text_only=True,
 )
 
 

@@ -25,7 +25,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.config import check_devices, check_shapes
-from tokenmill.distributed.families import STATE, family_of
+from tokenmill.distributed.families import FAMILIES, STATE, family_of
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks
 from tokenmill.distributed.hybrid_split import split_of
 from tokenmill.distributed.messages import Ready, Stop
@@ -182,17 +182,20 @@ def check_media(config: EngineConfig, model_cls: type) -> None:
     """The ranks split a language model only: a model whose vision / audio encoder
     tokenmill runs (``SupportsMultiModal.encode``: Qwen2/2.5/3-VL, Gemma3, SmolVLM,
     Qwen2-Audio) is refused under TP / PP, before its nested config is read (its encoder
-    and the placeholder embeddings it hands the first stage are one process's). Qwen3.5's
-    vision checkpoints run their language model (text prompts; media requests are refused
-    as on one process: tokenmill runs no Qwen3.5 vision tower)."""
-    if callable(getattr(model_cls, "encode", None)):
-        p = config.parallel
-        raise UnsupportedModelError(
-            f"{model_cls.__name__} has a vision / audio encoder, which does not run under "
-            f"tensor_parallel_size={p.tensor_parallel_size} x pipeline_parallel_size="
-            f"{p.pipeline_parallel_size} (the ranks split the language model only); use "
-            "tensor_parallel_size=pipeline_parallel_size=1 for this model"
-        )
+    and the placeholder embeddings it hands the first stage are one process's). A family
+    whose ranks build without the encoder (``Family.text_only``: Qwen3.5's vision
+    checkpoints) runs text prompts; its media requests are refused at the boundary (the
+    driver's model has no encoder)."""
+    family = FAMILIES.get(model_cls.__name__)
+    if not callable(getattr(model_cls, "encode", None)) or (family and family.text_only):
+        return
+    p = config.parallel
+    raise UnsupportedModelError(
+        f"{model_cls.__name__} has a vision / audio encoder, which does not run under "
+        f"tensor_parallel_size={p.tensor_parallel_size} x pipeline_parallel_size="
+        f"{p.pipeline_parallel_size} (the ranks split the language model only); use "
+        "tensor_parallel_size=pipeline_parallel_size=1 for this model"
+    )
 
 
 def check_stage_caches(kinds: list[frozenset[str]], stages: list[range], name: str) -> None:
