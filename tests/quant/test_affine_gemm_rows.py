@@ -1,4 +1,5 @@
-"""The many-row 8-bit kernel (affine_gemm_rows) against a float reference."""
+"""The many-row 8-bit kernel (affine_gemm_rows), at every ISA level this CPU runs: against a
+float reference, integer-exact at the extremes, and the same bits at every level."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from tokenmill import native
 from tokenmill.quant.gguf_blocks import affine_groups
 from tokenmill.quant.rows import RowsInt8Linear, gemm_rows
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+pytestmark = pytest.mark.usefixtures("native_level")  # once per ISA level
 
 
 def _dequantized(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,3 +127,42 @@ def test_a_row_does_not_depend_on_its_batch(terms):
     for start, m in ((0, 1), (0, 4), (0, 256), (200, 300), (600, 10), (0, 513)):
         part = gemm_rows(x[start : start + m].contiguous(), tiles, n, None, terms)
         assert torch.equal(part, whole[start : start + m]), (start, m)
+
+
+@pytest.mark.parametrize("terms", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_integer_dot_products_are_exact(terms, dtype):
+    """Scale 1, offset 0, integer x with max |x| = 127 per group: the first term is x, the
+    second 0, every float step exact, so y = x codes^T + bias exactly; all-255 codes
+    against all-127 rows reach the largest byte pairs (2 x 255 x 127 > 32767: no
+    saturation)."""
+    gen = torch.Generator().manual_seed(terms)
+    m, n, k = 9, 48, 256
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
+    codes[:16] = 255
+    x = torch.randint(-127, 128, (m, k), generator=gen).float()
+    x[:, ::32] = 127.0
+    x[0], x[1] = 127.0, -127.0
+    ones = torch.ones(n, k // 32)
+    tiles = native.pack_tiles(codes, ones, torch.zeros_like(ones), 8)
+    bias = torch.arange(n, dtype=torch.float32)
+    y = gemm_rows(x.to(dtype), tiles, n, bias, terms)
+    want = (x.double() @ codes.double().t() + bias.double()).float().to(dtype)
+    assert torch.equal(y, want)
+
+
+@pytest.mark.skipif(len(native.isas_available()) < 2, reason="one ISA level on this CPU")
+@pytest.mark.parametrize("terms", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_level_gives_the_same_bits(terms, dtype):
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(70, 384, generator=gen).to(dtype)
+    w, bias = torch.randn(96, 384, generator=gen) * 0.05, torch.randn(96, generator=gen)
+    res = torch.randn(70, 96, generator=gen).to(dtype)
+    tiles, _ = _dequantized(w)
+    got = {}
+    for isa in native.isas_available():
+        with native.use(isa):
+            got[isa] = gemm_rows(x, tiles, 96, bias, terms, residual=res, gelu=True)
+    first, *others = got.values()
+    assert all(torch.equal(first, y) for y in others), list(got)

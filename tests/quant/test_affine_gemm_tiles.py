@@ -1,5 +1,7 @@
 """The few-row affine-group kernel (affine_gemm: decode and verify steps, row blocks of up
-to 4 tokens): against a dequantized float reference, and batch invariant bit for bit."""
+to 4 tokens), at every ISA level this CPU runs: against a dequantized float reference,
+integer-exact at the extremes of codes and activations, batch invariant bit for bit, and
+the same bits at every level."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import torch
 
 from tokenmill import native
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels unavailable")
+pytestmark = pytest.mark.usefixtures("native_level")  # once per ISA level
 
 # every row-block width, whole blocks plus tails (5, 7, 9 = 4 + 4 + 1, 13, 19), blocks
 # wider than the kernel's (8), and a verify step of k = 8 drafts (9 rows)
@@ -59,3 +61,69 @@ def test_bfloat16_rows_round_the_float32_result():
     y = native.affine_gemm(x, tiles, 4, 48)
     assert y.dtype == torch.bfloat16
     assert torch.equal(y, native.affine_gemm(x.float(), tiles, 4, 48).bfloat16())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m, n, k", [(1, 16, 32), (3, 80, 160), (6, 48, 608), (11, 112, 224)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_odd_shapes(bits, m, n, k, dtype):
+    """Odd token counts and tile counts, K of 1 .. 19 groups, both activation dtypes."""
+    tiles, deq = _weights(bits, n, k, seed=n + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    y = native.affine_gemm(x, tiles, bits, n)
+    assert y.dtype == dtype and y.shape == (m, n)
+    ref = x.float() @ deq.t()
+    tol = 1e-4 if dtype == torch.float32 else 2**-8  # + one bfloat16 rounding of y
+    assert ((y.float() - ref).norm() / ref.norm()).item() < tol
+
+
+def _integer_case(bits: int, codes: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Tiles of scale 1, offset 0 and integer x with |x| <= 127 = max |x| in every group:
+    the kernel's first activation term is x itself, its second 0, and every float step is
+    exact, so y must be the integer product x codes^T (below 2^24 for K <= 256)."""
+    n, k = codes.shape
+    ones = torch.ones(n, k // 32)
+    x = x.clone()
+    x[:, ::32] = torch.where(x[:, ::32] < 0, -127.0, 127.0)  # max |x| = 127 in each group
+    tiles = native.pack_tiles(codes, ones, torch.zeros_like(ones), bits)
+    return tiles, x, x.double() @ codes.double().t()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_extreme_codes_do_not_saturate(bits, dtype, sign):
+    """All codes 2^bits - 1 against all activations +-127: every byte pair of a group at its
+    largest (2 x 255 x 127 > 32767 for 8-bit codes, where a plain vpmaddubsw saturates)."""
+    n, k, m = 32, 256, 5
+    codes = torch.full((n, k), 2**bits - 1, dtype=torch.uint8)
+    tiles, x, ref = _integer_case(bits, codes, torch.full((m, k), 127.0 * sign))
+    y = native.affine_gemm(x.to(dtype), tiles, bits, n)
+    assert torch.equal(y, ref.float().to(dtype))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [1, 4, 7])
+def test_integer_dot_products_are_exact(bits, m):
+    gen = torch.Generator().manual_seed(bits * 10 + m)
+    n, k = 48, 256
+    codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=gen)
+    x = torch.randint(-127, 128, (m, k), generator=gen).float()
+    tiles, x, ref = _integer_case(bits, codes, x)
+    assert torch.equal(native.affine_gemm(x, tiles, bits, n), ref.float())
+
+
+@pytest.mark.skipif(len(native.isas_available()) < 2, reason="one ISA level on this CPU")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_level_gives_the_same_bits(bits, dtype):
+    """The AVX2 code reproduces the AVX-512 one exactly (integer dot products, then the
+    same float32 steps in the same order), so a model decodes alike on either."""
+    tiles, _ = _weights(bits, 96, 1536, seed=5)
+    x = torch.randn(9, 1536, generator=torch.Generator().manual_seed(6)).to(dtype)
+    got = {}
+    for isa in native.isas_available():
+        with native.use(isa):
+            got[isa] = native.affine_gemm(x, tiles, bits, 96)
+    first, *others = got.values()
+    assert all(torch.equal(first, y) for y in others), list(got)

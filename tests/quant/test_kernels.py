@@ -7,24 +7,20 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from quant_blocks import random_raw
 
-from tokenmill import native
 from tokenmill.layers.linear import Linear, PackedLinear, VocabEmbedding
 from tokenmill.quant.ggml_codec import SUPPORTED_QUANT_TYPES
 from tokenmill.quant.gguf_blocks import INT4_EXACT_TYPES, INT8_EXACT_TYPES, GgufBlocks
-from tokenmill.quant.methods import AffineGroupMethod
-from tokenmill.quant.torch_methods import TORCH_METHODS
-
-# Both implementations of each format: the native kernel (where it runs) and PyTorch's.
-IMPLS = {
-    "native": {"int4": AffineGroupMethod(4), "int8": AffineGroupMethod(8)},
-    "torch": TORCH_METHODS,
-}
-needs_native = pytest.mark.skipif(not native.available(), reason="native kernel unavailable here")
+from tokenmill.quant.methods import AffineGroupMethod, method_for
 
 
-@pytest.fixture(params=[pytest.param("native", marks=needs_native), "torch"])
-def impl(request):
-    return IMPLS[request.param]
+# Both implementations of each format, as a model loads them: native (each ISA level), PyTorch.
+@pytest.fixture
+def impl(native_isa):
+    """The int4 / int8 methods a layer built now gets (``method_for``): the native kernel at
+    each ISA level this CPU runs, PyTorch's under "fallback" (``native.use(None)``)."""
+    methods = {name: method_for(name) for name in ("int4", "int8")}
+    assert isinstance(methods["int4"], AffineGroupMethod) == (native_isa != "fallback")
+    return methods
 
 
 ROWS, COLS = 192, 512  # whole K-quant super-blocks; three packed int4 row blocks
@@ -138,19 +134,17 @@ def test_int4_rejects_partial_groups(impl) -> None:
         Linear(48, 64, method=impl["int4"])
 
 
-@needs_native
-def test_native_q8_0_embedding_rows_are_exact() -> None:
+def test_native_q8_0_embedding_rows_are_exact(native_level) -> None:
     src = blocks(Q.Q8_0)
-    table = VocabEmbedding(ROWS, COLS, torch.float32, IMPLS["native"]["int8"])
+    table = VocabEmbedding(ROWS, COLS, torch.float32, AffineGroupMethod(8))
     table.load_weight(src)
     ids = torch.arange(ROWS)
     assert torch.equal(table(ids), src.dequantize())
 
 
-@needs_native
-def test_native_kernel_batches_like_single_rows() -> None:
+def test_native_kernel_batches_like_single_rows(native_level) -> None:
     """Each token's result is independent of the batch it is computed in."""
-    layer = Linear(COLS, ROWS, dtype=torch.float32, method=IMPLS["native"]["int4"])
+    layer = Linear(COLS, ROWS, dtype=torch.float32, method=AffineGroupMethod(4))
     layer.load_weight(blocks(Q.Q4_0))
     x = torch.randn(9, COLS)
     assert torch.equal(layer(x), torch.cat([layer(x[i : i + 1]) for i in range(9)]))
