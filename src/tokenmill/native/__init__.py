@@ -12,9 +12,13 @@ The C files are compiled together with the system C compiler (``cc -O3 -march=na
 level (``ISA_LEVELS``): ``avx512`` (AVX-512F/BW + VNNI) where ``/proc/cpuinfo`` has it, else
 ``avx2`` (AVX2 + FMA + F16C: Zen 1-3, Haswell .. Comet Lake), compiled with AVX-512 off.
 ``library(isa)`` builds and loads any level the CPU runs (the AVX2 code is tested on AVX-512
-machines too); ``TOKENMILL_NATIVE_ISA`` picks the default one. The library links the OpenMP
-runtime PyTorch has already loaded, so it shares PyTorch's threads. Without a compiler, or
-on a CPU below AVX2, ``available()`` is False and the layers use PyTorch's own kernels.
+machines too); ``TOKENMILL_NATIVE_ISA`` picks the default one, and ``use(isa | None)`` switches
+every wrapper to one level (None: off, the PyTorch path) within a block, so tests run each
+level on one machine (``tests/conftest.py``: ``native_isa``, ``native_level``). The float
+kernels are written once on ``kernels/simd.h`` and give the same bits at both levels. The
+library links the OpenMP runtime PyTorch has already loaded, so it shares PyTorch's
+threads. Without a compiler, or on a CPU below AVX2, ``available()`` is False and the
+layers use PyTorch's own kernels.
 """
 
 from __future__ import annotations
