@@ -2,6 +2,11 @@
 
     python benchmarks/multimodal.py                  # 1024 x 1024 image, 3 rounds
     python benchmarks/multimodal.py --size 512 --rounds 5 --load 8
+    python benchmarks/multimodal.py --family qwen3_5 --size 448 --skip-load
+
+``--family qwen3_5``: a Qwen3.5-shaped one instead (Qwen3-VL's tower without DeepStack,
+``--vision-depth`` blocks of 320 with 16-pixel patches, in front of a 4-layer hybrid of
+512: three Gated DeltaNet layers, then gated attention; Qwen3-VL's preprocessor config).
 
 The model has Qwen2.5-VL's structure (window attention in the tower with full attention
 every fourth block, patch merger, M-RoPE) at small widths (``--vision-depth`` blocks of
@@ -50,7 +55,11 @@ PROMPT = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe 
 TEXT = "<|im_start|>user\nTell me something about the weather in {} today.<|im_end|>\n<|im_start|>assistant\n"  # fmt: skip
 
 
-def make_checkpoint(cache: Path, depth: int) -> Path:
+def make_checkpoint(cache: Path, depth: int, family: str = "qwen2_5_vl") -> Path:
+    return CHECKPOINTS[family](cache, depth)
+
+
+def make_qwen2_5_vl(cache: Path, depth: int) -> Path:
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     target = cache / f"qwen2.5-vl-small-{depth}"
@@ -76,6 +85,47 @@ def make_checkpoint(cache: Path, depth: int) -> Path:
     return target
 
 
+def make_qwen3_5(cache: Path, depth: int) -> Path:
+    from qwen3_vl_checkpoints import PREPROCESSOR as QWEN3_PREPROCESSOR
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    target = cache / f"qwen3.5-vl-small-{depth}"
+    if (target / "model.safetensors").is_file():
+        return target
+    rope = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 3, 3], "mrope_interleaved": True}  # fmt: skip
+    text = dict(
+        vocab_size=VOCAB, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, linear_num_key_heads=4,
+        linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+        max_position_embeddings=4096, rope_parameters=rope, eos_token_id=IM_END,
+    )  # fmt: skip
+    vision = dict(depth=depth, hidden_size=320, num_heads=5, intermediate_size=640,
+                  out_hidden_size=512, num_position_embeddings=2304, patch_size=16)  # fmt: skip
+    config = Qwen3_5Config(
+        text_config=text, vision_config=vision, image_token_id=IMAGE_PAD, video_token_id=VIDEO_PAD,
+        vision_start_token_id=VISION_START, vision_end_token_id=VISION_END, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = Qwen3_5ForConditionalGeneration(config).eval()
+    randomize(model, 0, std=0.05)
+    model.save_pretrained(target)
+    make_tokenizer().save_pretrained(target)
+    (target / "preprocessor_config.json").write_text(json.dumps(QWEN3_PREPROCESSOR))
+    return target
+
+
+def qwen3_processor(path: Path):
+    from qwen3_vl_checkpoints import hf_processor as qwen3_vl_processor
+
+    return qwen3_vl_processor(path)
+
+
+CHECKPOINTS = {"qwen2_5_vl": make_qwen2_5_vl, "qwen3_5": make_qwen3_5}
+"""--family -> (cache, vision depth) -> the checkpoint folder."""
+PROCESSORS = {"qwen2_5_vl": hf_processor, "qwen3_5": qwen3_processor}
+"""--family -> transformers' processor for the folder."""
+
+
 class TokenmillTTFT:
     def __init__(self, path: Path) -> None:
         from tokenmill import LLM, SamplingParams
@@ -97,11 +147,11 @@ class TokenmillTTFT:
 
 
 class TransformersTTFT:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, family: str) -> None:
         from transformers import AutoModelForImageTextToText
 
         self.model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
-        self.proc = hf_processor(path)
+        self.proc = PROCESSORS[family](path)
         self.encode = 0.0
         visual = self.model.model.visual
         visual.register_forward_pre_hook(lambda *a: setattr(self, "_t", time.perf_counter()))
@@ -114,14 +164,15 @@ class TransformersTTFT:
         t0 = time.perf_counter()
         inputs = self.proc(text=[PROMPT], images=[image], return_tensors="pt")
         pre = time.perf_counter() - t0
+        self.model.model.rope_deltas = None  # Qwen3.5 keeps the last request's offset
         self.model.generate(**inputs, max_new_tokens=1, do_sample=False)
         total = time.perf_counter() - t0
         return {"preprocess": pre, "encode": self.encode, "prefill": total - pre - self.encode,
                 "ttft": total}  # fmt: skip
 
 
-def ttft_table(path: Path, size: int, rounds: int) -> list[list[str]]:
-    ours, theirs = TokenmillTTFT(path), TransformersTTFT(path)
+def ttft_table(path: Path, size: int, rounds: int, family: str) -> list[list[str]]:
+    ours, theirs = TokenmillTTFT(path), TransformersTTFT(path, family)
     ours(random_image(size, size, 999))  # warm-up (allocations, first-call costs)
     theirs(random_image(size, size, 999))
     runs: dict[str, list[dict[str, float]]] = {"tokenmill": [], "transformers": []}
@@ -198,14 +249,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--load", type=int, default=8, help="image and text requests in part 2")
     ap.add_argument("--vision-depth", type=int, default=8)
+    ap.add_argument("--family", choices=sorted(CHECKPOINTS), default="qwen2_5_vl")
     ap.add_argument("--skip-ttft", action="store_true", help="only part 2 (text under image load)")
+    ap.add_argument("--skip-load", action="store_true", help="only part 1 (one image's TTFT)")
     ap.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "tokenmill-bench")
     args = ap.parse_args()
-    path = make_checkpoint(args.cache, args.vision_depth)
+    path = make_checkpoint(args.cache, args.vision_depth, args.family)
     print(f"threads {torch.get_num_threads()}, image {args.size}x{args.size}, model {path.name}")
     if not args.skip_ttft:
-        print(table(ttft_table(path, args.size, args.rounds)))
-    print(table(text_ttft_under_load(path, args.size, args.load, args.rounds)))
+        print(table(ttft_table(path, args.size, args.rounds, args.family)))
+    if not args.skip_load:
+        print(table(text_ttft_under_load(path, args.size, args.load, args.rounds)))
 
 
 if __name__ == "__main__":
