@@ -102,7 +102,11 @@ def _text_only_ranks(llm) -> None:
     a request with an image is refused at the boundary (one process runs it)."""
     assert llm.engine.loaded.model.local.visual is None
     image = {"prompt": "hi", "multi_modal_data": {"image": random_image(28, 28, 0)}}
-    with pytest.raises(ValueError, match="no vision or audio encoder: it takes text only"):
+    with pytest.raises(
+        ValueError,
+        match="runs text only under tensor_parallel_size=.*serve it with "
+        "tensor_parallel_size=pipeline_parallel_size=1",
+    ):
         llm.generate(image, use_tqdm=False)
 
 

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 from tokenmill.config import EngineConfig
@@ -91,7 +93,24 @@ def model_name(config: EngineConfig) -> str:
     return config.served_model_name or str(config.model)
 
 
+def _has_encoder_config(config: EngineConfig) -> bool:
+    """The checkpoint folder's config.json describes a vision or audio tower."""
+    try:
+        hf = json.loads((Path(config.model) / "config.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+    return isinstance(hf, dict) and any(k in hf for k in ("vision_config", "audio_config"))
+
+
 def no_encoder_error(config: EngineConfig) -> InvalidRequestError:
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if tp * pp > 1 and _has_encoder_config(config):  # ranks split the language model only
+        return InvalidRequestError(
+            f"model {model_name(config)!r} runs text only under tensor_parallel_size={tp} x "
+            f"pipeline_parallel_size={pp} (the ranks split its language model, not its "
+            "vision encoder): send text only, or serve it with "
+            "tensor_parallel_size=pipeline_parallel_size=1 for images and video"
+        )
     return InvalidRequestError(
         f"model {model_name(config)!r} has no vision or audio encoder: it takes text only, "
         "so multi_modal_data and media content parts can not be used with it"
