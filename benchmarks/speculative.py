@@ -240,7 +240,11 @@ def pair_rate(llm: LLM, config: PairConfig, ids: list[int], max_tokens: int):
                             disable_spec_decode=config.length is None)  # fmt: skip
     start = time.perf_counter()
     out = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0].outputs[0]
-    return len(out.token_ids) / (time.perf_counter() - start), len(out.token_ids)
+    rate = len(out.token_ids) / (time.perf_counter() - start)
+    length = config.length  # progress on stderr: the pair's runs take minutes
+    label = "off" if length is None else f"k={length.max_tokens}" + " adaptive" * length.adaptive
+    print(f"  pair {label}: {len(out.token_ids)} tokens, {rate:.2f} tokens/s", file=sys.stderr)
+    return rate, len(out.token_ids)
 
 
 def draft_pair(args) -> None:
