@@ -107,8 +107,8 @@ def tokenmill_greedy(
 
 def make_qwen3_5_vl(path: Path, tokenizer, seed: int = 0) -> Path:
     """The same text model inside a Qwen3.5 vision-language checkpoint (a 1-block vision
-    tower that tokenmill does not load), the output head tied at the top level as in
-    Qwen3.5-0.8B (its text_config says untied)."""
+    tower: one process loads it, TP / PP ranks build without it), the output head tied at
+    the top level as in Qwen3.5-0.8B (its text_config says untied)."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
     text = dict(
