@@ -8,7 +8,9 @@ Each measurement is a fresh Python process (a restart, as a server would see it)
 - ``llama.cpp``: ``llama_cpp.Llama(model_path)`` on the same GGUF (installed in the venv).
 
 ``ready`` is the constructor's wall time (after imports; the imports are reported apart),
-``first`` adds one greedy token of a short prompt; the phases are the engine's own
+``first`` adds one greedy token of a short prompt; ``ready cpu`` is the process's CPU time
+(all its threads) during the constructor, which other processes on a shared machine inflate
+far less than the wall time; the phases are the engine's own
 (``LLMEngine.startup_phases``: resolve, tokenizer, kernels, weights, kv cache, runner).
 Times are the median of ``--repeat`` processes (the machine is shared). Models: the embedded SmolLM2-135M Q4_1 and Gemma3-270M
 Q4_K_M (assembled like the ``gemma3_gguf`` test fixture); ``--model`` runs others instead
@@ -38,12 +40,12 @@ import json, sys, time
 t0 = time.perf_counter()
 from tokenmill import LLM, SamplingParams
 from tokenmill.metrics.startup import engine_startup_phases
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.process_time()
 llm = LLM({model!r}, prepare_bundle={prepare}, cache_dir={cache!r}, max_model_len=512)
-t2 = time.perf_counter()
+t2, c2 = time.perf_counter(), time.process_time()
 out = llm.generate([{prompt!r}], SamplingParams(max_tokens=1, temperature=0), use_tqdm=False)
 t3 = time.perf_counter()
-print(json.dumps({{"import": t1 - t0, "ready": t2 - t1, "first": t3 - t1,
+print(json.dumps({{"import": t1 - t0, "ready": t2 - t1, "first": t3 - t1, "ready_cpu": c2 - c1,
                   "token": out[0].outputs[0].token_ids[0], "phases": engine_startup_phases(llm)}}))
 """
 
@@ -52,12 +54,12 @@ import json, time
 {no_extra}
 t0 = time.perf_counter()
 from llama_cpp import Llama
-t1 = time.perf_counter()
+t1, c1 = time.perf_counter(), time.process_time()
 llm = Llama(model_path={model!r}, n_ctx=512, verbose=False)
-t2 = time.perf_counter()
+t2, c2 = time.perf_counter(), time.process_time()
 out = llm({prompt!r}, max_tokens=1, temperature=0.0, top_k=1)
 t3 = time.perf_counter()
-print(json.dumps({{"import": t1 - t0, "ready": t2 - t1, "first": t3 - t1}}))
+print(json.dumps({{"import": t1 - t0, "ready": t2 - t1, "first": t3 - t1, "ready_cpu": c2 - c1}}))
 """
 
 
@@ -70,7 +72,9 @@ def _run(code: str) -> dict:
 
 
 def _median(runs: list[dict]) -> dict:
-    res = {k: statistics.median(r[k] for r in runs) for k in ("import", "ready", "first")}
+    res = {
+        k: statistics.median(r[k] for r in runs) for k in ("import", "ready", "first", "ready_cpu")
+    }
     phases = [r.get("phases") or {} for r in runs]
     names = [n for n in phases[0] if all(n in p for p in phases)]  # the engine's log order
     return res | {"phases": {n: statistics.median(p[n] for p in phases) for n in names}}
@@ -97,9 +101,10 @@ def measure(model: str, repeat: int) -> dict[str, dict]:
 
 
 def report(name: str, res: dict[str, dict]) -> None:
-    rows = [["start", "import s", "ready s", "first token s"]]
+    rows = [["start", "import s", "ready s", "ready cpu s", "first token s"]]
     for label, r in res.items():
-        rows.append([label, f"{r['import']:.2f}", f"{r['ready']:.2f}", f"{r['first']:.2f}"])
+        cells = (r["import"], r["ready"], r["ready_cpu"], r["first"])
+        rows.append([label, *(f"{x:.2f}" for x in cells)])
     print(f"\n{name}\n{table(rows)}")
     for label, r in res.items():
         if r.get("phases"):
