@@ -95,6 +95,8 @@ def model_name(config: EngineConfig) -> str:
 
 def _has_encoder_config(config: EngineConfig) -> bool:
     """The checkpoint folder's config.json describes a vision or audio tower."""
+    if config.model is None:
+        return False
     try:
         hf = json.loads((Path(config.model) / "config.json").read_text())
     except (OSError, ValueError, TypeError):
