@@ -109,7 +109,9 @@ def test_seeded_sampling_logprobs_and_n_match_sync(tiny_llama_dir, monkeypatch):
     for e, g in zip(expected, got):
         for a, b in zip(e.outputs, g.outputs):
             assert [sorted(p) for p in b.logprobs] == [sorted(p) for p in a.logprobs]
-            assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-5)
+            # The tokens are equal; the float32 sums may differ in their last bits (the
+            # two modes batch the rows differently, and MKL's reductions depend on M).
+            assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, rel=1e-6, abs=1e-5)
     assert max(counts) > 0
 
 
