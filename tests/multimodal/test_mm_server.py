@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import httpx
 import pytest
 from qwen_vl_checkpoints import make_qwen_vl, random_image
 
@@ -235,10 +238,47 @@ def test_text_model_answers_media_with_a_400_naming_it(tiny_llama_dir):
 
 
 def test_metrics_route_has_the_multimodal_counters(client):
-    import httpx
-
     _chat(client, _url(_data_url(_encode(random_image(28, 28, 42), "PNG"))))
     text = httpx.get(str(client.base_url).removesuffix("/v1/") + "/metrics").text
     for name in ("mm_items_processed", "mm_encoder_runs", "mm_encoder_cache_hits",
                  "mm_encoder_seconds", "mm_preprocess_seconds"):  # fmt: skip
         assert f'tokenmill:{name}_total{{model_name="vl"}}' in text, name
+
+
+def _counter(metrics: str, name: str) -> float:
+    found = re.search(rf'^tokenmill:{name}_total{{model_name="vl"}} (\S+)$', metrics, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_engine_process_takes_media(llm, media_root):
+    """``--engine-process on``: the server process turns media into placeholder runs and
+    pixel tensors (the child's processor, sent in ``Ready``), the engine process encodes
+    them. Same tokens as the offline engine, a bad image a 400 that leaves it serving, the
+    child's encoder counters and the server's preprocessing counters on /metrics, a clean
+    exit."""
+    img = random_image(84, 56, 1)
+    expected = _offline(llm, img)
+    srv = OpenAIServer(
+        llm.config, ServerConfig(port=0, log_level="warning", engine_process="on")
+    ).start()
+    srv.wait_ready()
+    core = srv.state.llm
+    try:
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        assert _chat(c, _url(_data_url(_encode(img, "PNG")))).choices[0].message.content == expected
+        with pytest.raises(openai.BadRequestError):
+            _chat(c, *BAD["corrupt png"](media_root, None))
+        assert _chat(c, _url(f"file://{media_root}/cat.png")).choices[0].message.content == expected
+        other = random_image(56, 84, 5)
+        assert _chat(c, _url(_data_url(_encode(other, "PNG")))).choices[0].message.content == (
+            _offline(llm, other)
+        )
+        deadline = time.monotonic() + 10  # the child's counters come with its next snapshot
+        while _counter(metrics := httpx.get(srv.url + "/metrics").text, "mm_encoder_runs") < 2:
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.05)
+        assert _counter(metrics, "mm_items_processed") >= 3  # in the server process
+        assert _counter(metrics, "mm_encoder_seconds") > 0  # in the engine process
+    finally:
+        srv.close(timeout=30)
+    assert not core.process.is_alive() and core.process.exitcode == 0

@@ -30,8 +30,8 @@ from tokenmill.engine.engine_core import (
     EngineCore,
     Exited,
     LoadFailed,
-    Ready,
     portable,
+    ready_of,
 )
 from tokenmill.errors import EngineDeadError
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -69,8 +69,7 @@ class ReplicaActor:
         if self.options.grammar_limits is not None:
             engine.structured.set_limits(self.options.grammar_limits)
         core = EngineCore(engine, self.options.queue_timeout, conn)
-        core.write(Ready(engine.tokenizer, engine.max_model_len, engine.vocab_size,
-                         engine.loaded.checkpoint.generation_config, engine.kv.num_blocks))  # fmt: skip
+        core.write(ready_of(engine))
         threading.Thread(target=core.read_commands, args=(conn,), daemon=True).start()
         threading.Thread(target=_say_exited, args=(core, conn), daemon=True).start()
 

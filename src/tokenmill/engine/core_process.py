@@ -95,9 +95,17 @@ class EngineView:
         self.stats = EngineStats()
         """The child's counters, plus the server's refusals (``SERVER_STATS``)."""
         self._prefix_cache: dict[str, int | float] = {}
+        if ready.media:  # else no attribute: the server refuses media (``chat_media_of``)
+            self.mm_processor = ready.mm_processor
+            """The child's media processor: media become tensors here, before ``AddCmd``."""
+        self._encoder: dict[str, float | int] = {}
 
     def prefix_cache_metrics(self) -> dict[str, int | float]:
         return dict(self._prefix_cache)
+
+    def encoder_metrics(self) -> dict[str, float | int]:
+        """The child's encoder counters as of its latest snapshot (``multimodal_metrics``)."""
+        return dict(self._encoder)
 
     def update(self, snap: Snapshot) -> None:
         """Called by the reader thread, the only writer of these fields."""
@@ -105,6 +113,7 @@ class EngineView:
             setattr(self.stats, name, value)
         self.kv.usage, self.kv.num_free_blocks = snap.kv_usage, snap.num_free_blocks
         self._prefix_cache = snap.prefix_cache
+        self._encoder = snap.multimodal
 
 
 class _Forward:

@@ -38,6 +38,7 @@ from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import RequestOptions
 from tokenmill.engine.request_stream import ACCEPTED
 from tokenmill.metrics.stats import EngineStats
+from tokenmill.multimodal.prompt import multimodal_metrics
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.limits import GrammarLimits
@@ -103,6 +104,34 @@ class Ready:
     vocab_size: int
     generation_config: dict
     num_kv_blocks: int
+    mm_processor: Any = None
+    """The engine's media processor (``multimodal/``): the server process turns a request's
+    media into placeholder runs and pixel / feature tensors itself, which travel in
+    ``AddCmd.options``; None for a text-only model."""
+    media: bool = True
+    """False when the processor could not be pickled: the server refuses media."""
+
+
+def ready_of(engine: LLMEngine) -> Ready:
+    """The ``Ready`` message of a loaded engine (the engine-core process, a Ray replica)."""
+    processor, media = engine.mm_processor, True
+    if processor is not None:
+        try:
+            dumps(processor)
+        except Exception as exc:  # noqa: BLE001 - the server then refuses media, serves text
+            logger.warning(
+                "media input is off in this mode: its processor does not pickle (%s)", exc
+            )
+            processor, media = None, False
+    return Ready(
+        engine.tokenizer,
+        engine.max_model_len,
+        engine.vocab_size,
+        engine.loaded.checkpoint.generation_config,
+        engine.kv.num_blocks,
+        processor,
+        media,
+    )
 
 
 @dataclass(frozen=True)
@@ -118,6 +147,9 @@ class Snapshot:
     kv_usage: float
     num_free_blocks: int
     prefix_cache: dict[str, int | float]
+    multimodal: dict[str, float | int] = field(default_factory=dict)
+    """The encoder's counters (``multimodal_metrics`` without the processor's, which the
+    server process keeps)."""
 
 
 @dataclass(frozen=True)
@@ -217,8 +249,14 @@ class EngineCore(AsyncLLM):
     def _snapshot(self) -> Snapshot:
         engine = self.engine
         stats = {name: getattr(engine.stats, name) for name in self._sent.names}
+        runner = getattr(getattr(engine, "executor", None), "runner", None)
+        encoder = multimodal_metrics(None, getattr(runner, "mm", None))
         return Snapshot(
-            stats, engine.kv.usage, engine.kv.num_free_blocks, engine.prefix_cache_metrics()
+            stats,
+            engine.kv.usage,
+            engine.kv.num_free_blocks,
+            engine.prefix_cache_metrics(),
+            encoder,
         )
 
     # -- the command pipe (the core's second thread) ----------------------------------
@@ -301,15 +339,7 @@ def run_engine_core(
         out.send_bytes(dumps(LoadFailed(portable(exc))))
         sys.exit(1)
     core = EngineCore(engine, options.queue_timeout, out)
-    core.write(
-        Ready(
-            engine.tokenizer,
-            engine.max_model_len,
-            engine.vocab_size,
-            engine.loaded.checkpoint.generation_config,
-            engine.kv.num_blocks,
-        )
-    )
+    core.write(ready_of(engine))
     threading.Thread(
         target=core.read_commands, args=(commands,), name="tokenmill-core-commands", daemon=True
     ).start()
