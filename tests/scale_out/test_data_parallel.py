@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 from scale_out_models import save_family
@@ -45,9 +47,11 @@ def _router(model_dir, **options):
     return DataParallelRouter(config)
 
 
-async def _generate(router, prompt: list[int], params=GREEDY) -> list[int] | BaseException:
+async def _generate(
+    router, prompt: list[int], params=GREEDY, options=None
+) -> list[int] | BaseException:
     try:
-        stream = await router.add_request(prompt, params)
+        stream = await router.add_request(prompt, params, options=options)
         last = None
         async for out in stream:
             last = out
@@ -147,3 +151,55 @@ def test_a_killed_replica_fails_started_requests_retries_the_rest_and_returns(cl
     assert all("replica 0" in str(e) and "died" in str(e) for e in failed)
     assert stats.retried >= 1 and len(failed) <= 2  # at most max_num_seqs had output
     assert all(g == r for g, r in zip(got, ref) if not isinstance(g, BaseException))
+
+
+def test_dp2_takes_images(cluster, tmp_path):
+    """Media under data parallelism: replica 0's processor (sent in ``Ready``) makes the
+    placeholder runs and pixel tensors in the driver, the chosen replica encodes them. Six
+    image prompts over both replicas give the one-engine greedy tokens, and the replicas'
+    encoder counters are summed; routing keys blocks by their media."""
+    sys.path.insert(0, str(Path(__file__).parent.parent / "multimodal"))
+    from qwen_vl_checkpoints import IMAGE_PAD, VISION_END, VISION_START, make_qwen_vl, random_image
+
+    from tokenmill.distributed.router import DataParallelRouter
+    from tokenmill.engine.request import RequestOptions
+    from tokenmill.multimodal.options import MediaOptions
+
+    path = make_qwen_vl(tmp_path / "vl", seed=4)
+    opts = dict(dtype="float32", num_kv_blocks=256, block_size=4, max_model_len=512)
+    ids = [VISION_START, IMAGE_PAD, VISION_END, *b"What is this?"]
+    images = [random_image(56 + 28 * (i % 3), 56 + 28 * (i // 3), i) for i in range(6)]
+    with LLM(str(path), **opts) as llm:
+        outs = llm.generate(
+            [{"prompt_token_ids": ids, "multi_modal_data": {"image": im}} for im in images],
+            GREEDY, use_tqdm=False,
+        )  # fmt: skip
+    router = DataParallelRouter(EngineConfig(model=str(path), data_parallel_size=2, **opts))
+    try:
+        processor = router.engine.mm_processor
+        requests = [processor.process(ids, {"image": im}, MediaOptions()) for im in images]
+
+        async def run():
+            return await asyncio.gather(*(
+                _generate(router, pids, options=RequestOptions(multimodal=mm))
+                for pids, mm in requests
+            ))  # fmt: skip
+
+        got = asyncio.run(run())
+        assert sorted(set(router.router_stats.routed)) == [0, 1]  # both replicas encoded
+        time.sleep(0.3)  # the replicas' snapshots and block events reach the router
+        assert router.engine.encoder_metrics()["mm_encoder_runs"] == len(images)
+        # The router keys blocks by the media they cover, as the replicas do: the same
+        # image again matches its whole prompt, another image of that size nothing.
+        stats = router.router_stats
+        for image, expected in (
+            (images[0], 4 * (len(requests[0][0]) // 4)),
+            (random_image(56, 56, 99), 0),
+        ):
+            pids, mm = processor.process(ids, {"image": image}, MediaOptions())
+            before = stats.matched_tokens
+            asyncio.run(_generate(router, pids, options=RequestOptions(multimodal=mm)))
+            assert stats.matched_tokens - before == expected
+    finally:
+        router.shutdown()
+    assert got == [o.outputs[0].token_ids for o in outs]

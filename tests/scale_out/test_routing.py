@@ -15,20 +15,25 @@ from tokenmill.distributed.routing import (
     RoundRobin,
     prompt_chain,
 )
+from tokenmill.engine.request import RequestOptions
 
 BS = 4
 
 
+def _key(salt: str | None) -> bytes:
+    return RequestOptions(cache_salt=salt).block_key()
+
+
 def _index(tokens: list[int], salt: str | None = None) -> PrefixIndex:
     index = PrefixIndex()
-    index.apply(BlockEvents(tuple(prompt_chain(tokens, BS, salt)), ()))
+    index.apply(BlockEvents(tuple(prompt_chain(tokens, BS, _key(salt))), ()))
     return index
 
 
 def test_cache_aware_takes_the_longest_cached_prefix_unless_much_busier():
     history = list(range(40))
     indexes = [_index(history[:8]), _index(history[:32]), PrefixIndex()]
-    chain = prompt_chain(history + [99, 98], BS, None)
+    chain = prompt_chain(history + [99, 98], BS)
     policy = CacheAware(load_weight=4)
     assert policy.choose(chain, BS, [0, 1, 2], indexes, [0, 0, 0]).replica == 1
     assert policy.choose(chain, BS, [0, 1, 2], indexes, [0, 0, 0]).matched_tokens == 32
@@ -36,21 +41,21 @@ def test_cache_aware_takes_the_longest_cached_prefix_unless_much_busier():
     assert policy.choose(chain, BS, [0, 1, 2], indexes, [0, 7, 0]).replica == 0
     assert policy.choose(chain, BS, [0, 2], indexes, [0, 0, 0]).replica == 0  # 1 is down
     # nothing cached anywhere: the least loaded
-    assert policy.choose(prompt_chain([7] * 9, BS, None), BS, [0, 1, 2], indexes,
+    assert policy.choose(prompt_chain([7] * 9, BS), BS, [0, 1, 2], indexes,
                          [3, 1, 2]).replica == 1  # fmt: skip
 
 
 def test_salted_prompts_match_only_their_salt():
     tokens = list(range(16))
     index = _index(tokens, salt="tenant-a")
-    assert index.matched_blocks(prompt_chain(tokens, BS, "tenant-a")) == 4
-    assert index.matched_blocks(prompt_chain(tokens, BS, None)) == 0
+    assert index.matched_blocks(prompt_chain(tokens, BS, _key("tenant-a"))) == 4
+    assert index.matched_blocks(prompt_chain(tokens, BS)) == 0
 
 
 def test_evicted_blocks_stop_matching_and_round_robin_cycles():
     tokens = list(range(16))
     index = _index(tokens)
-    chain = prompt_chain(tokens, BS, None)
+    chain = prompt_chain(tokens, BS)
     index.apply(BlockEvents((), (chain[1],)))
     assert index.matched_blocks(chain) == 1
     rr = RoundRobin()
@@ -68,7 +73,7 @@ def test_replicas_hash_blocks_as_the_router_does(tiny_llama_dir):
         sp = SamplingParams(temperature=0, max_tokens=1)
         llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)
         events = block_events(llm.engine)
-        assert set(prompt_chain(prompt, BS, None)) <= set(events.added)
+        assert set(prompt_chain(prompt, BS)) <= set(events.added)
         assert events.evicted == ()
         llm.engine.reset_prefix_cache()
         assert set(block_events(llm.engine).evicted) == set(events.added)

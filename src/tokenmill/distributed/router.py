@@ -28,7 +28,7 @@ from tokenmill.distributed.block_events import block_events
 from tokenmill.distributed.replica import ReplicaClient, actor_class
 from tokenmill.distributed.routing import POLICIES, PrefixIndex, RouterStats, prompt_chain
 from tokenmill.engine.async_llm import AsyncLLM, _Abort, _Add, _Call, _Stop
-from tokenmill.engine.core_process import _Forward
+from tokenmill.engine.core_process import EngineView, _Forward
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.engine_core import SERVER_STATS, CoreOptions
 from tokenmill.engine.request_stream import ACCEPTED
@@ -160,8 +160,8 @@ class DataParallelRouter(AsyncLLM):
             self._done(started=False)
             cmd.stream.put(EngineDeadError("no data-parallel replica is up"))
             return
-        chain = prompt_chain(cmd.prompt_token_ids, self.block_size,
-                             cmd.options.cache_salt if cmd.options else None)  # fmt: skip
+        key = cmd.options.block_key() if cmd.options else b""
+        chain = prompt_chain(cmd.prompt_token_ids, self.block_size, key)
         with self._route_lock:
             loads = Counter(r.replica for r in self._routed.values())
             choice = self.policy.choose(chain, self.block_size, live, self.indexes,
@@ -338,6 +338,9 @@ class RouterView:
         self.config, self.tokenizer = first.config, first.tokenizer
         self.max_model_len, self.vocab_size = first.max_model_len, first.vocab_size
         self.structured, self.loaded = first.structured, first.loaded
+        if hasattr(first, "mm_processor"):  # replica 0's, as every replica's is the same
+            self.mm_processor = first.mm_processor
+            """Media become tensors in the server process; the chosen replica encodes them."""
 
     @property
     def stats(self) -> EngineStats:
@@ -350,6 +353,14 @@ class RouterView:
         usage = sum(v.usage for v in views) / len(views) if views else 0.0
         return _KVUsage(usage, sum(v.num_blocks for v in views),
                         sum(v.num_free_blocks for v in views))  # fmt: skip
+
+    def encoder_metrics(self) -> dict[str, float | int]:
+        """The replicas' encoder counters, summed (``multimodal_metrics`` names)."""
+        total: Counter[str] = Counter()
+        for r in self._router.replicas:
+            if r is not None:
+                total.update(cast(EngineView, r.engine).encoder_metrics())
+        return dict(total)
 
     def prefix_cache_metrics(self) -> dict[str, int | float]:
         """Summed over the replicas (``LLMEngine.prefix_cache_metrics`` names)."""

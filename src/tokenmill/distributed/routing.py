@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from tokenmill.kv_cache.prefix import extend_hashes
+from tokenmill.kv_cache.prefix import BlockKey, extend_hashes
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,11 @@ class PrefixIndex:
         return len(chain)
 
 
-def prompt_chain(prompt_ids: Sequence[int], block_size: int, salt: str | None) -> list[bytes]:
+def prompt_chain(prompt_ids: Sequence[int], block_size: int, key: BlockKey = b"") -> list[bytes]:
     """Chain hashes of the prompt's full blocks, keyed as the replica's KV manager keys
-    them (a ``cache_salt`` is the extra key)."""
+    them (``RequestOptions.block_key``: the ``cache_salt`` and the media's hashes)."""
     chain: list[bytes] = []
-    extend_hashes(chain, prompt_ids, len(prompt_ids), block_size, (salt or "").encode())
+    extend_hashes(chain, prompt_ids, len(prompt_ids), block_size, key)
     return chain
 
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 from tokenmill.errors import InvalidRequestError
 
 if TYPE_CHECKING:
+    from tokenmill.kv_cache.prefix import BlockKey
     from tokenmill.multimodal.inputs import MultiModalInputs
     from tokenmill.scheduler.request import Request
 
@@ -38,11 +39,18 @@ class RequestOptions:
     def apply(self, req: Request) -> None:
         """Copy the options onto the scheduler's record of the request."""
         req.priority = self.priority
-        req.cache_key = self.cache_salt.encode() if self.cache_salt else b""
+        req.cache_key = self.block_key()
         req.reuse_context = self.reuse_context
         req.cache_generated_tokens = self.cache_generated_tokens
         if self.multimodal is not None:
-            from tokenmill.multimodal.prefix_keys import media_block_keys
-
             req.mm_inputs = self.multimodal
-            req.cache_key = media_block_keys(req.cache_key, self.multimodal)
+
+    def block_key(self) -> BlockKey:
+        """The prefix cache's extra key of the request's blocks: the
+        ``cache_salt``, with the hashes of the media each block covers."""
+        salt = self.cache_salt.encode() if self.cache_salt else b""
+        if self.multimodal is None:
+            return salt
+        from tokenmill.multimodal.prefix_keys import media_block_keys
+
+        return media_block_keys(salt, self.multimodal)

@@ -43,11 +43,10 @@ def chat_media_of(
     """Load the images of a chat request (the engine's processor and media policy)."""
     processor = getattr(engine, "mm_processor", None)
     if not hasattr(engine, "mm_processor") and (has_media(messages) or kwargs):
-        raise InvalidRequestError(  # data-parallel replicas, or a processor that won't pickle
-            "media input is not available with this server's engine yet (data_parallel_size "
-            "> 1, or --engine-process on with a media processor that does not pickle: see "
-            "the server log): serve this model with one replica and --engine-process off for "
-            "images, video and audio"
+        raise InvalidRequestError(  # an engine process whose processor did not pickle
+            "media input is off on this server: its engine runs in another process and the "
+            "model's media processor could not be sent there (see the server log); serve it "
+            "with --engine-process off and data_parallel_size=1 for images, video and audio"
         )
     if not has_media(messages):
         if kwargs and processor is None:
