@@ -95,12 +95,13 @@ def hf_processor(path: Path):
 
 
 @torch.no_grad()
-def hf_generate(path: Path, prompt: str, images: list, steps: int) -> list[int]:
+def hf_generate(path: Path, prompt: str, images: list, steps: int, **kwargs) -> list[int]:
+    """transformers' greedy tokens; ``kwargs`` go to its processor (e.g. ``size``)."""
     from transformers import AutoModelForImageTextToText
 
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
     inputs = hf_processor(path)(
-        text=[prompt], images=[images] if images else None, return_tensors="pt"
+        text=[prompt], images=[images] if images else None, return_tensors="pt", **kwargs
     )
     out = model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
     return out[0, inputs["input_ids"].shape[1] :].tolist()

@@ -44,6 +44,9 @@ def test_text_model_refuses_media_naming_it(tiny_llama_dir):
         ({"fps": 2, "videos_kwargs": {"fps": 1}}, "both at the top level"),
         ({"nframes": 2.5}, "positive integer"),
         ({"images_kwargs": 3}, "must be a dict"),
+        ({"do_image_splitting": False}, r"\['do_image_splitting'\] do not apply to Qwen-VL"),
+        ({"images_kwargs": {"size": {"longest_edge": 64}}}, r"\['size'\] do not apply to Qwen"),
+        ({"do_pan_and_scan": True}, "do not apply to Qwen-VL"),
     ],
 )
 def test_bad_mm_processor_kwargs(llm, kwargs, match):

@@ -60,7 +60,11 @@ class Qwen2AudioProcessor:
         t0 = time.perf_counter()
         check_modalities(data, ("audio",))
         if options != MediaOptions():
-            raise InvalidRequestError("mm_processor_kwargs are not supported for this model yet")
+            raise InvalidRequestError(
+                "mm_processor_kwargs: Qwen2-Audio takes none (its features follow the "
+                "checkpoint's preprocessor_config.json, and audio past its 30 s window is "
+                "chunked): remove them"
+            )
         raw = data.get("audio")
         audios = [] if raw is None else list(raw) if isinstance(raw, list) else [raw]
         check_counts({"audio": len(audios)}, self.limits)

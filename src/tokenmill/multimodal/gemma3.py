@@ -29,7 +29,7 @@ from tokenmill.multimodal.idefics3 import _runs
 from tokenmill.multimodal.inputs import MediaItem, MultiModalInputs
 from tokenmill.multimodal.media import load_image
 from tokenmill.multimodal.model import MultiModalInfo
-from tokenmill.multimodal.options import MediaOptions, check_counts
+from tokenmill.multimodal.options import MediaOptions, check_counts, refuse_options
 from tokenmill.multimodal.processing import media_list, placeholder_marks
 
 _PROCESSOR_KEYS = (
@@ -113,11 +113,8 @@ class Gemma3Processor:
 
     def _pan_and_scan(self, options: MediaOptions) -> bool | None:
         opts = self.defaults.merged(options).image
-        if opts.min_pixels is not None or opts.max_pixels is not None:
-            raise InvalidRequestError(
-                "mm_processor_kwargs: min_pixels / max_pixels do not apply to Gemma 3 (every "
-                "image is resized to the checkpoint's size); only do_pan_and_scan does"
-            )
+        refuse_options(opts, "Gemma 3 (every image is resized to the checkpoint's size)",
+                       ("do_pan_and_scan",))  # fmt: skip
         return opts.do_pan_and_scan
 
     def _expand(self, ids: list[int], marks: list[int], crops: list[int]) -> list[int]:

@@ -26,7 +26,7 @@ from tokenmill.multimodal.hashing import content_hash
 from tokenmill.multimodal.inputs import MediaItem, MultiModalInputs, PlaceholderRange
 from tokenmill.multimodal.media import load_image
 from tokenmill.multimodal.model import MultiModalInfo
-from tokenmill.multimodal.options import MediaOptions, check_counts
+from tokenmill.multimodal.options import MediaOptions, check_counts, refuse_options
 from tokenmill.multimodal.processing import check_modalities, media_list, placeholder_marks
 
 _PROCESSOR_KEYS = (
@@ -56,11 +56,13 @@ class Idefics3Processor:
     def __init__(
         self, info: MultiModalInfo, image_processor: Any, tokenizer: Any,
         limits: Mapping[str, int], max_pixels_cap: int | None = None,
+        defaults: MediaOptions | None = None,
     ) -> None:  # fmt: skip
         self.info = info
         self.image_processor = image_processor
         self.tokenizer = tokenizer
-        self.defaults = MediaOptions()
+        self.defaults = defaults or MediaOptions()
+        """The ``LLM``'s ``mm_processor_kwargs``; a request's own win per option."""
         self.limits = dict(limits)
         self.max_pixels_cap = max_pixels_cap
         self.preprocess_seconds = 0.0
@@ -71,11 +73,7 @@ class Idefics3Processor:
     ) -> tuple[list[int], MultiModalInputs]:
         t0 = time.perf_counter()
         check_modalities(data, ("image",))
-        if options != MediaOptions():
-            raise InvalidRequestError(
-                "mm_processor_kwargs are not supported for this model yet (its image splitting "
-                "follows the checkpoint's preprocessor_config.json)"
-            )
+        kwargs = self._processor_kwargs(options)
         raw = data.get("image")
         images = media_list(raw)
         check_counts({"image": len(images)}, self.limits)
@@ -85,7 +83,9 @@ class Idefics3Processor:
         if not images:
             return prompt_ids, MultiModalInputs((), ())
         pils = [load_image(img, self.max_pixels_cap) for img in images]
-        out = self.image_processor(images=[pils], return_tensors="np", return_row_col_info=True)
+        out = self.image_processor(
+            images=[pils], return_tensors="np", return_row_col_info=True, **kwargs
+        )
         ids = self._expand(prompt_ids, marks, out["rows"][0], out["cols"][0])
         items = self._tiles(out["pixel_values"][0], out["pixel_attention_mask"][0])
         runs = _runs(ids, token)
@@ -95,6 +95,18 @@ class Idefics3Processor:
         self.preprocess_seconds += seconds
         self.items_processed += len(images)
         return ids, MultiModalInputs(tuple(items), tuple(runs), None, 0, seconds)
+
+    def _processor_kwargs(self, options: MediaOptions) -> dict[str, Any]:
+        """The options transformers' image processor takes per call: ``do_image_splitting``
+        and ``size`` (the tile size, ``max_image_size``, is the vision tower's: fixed)."""
+        opts = self.defaults.merged(options).image
+        refuse_options(opts, "SmolVLM / Idefics3", ("do_image_splitting", "longest_edge"))
+        kwargs: dict[str, Any] = {}
+        if opts.do_image_splitting is not None:
+            kwargs["do_image_splitting"] = opts.do_image_splitting
+        if opts.longest_edge is not None:
+            kwargs["size"] = {"longest_edge": opts.longest_edge}
+        return kwargs
 
     def _expand(
         self, ids: list[int], marks: list[int], rows: list[int], cols: list[int]

@@ -14,9 +14,14 @@ MODALITIES = ("image", "video", "audio")
 
 _PIXELS = ("min_pixels", "max_pixels")
 _VIDEO_ONLY = ("fps", "nframes")
-_IMAGE_FLAGS = ("do_pan_and_scan",)
-"""Booleans (Gemma 3's pan-and-scan crops); the processors that have no such step refuse them."""
-_NESTED = {"images_kwargs": _PIXELS + _IMAGE_FLAGS, "videos_kwargs": _PIXELS + _VIDEO_ONLY}
+_IMAGE_FLAGS = ("do_pan_and_scan", "do_image_splitting")
+"""Booleans: Gemma 3's pan-and-scan crops, SmolVLM / Idefics3's tiles; the processors that
+have no such step refuse them (``refuse_options``)."""
+_IMAGE_SIZES = ("size",)
+"""``{"longest_edge": n}``: SmolVLM / Idefics3 resize an image's longer side to n (rounded
+up to whole tiles) before splitting it."""
+_IMAGE_ONLY = _IMAGE_FLAGS + _IMAGE_SIZES
+_NESTED = {"images_kwargs": _PIXELS + _IMAGE_ONLY, "videos_kwargs": _PIXELS + _VIDEO_ONLY}
 """Where each option may be given: the top level holds every one of them (pixels apply
 to images and videos), ``images_kwargs`` / ``videos_kwargs`` their modality's."""
 
@@ -29,6 +34,10 @@ class ImageOptions:
     max_pixels: int | None = None
     do_pan_and_scan: bool | None = None
     """Gemma 3: also encode crops of an image far from square."""
+    do_image_splitting: bool | None = None
+    """SmolVLM / Idefics3: split an image into tiles plus a global view (False: one view)."""
+    longest_edge: int | None = None
+    """SmolVLM / Idefics3: ``size={"longest_edge": n}``, the longer side before splitting."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,7 @@ def parse_processor_kwargs(kwargs: Mapping[str, Any] | None) -> MediaOptions:
             f"mm_processor_kwargs must be a dict, got {type(kwargs).__name__}"
         )
     top = {k: v for k, v in kwargs.items() if k not in _NESTED}
-    _check_names(top, _PIXELS + _VIDEO_ONLY + _IMAGE_FLAGS, "")
+    _check_names(top, _PIXELS + _VIDEO_ONLY + _IMAGE_ONLY, "")
     per: dict[str, dict[str, Any]] = {}
     for name, allowed in _NESTED.items():
         nested = kwargs.get(name) or {}
@@ -83,7 +92,9 @@ def parse_processor_kwargs(kwargs: Mapping[str, Any] | None) -> MediaOptions:
         _check_values(values)
     if video.get("fps") is not None and video.get("nframes") is not None:
         raise InvalidRequestError("mm_processor_kwargs: give fps or nframes, not both")
-    return MediaOptions(ImageOptions(**image), VideoOptions(**video))
+    size = image.pop("size", None)
+    longest = None if size is None else size["longest_edge"]
+    return MediaOptions(ImageOptions(**image, longest_edge=longest), VideoOptions(**video))
 
 
 def _check_names(values: Mapping[str, Any], allowed: tuple[str, ...], where: str) -> None:
@@ -91,7 +102,7 @@ def _check_names(values: Mapping[str, Any], allowed: tuple[str, ...], where: str
     if unknown:
         raise InvalidRequestError(
             f"mm_processor_kwargs: unknown option(s) {[where + u for u in unknown]}; known: "
-            f"{list(_PIXELS + _VIDEO_ONLY + _IMAGE_FLAGS)} (top level), {list(_NESTED)} for one "
+            f"{list(_PIXELS + _VIDEO_ONLY + _IMAGE_ONLY)} (top level), {list(_NESTED)} for one "
             "modality"
         )
 
@@ -104,6 +115,9 @@ def _check_values(values: Mapping[str, Any]) -> None:
                     f"mm_processor_kwargs: {name} must be true or false, got {value!r}"
                 )
             continue
+        if name in _IMAGE_SIZES:
+            _check_size(name, value)
+            continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
         if name != "fps" and not isinstance(value, int) or not number or value <= 0:
             kind = "a positive number" if name == "fps" else "a positive integer"
@@ -115,12 +129,35 @@ def _check_values(values: Mapping[str, Any]) -> None:
         )
 
 
-def refuse_pan_and_scan(options: ImageOptions, model: str) -> None:
-    """Processors without Gemma 3's crops: ``do_pan_and_scan`` is an error, not ignored."""
-    if options.do_pan_and_scan is not None:
+def _check_size(name: str, value: Any) -> None:
+    edge = value.get("longest_edge") if isinstance(value, Mapping) else None
+    if (
+        not isinstance(value, Mapping)
+        or set(value) != {"longest_edge"}
+        or not isinstance(edge, int)
+        or isinstance(edge, bool)
+        or edge <= 0
+    ):
         raise InvalidRequestError(
-            f"mm_processor_kwargs: do_pan_and_scan is a Gemma 3 option; {model} has no "
-            "pan-and-scan step: remove it"
+            f'mm_processor_kwargs: {name} must be {{"longest_edge": <positive integer>}}, '
+            f"got {value!r}"
+        )
+
+
+_SHOWN = {"longest_edge": "size"}
+"""``ImageOptions`` fields under their ``mm_processor_kwargs`` names."""
+
+
+def refuse_options(options: ImageOptions, model: str, takes: tuple[str, ...]) -> None:
+    """Image options the model's processor has no step for are errors, never ignored.
+
+    ``takes``: the ``ImageOptions`` fields it applies."""
+    given = [f for f in ImageOptions.__dataclass_fields__ if getattr(options, f) is not None]
+    extra = [_SHOWN.get(f, f) for f in given if f not in takes]
+    if extra:
+        raise InvalidRequestError(
+            f"mm_processor_kwargs: {extra} do not apply to {model}; it takes "
+            f"{[_SHOWN.get(f, f) for f in takes] or 'no image options'}: remove them"
         )
 
 

@@ -29,7 +29,7 @@ from tokenmill.multimodal.options import (
     ImageOptions,
     MediaOptions,
     check_counts,
-    refuse_pan_and_scan,
+    refuse_options,
 )
 from tokenmill.multimodal.video import VideoConfig, video_item
 
@@ -113,7 +113,7 @@ class QwenVLProcessor:
             )
         check_counts({"image": len(images), "video": len(videos)}, self.limits)
         opts = self.defaults.merged(options)
-        refuse_pan_and_scan(opts.image, "Qwen-VL")
+        refuse_options(opts.image, "Qwen-VL", ("min_pixels", "max_pixels"))
         pils = [load_image(img, self.max_pixels_cap) for img in images]
         image_items = self._items(pils, opts.image)
         shares = self._video_shares(sum(it.num_tokens for it in image_items), len(videos))

@@ -48,7 +48,10 @@ def build_processor(
         from tokenmill.multimodal.idefics3 import Idefics3Processor, load_idefics3_image_processor
 
         image_processor = load_idefics3_image_processor(folder, type(model).__name__)
-        return Idefics3Processor(info, image_processor, tokenizer, limits, config.media_max_pixels)
+        return Idefics3Processor(
+            info, image_processor, tokenizer, limits, config.media_max_pixels,
+            parse_processor_kwargs(config.mm_processor_kwargs),
+        )  # fmt: skip
     if info.processor == "qwen3_vl":
         from tokenmill.multimodal.qwen3_video import QWEN3_VIDEO
         from tokenmill.multimodal.qwen3_vl import Qwen3VLProcessor

@@ -12,7 +12,7 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.multimodal.inputs import MediaItem, MultiModalInputs, PlaceholderRange
 from tokenmill.multimodal.media import load_image
 from tokenmill.multimodal.mrope import mrope_positions
-from tokenmill.multimodal.options import MediaOptions, check_counts, refuse_pan_and_scan
+from tokenmill.multimodal.options import MediaOptions, check_counts, refuse_options
 from tokenmill.multimodal.processing import (
     QwenVLProcessor,
     check_modalities,
@@ -38,7 +38,7 @@ class Qwen3VLProcessor(QwenVLProcessor):
         images, videos = media_list(data.get("image")), media_list(data.get("video"), video=True)
         check_counts({"image": len(images), "video": len(videos)}, self.limits)
         opts = self.defaults.merged(options)
-        refuse_pan_and_scan(opts.image, "Qwen3-VL")
+        refuse_options(opts.image, "Qwen3-VL", ("min_pixels", "max_pixels"))
         info = self.info
         image_items = self._items([load_image(i, self.max_pixels_cap) for i in images], opts.image)
         ids, _ = expand_placeholders(
