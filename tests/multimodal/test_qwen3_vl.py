@@ -8,13 +8,16 @@ timestamped frame pairs (sampling, sizes and timestamps as transformers' rules, 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
-from qwen3_vl_checkpoints import hf_generate, hf_processor, make_qwen3_vl
-from qwen_vl_checkpoints import IMAGE_PAD, VIDEO_PAD, random_image, random_video
+from qwen3_vl_checkpoints import hf_generate, hf_generate_inputs, hf_processor, make_qwen3_vl
+from qwen_vl_checkpoints import IMAGE_PAD, random_image, random_video
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import InvalidRequestError
+from tokenmill.multimodal.options import parse_processor_kwargs
 
 STEPS = 32
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -134,7 +137,6 @@ def test_video_sampling_resizing_and_timestamps_follow_transformers():
 def test_video_greedy_equals_transformers_on_our_inputs(llm, ckpt, with_image):
     """Timestamped frame pairs as transformers' processor writes them (checked against the
     text it builds from the same grid and timestamps), then its generate on our pixels."""
-    from qwen3_vl_checkpoints import hf_generate_inputs
 
     video = (random_video(8, 64, 48, 21), {"fps": 4.0})  # 4 frames sampled: two pairs
     images = [random_image(90, 70, 22)] if with_image else []
@@ -155,13 +157,38 @@ def test_video_greedy_equals_transformers_on_our_inputs(llm, ckpt, with_image):
     assert list(out.outputs[0].token_ids) == hf_generate_inputs(ckpt, ids, mm, STEPS)
 
 
-def test_visual_token_budget_is_a_limit(ckpt):
-    llm = _llm(ckpt, max_visual_tokens_per_prompt=60)
-    data = {"video": [(random_video(8, 64, 48, 21), {"fps": 4.0})]}  # two pairs of 35 tokens
+def test_visual_token_budget_samples_within_it(ckpt):
+    """``max_visual_tokens_per_prompt``: a video's share first lowers its frames' total
+    pixels (Qwen3-VL's sizing rule; the frames kept), which is its own ``max_pixels``
+    exactly; where the smallest frames still do not fit, fewer pairs are sampled. The
+    images' tokens come first, and images alone over the budget are an error."""
+    video = (random_video(32, 128, 96, 21), {"fps": 4.0})  # 16 frames sampled: 8 pairs of 12
     prompt = USER.format(VIDEO)
+    free = _llm(ckpt)
+    proc = free.llm_engine.mm_processor
+    ids = free.tokenizer.encode(prompt)
+    _, unbounded = proc.process(ids, {"video": [video]}, parse_processor_kwargs(None))
+    assert [it.num_tokens for it in unbounded.items] == [12] * 8
+    llm = _llm(ckpt, max_visual_tokens_per_prompt=60)
+    budget = llm.llm_engine.mm_processor
+    got_ids, got = budget.process(ids, {"video": [video]}, parse_processor_kwargs(None))
+    same = parse_processor_kwargs({"videos_kwargs": {"max_pixels": 60 * 2 * 32 * 32}})
+    want_ids, want = proc.process(ids, {"video": [video]}, same)
+    assert got_ids == want_ids and len(got.items) == 8
+    assert sum(it.num_tokens for it in got.items) <= 60
+    for a, b in zip(got.items, want.items):
+        assert torch.equal(a.pixel_values, b.pixel_values)
+    [out] = llm.generate({"prompt": prompt, "multi_modal_data": {"video": [video]}}, _greedy(),
+                         use_tqdm=False)  # fmt: skip
+    assert list(out.outputs[0].token_ids) == hf_generate_inputs(ckpt, got_ids, got, STEPS)
+    tiny = _llm(ckpt, max_visual_tokens_per_prompt=5)
+    tiny_ids, few = tiny.llm_engine.mm_processor.process(
+        ids, {"video": [video]}, parse_processor_kwargs(None)
+    )
+    assert [it.num_tokens for it in few.items] == [1] * 5  # fewer pairs, evenly spread
+    stamps = [float(x) for x in re.findall(r"<([0-9.]+) seconds>", tiny.tokenizer.decode(tiny_ids))]
+    assert len(stamps) == 5 and stamps == sorted(stamps) and stamps[-1] - stamps[0] > 6
+    image = random_image(512, 512, 3)
     with pytest.raises(InvalidRequestError, match="max_visual_tokens_per_prompt"):
-        llm.generate({"prompt": prompt, "multi_modal_data": data}, _greedy(), use_tqdm=False)
-    small = {"videos_kwargs": {"min_pixels": 4096}}  # 64 x 64 frames: two pairs of 4 tokens
-    [out] = llm.generate({"prompt": prompt, "multi_modal_data": data, "mm_processor_kwargs": small},
-                         _greedy(), use_tqdm=False)  # fmt: skip
-    assert out.prompt_token_ids.count(VIDEO_PAD) == 8
+        llm.generate({"prompt": USER.format(IMG + VIDEO), "multi_modal_data":
+                      {"image": image, "video": [video]}}, _greedy(), use_tqdm=False)  # fmt: skip

@@ -93,7 +93,12 @@ def pair_timestamps(indices: list[int], fps: float, tp: int) -> list[float]:
 
 
 def video_segments(video: object, cfg: VideoConfig, opts: VideoOptions,
-                   max_pixels_cap: int | None) -> VideoSegments:  # fmt: skip
+                   max_pixels_cap: int | None, max_tokens: int | None = None) -> VideoSegments:  # fmt: skip
+    """One video -> its frame-pair segments. ``max_tokens``: the video's share of the
+    prompt's visual-token budget. Qwen3-VL sizes frames by the total pixels of all sampled
+    frames, so the budget first lowers that total (the frames' resolution, their count
+    kept: tokens = frames x h x w / (temporal patch x unit^2)); where the smallest frames
+    still do not fit, fewer pairs are sampled (evenly among those chosen)."""
     frames, fps = split_video(video)
     height, width = frames[0].shape[:2]
     if max_pixels_cap is not None and height * width > max_pixels_cap:
@@ -101,8 +106,22 @@ def video_segments(video: object, cfg: VideoConfig, opts: VideoOptions,
             f"video frames of {width}x{height} are over the {max_pixels_cap}-pixel cap"
         )
     indices = sample_indices(len(frames), fps, cfg, opts)
-    size = smart_resize(len(indices), height, width, cfg, opts.min_pixels or cfg.min_pixels,
-                        opts.max_pixels or cfg.max_pixels)  # fmt: skip
+    lo, hi = opts.min_pixels or cfg.min_pixels, opts.max_pixels or cfg.max_pixels
+    if max_tokens is not None:
+        unit = cfg.patch_size * cfg.merge_size
+        hi = min(hi, max_tokens * cfg.temporal_patch_size * unit * unit)
+    size = smart_resize(len(indices), height, width, cfg, lo, hi)
+    while max_tokens is not None and _pairs(indices, cfg) * _pair_tokens(size, cfg) > max_tokens:
+        pairs = min(_pairs(indices, cfg) - 1, max_tokens // _pair_tokens(size, cfg))
+        if pairs < 1:
+            raise InvalidRequestError(
+                f"a video frame pair takes {_pair_tokens(size, cfg)} tokens, more than the "
+                f"{max_tokens} left of the prompt's visual-token budget "
+                "(max_visual_tokens_per_prompt); raise the budget or send fewer or smaller media"
+            )
+        keep = np.linspace(0, len(indices) - 1, pairs * cfg.temporal_patch_size)
+        indices = [indices[k] for k in keep.round().astype(int).tolist()]
+        size = smart_resize(len(indices), height, width, cfg, lo, hi)  # fewer frames: larger
     patches, (t, h, w) = patchify(np.stack([_frame(frames[i], size, cfg) for i in indices]), cfg)
     pixels = torch.from_numpy(patches).view(t, h * w, -1)
     unit = cfg.merge_size**2
@@ -110,6 +129,15 @@ def video_segments(video: object, cfg: VideoConfig, opts: VideoOptions,
                             h * w // unit) for px in pixels.unbind(0))  # fmt: skip
     stamps = pair_timestamps(indices, fps or DEFAULT_FPS, cfg.temporal_patch_size)
     return VideoSegments(tuple(stamps), items)
+
+
+def _pairs(indices: list[int], cfg: VideoConfig) -> int:
+    return -(-len(indices) // cfg.temporal_patch_size)
+
+
+def _pair_tokens(size: tuple[int, int], cfg: VideoConfig) -> int:
+    unit = cfg.patch_size * cfg.merge_size
+    return (size[0] // unit) * (size[1] // unit)
 
 
 def segment_ids(seg: VideoSegments, encode: Callable[[str], list[int]], start: int, end: int,

@@ -44,8 +44,11 @@ class Qwen3VLProcessor(QwenVLProcessor):
         ids, _ = expand_placeholders(
             prompt_ids, {info.image_token_id: [it.num_tokens for it in image_items]}
         )
-        segments = [video_segments(v, self.video, opts.video, self.max_pixels_cap) for v in videos]
-        self._check_budget(image_items + [it for s in segments for it in s.items])
+        shares = self._video_shares(sum(it.num_tokens for it in image_items), len(videos))
+        segments = [
+            video_segments(v, self.video, opts.video, self.max_pixels_cap, share)
+            for v, share in zip(videos, shares)
+        ]
         ids = self._expand_videos(ids, segments)
         items, ranges = _place(ids, image_items, [it for s in segments for it in s.items],
                                (info.image_token_id, info.video_token_id))  # fmt: skip
@@ -54,16 +57,6 @@ class Qwen3VLProcessor(QwenVLProcessor):
         self.preprocess_seconds += seconds
         self.items_processed += len(images) + len(videos)
         return ids, MultiModalInputs(items, ranges, positions, delta, seconds)
-
-    def _check_budget(self, items: list[MediaItem]) -> None:
-        """``max_visual_tokens_per_prompt`` is a limit here (no frames are dropped to fit)."""
-        total, budget = sum(it.num_tokens for it in items), self.max_visual_tokens
-        if budget is not None and total > budget:
-            raise InvalidRequestError(
-                f"the prompt's images and videos take {total} tokens, over the visual-token "
-                f"budget of {budget} (max_visual_tokens_per_prompt); send fewer or smaller "
-                "media, or sample fewer frames (mm_processor_kwargs fps / nframes)"
-            )
 
     def _expand_videos(self, ids: list[int], segments: list[VideoSegments]) -> list[int]:
         pad = self.info.video_token_id
