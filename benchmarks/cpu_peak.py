@@ -7,7 +7,10 @@ binds) for each instruction the kernels use, where the CPU has it, and prints th
   int8z  vpdpbusd zmm: 64 unsigned x signed byte products per instruction (AVX512-VNNI)
   int8y  vpdpbusd ymm: the same at half width (tells how many ports run VNNI)
   int8a  AVX2 vpmaddubsw + vpmaddwd + vpaddd: 32 byte products per three instructions
-         (how the AVX2 kernels multiply bytes without VNNI)
+         (bytes into int32 at every step, without VNNI)
+  int8h  AVX2 vpmaddubsw + vpaddw: 32 byte products per two instructions, summed in int16
+         (how the AVX2 affine_gemm runs: int16 sums over a group of 32, widened once per
+         group, so this is its limit)
   fp32z  vfmadd231ps zmm: 16
   fp32y  vfmadd231ps ymm: 8 (AVX2 + FMA)
   bf16   vdpbf16ps zmm: 32 (AVX512-BF16)
@@ -66,6 +69,13 @@ double run_int8a(long iters, int seed) {
          _mm256_extract_epi32(a[i], 0))
 }
 #endif
+#ifdef __AVX2__
+double run_int8h(long iters, int seed) {
+    __m256i b = _mm256_set1_epi32(0x01010101 + seed);
+    LOOP(__m256i, _mm256_set1_epi32(i), _mm256_add_epi16(a[i], _mm256_maddubs_epi16(a[i], b)),
+         _mm256_extract_epi32(a[i], 0))
+}
+#endif
 #ifdef __AVX512F__
 double run_fp32z(long iters, int seed) {
     __m512 x = _mm512_set1_ps(0.5f * seed), y = _mm512_set1_ps(0.25f);
@@ -89,9 +99,9 @@ double run_bf16(long iters, int seed) {
 #endif
 """
 
-KINDS = {"int8z": 64, "int8y": 32, "int8a": 32, "fp32z": 16, "fp32y": 8, "bf16": 32}
-"""multiply-adds per loop step (one instruction; int8a: three)"""
-BEST = {"int8": ("int8z", "int8a"), "fp32": ("fp32z", "fp32y")}
+KINDS = {"int8z": 64, "int8y": 32, "int8h": 32, "int8a": 32, "fp32z": 16, "fp32y": 8, "bf16": 32}
+"""multiply-adds per loop step (one instruction; int8h: two, int8a: three)"""
+BEST = {"int8": ("int8z", "int8h"), "fp32": ("fp32z", "fp32y")}
 """family -> its kinds, best first: ``peaks()[family]`` is the first this CPU runs"""
 UNROLL = 20
 
