@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+import signal
+import threading
 import time
 
 import pytest
@@ -65,6 +67,10 @@ def _break_steps(engine: LLMEngine) -> None:
 
 def _kill_on_step(engine: LLMEngine) -> None:
     engine.step = functools.partial(os._exit, 3)  # type: ignore[method-assign]
+
+
+def _sleep(engine: LLMEngine, seconds: float) -> None:
+    time.sleep(seconds)
 
 
 def _free_blocks(engine: LLMEngine) -> tuple[int, int]:
@@ -208,3 +214,32 @@ def test_admission_queue_full_and_queue_timeout(tiny_llama_dir):
     finally:
         client.shutdown()
     assert client.process.exitcode == 0
+
+
+def test_a_hung_engine_is_killed_once_with_its_stacks(tiny_llama_dir, capfd):
+    """Two threads stop a process whose engine hangs in a step (the server's lifespan and
+    its ``close()`` both do): neither raises, the hung thread's stack is on stderr, and the
+    process is killed."""
+    client = EngineCoreClient(_config(tiny_llama_dir))
+
+    async def hang():
+        asyncio.ensure_future(client.call(functools.partial(_sleep, seconds=120)))
+        await asyncio.sleep(0.5)  # sent: the engine thread sleeps in it
+
+    asyncio.run(hang())
+    errors: list[BaseException] = []
+
+    def stop() -> None:
+        try:
+            client.shutdown(timeout=2)
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stop) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+    assert not client.process.is_alive() and client.process.exitcode == -signal.SIGKILL
+    assert "in _sleep" in capfd.readouterr().err  # faulthandler's dump of the engine thread

@@ -21,6 +21,8 @@ request fails with ``EngineDeadError`` naming its exit code, and the client stay
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -46,6 +48,7 @@ from tokenmill.engine.engine_core import (
     Snapshot,
     StepOutputs,
     StopCmd,
+    dump_stacks,
     dumps,
     run_engine_core,
 )
@@ -167,6 +170,7 @@ class EngineCoreClient(AsyncLLM):
             daemon=True,
         )
         self.process.start()
+        self._shutdown_lock = threading.Lock()
         cmd_recv.close()
         out_send.close()
         self._write_lock = threading.Lock()
@@ -329,12 +333,8 @@ class EngineCoreClient(AsyncLLM):
     def _on_result(self, msg: CallResult) -> None:
         with self._pending.lock:
             future = self._pending.calls.pop(msg.call_id, None)
-        if future is None:
-            return
-        if msg.error is not None:
-            future.set_exception(msg.error)
-        else:
-            future.set_result(msg.value)
+        if future is not None:
+            _settle(future, msg.value, msg.error)
 
     def _fail_pending(self, error: BaseException) -> None:
         """The process ended: every request and call still open fails with ``error``."""
@@ -347,24 +347,40 @@ class EngineCoreClient(AsyncLLM):
         with self._lock:
             self._num_queued = self._num_live = 0
         for future in calls.values():
-            future.set_exception(error)
+            _settle(future, None, error)
         self._flush()
 
     # -- lifecycle ----------------------------------------------------------------------
     def shutdown(self, timeout: float = 30.0) -> None:
         """Abort what is left, stop the engine process and wait for it (killed past
-        ``timeout``)."""
-        super().shutdown(timeout)
-        self._stop_process(timeout)
+        ``timeout``). Any thread, any number of times: the server's lifespan and its
+        ``close()`` both call it, and a second caller waits for the first."""
+        with self._shutdown_lock:
+            super().shutdown(timeout)
+            self._stop_process(timeout)
 
     def _stop_process(self, timeout: float) -> None:
         self.process.join(timeout)
         if self.process.is_alive():
-            logger.warning("the engine process did not stop within %gs: killing it", timeout)
+            logger.warning(
+                "the engine process did not stop within %gs: its threads' stacks follow on "
+                "stderr, then it is killed",
+                timeout,
+            )
+            dump_stacks(self.process)
             self.process.kill()
             self.process.join(5.0)
         for conn in (self._cmd_send, self._out_recv):
             conn.close()
+
+
+def _settle(future: concurrent.futures.Future, value: object, error: BaseException | None) -> None:
+    """Complete a ``call()``'s future, unless its caller gave up (cancelled it) meanwhile."""
+    with contextlib.suppress(concurrent.futures.InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
 
 
 def use_engine_process(mode: str, config: EngineConfig) -> bool:

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import faulthandler
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -30,6 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 from tokenmill.config import EngineConfig
@@ -319,6 +322,21 @@ def _wire(item: object) -> object:
     return portable(item) if isinstance(item, BaseException) else item
 
 
+STACKS_SIGNAL = signal.SIGUSR1
+
+
+def dump_stacks(process: BaseProcess, wait: float = 1.0) -> None:
+    """Have a live engine process write every thread's stack to its stderr (before a kill:
+    the log then says where it hung)."""
+    if process.pid is None or not process.is_alive():
+        return
+    try:
+        os.kill(process.pid, STACKS_SIGNAL)
+    except ProcessLookupError:
+        return
+    time.sleep(wait)
+
+
 def run_engine_core(
     config: EngineConfig, options: CoreOptions, commands: Connection, out: Connection
 ) -> None:
@@ -326,6 +344,7 @@ def run_engine_core(
 
     Exit code 0 after a stop, 1 when loading or the engine failed."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the server's: it drains, then stops us
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)  # dump_stacks: why a stop hangs
     logging.basicConfig(
         level=options.log_level,
         stream=sys.stderr,
