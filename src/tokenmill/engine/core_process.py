@@ -99,7 +99,9 @@ class EngineView:
         """The child's counters, plus the server's refusals (``SERVER_STATS``)."""
         self._prefix_cache: dict[str, int | float] = {}
         if ready.media:  # else no attribute: the server refuses media (``chat_media_of``)
-            self.mm_processor = ready.mm_processor
+            self.mm_processor = (
+                None if ready.mm_processor is None else pickle.loads(ready.mm_processor)
+            )
             """The child's media processor: media become tensors here, before ``AddCmd``."""
         self._encoder: dict[str, float | int] = {}
 

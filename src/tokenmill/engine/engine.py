@@ -23,7 +23,7 @@ from tokenmill.engine.validation import check_params, check_prompt, resolve_max_
 from tokenmill.errors import InvalidRequestError
 from tokenmill.executor import UniProcExecutor
 from tokenmill.metrics.stats import EngineStats
-from tokenmill.multimodal.prompt import build_processor, encoder_budget
+from tokenmill.multimodal.prompt import build_processor, encoder_budget, multimodal_metrics
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling import make_generator
 from tokenmill.sampling_params import SamplingParams
@@ -187,6 +187,12 @@ class LLMEngine:
     def reset_prefix_cache(self) -> int:
         """Forget every cached block (running requests keep theirs). Returns how many."""
         return self.scheduler.reset_prefix_cache()
+
+    def encoder_metrics(self) -> dict[str, float | int]:
+        """The media encoder's counters ({} without one; a runner in a worker rank keeps
+        its own): ``multimodal_metrics`` without the processor's."""
+        runner = getattr(self.executor, "runner", None)
+        return multimodal_metrics(None, getattr(runner, "mm", None))
 
     def prefix_cache_metrics(self) -> dict[str, int | float]:
         stats, pool = self.kv.stats, self.kv.pool

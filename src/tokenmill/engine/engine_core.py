@@ -41,7 +41,6 @@ from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import RequestOptions
 from tokenmill.engine.request_stream import ACCEPTED
 from tokenmill.metrics.stats import EngineStats
-from tokenmill.multimodal.prompt import multimodal_metrics
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.structured_output.limits import GrammarLimits
@@ -107,25 +106,25 @@ class Ready:
     vocab_size: int
     generation_config: dict
     num_kv_blocks: int
-    mm_processor: Any = None
-    """The engine's media processor (``multimodal/``): the server process turns a request's
-    media into placeholder runs and pixel / feature tensors itself, which travel in
-    ``AddCmd.options``; None for a text-only model."""
+    mm_processor: bytes | None = None
+    """The engine's media processor (``multimodal/``), pickled (``EngineView`` loads it): the
+    server process turns a request's media into placeholder runs and pixel / feature
+    tensors itself, which travel in ``AddCmd.options``; None for a text-only model."""
     media: bool = True
     """False when the processor could not be pickled: the server refuses media."""
 
 
 def ready_of(engine: LLMEngine) -> Ready:
     """The ``Ready`` message of a loaded engine (the engine-core process, a Ray replica)."""
-    processor, media = engine.mm_processor, True
-    if processor is not None:
+    processor, media = None, True
+    if engine.mm_processor is not None:
         try:
-            dumps(processor)
+            processor = dumps(engine.mm_processor)
         except Exception as exc:  # noqa: BLE001 - the server then refuses media, serves text
             logger.warning(
                 "media input is off in this mode: its processor does not pickle (%s)", exc
             )
-            processor, media = None, False
+            media = False
     return Ready(
         engine.tokenizer,
         engine.max_model_len,
@@ -252,14 +251,12 @@ class EngineCore(AsyncLLM):
     def _snapshot(self) -> Snapshot:
         engine = self.engine
         stats = {name: getattr(engine.stats, name) for name in self._sent.names}
-        runner = getattr(getattr(engine, "executor", None), "runner", None)
-        encoder = multimodal_metrics(None, getattr(runner, "mm", None))
         return Snapshot(
             stats,
             engine.kv.usage,
             engine.kv.num_free_blocks,
             engine.prefix_cache_metrics(),
-            encoder,
+            engine.encoder_metrics(),
         )
 
     # -- the command pipe (the core's second thread) ----------------------------------

@@ -26,14 +26,11 @@ _GAUGES = {
 
 
 def engine_multimodal_metrics(engine: Any) -> dict[str, float | int]:
-    """The counters of an engine ({} for a text-only model or none): an in-process one's,
-    or an ``EngineView``'s (its processor's here, its encoder's from the engine process)."""
+    """The counters of an engine ({} for a text-only model or none): its processor's, and
+    its encoder's (an ``EngineView``'s come from the engine process's latest snapshot)."""
     if engine is None or getattr(engine, "mm_processor", None) is None:
         return {}
-    if hasattr(engine, "encoder_metrics"):
-        return multimodal_metrics(engine.mm_processor, None) | engine.encoder_metrics()
-    runner = getattr(getattr(engine, "executor", None), "runner", None)
-    return multimodal_metrics(engine.mm_processor, getattr(runner, "mm", None))
+    return multimodal_metrics(engine.mm_processor, None) | engine.encoder_metrics()
 
 
 class MultiModalCollector(Collector):

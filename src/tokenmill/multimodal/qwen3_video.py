@@ -31,8 +31,12 @@ from tokenmill.multimodal.video import (
     VideoConfig,
     VideoOptions,
     _frame,
+    num_pairs,
+    pair_over_budget,
+    pair_tokens,
     patchify,
     split_video,
+    thin_pairs,
 )
 
 QWEN3_VIDEO = VideoConfig(
@@ -111,16 +115,11 @@ def video_segments(video: object, cfg: VideoConfig, opts: VideoOptions,
         unit = cfg.patch_size * cfg.merge_size
         hi = min(hi, max_tokens * cfg.temporal_patch_size * unit * unit)
     size = smart_resize(len(indices), height, width, cfg, lo, hi)
-    while max_tokens is not None and _pairs(indices, cfg) * _pair_tokens(size, cfg) > max_tokens:
-        pairs = min(_pairs(indices, cfg) - 1, max_tokens // _pair_tokens(size, cfg))
+    while max_tokens is not None and num_pairs(indices, cfg) * pair_tokens(size, cfg) > max_tokens:
+        pairs = min(num_pairs(indices, cfg) - 1, max_tokens // pair_tokens(size, cfg))
         if pairs < 1:
-            raise InvalidRequestError(
-                f"a video frame pair takes {_pair_tokens(size, cfg)} tokens, more than the "
-                f"{max_tokens} left of the prompt's visual-token budget "
-                "(max_visual_tokens_per_prompt); raise the budget or send fewer or smaller media"
-            )
-        keep = np.linspace(0, len(indices) - 1, pairs * cfg.temporal_patch_size)
-        indices = [indices[k] for k in keep.round().astype(int).tolist()]
+            raise pair_over_budget(pair_tokens(size, cfg), max_tokens)
+        indices = thin_pairs(indices, pairs, cfg)
         size = smart_resize(len(indices), height, width, cfg, lo, hi)  # fewer frames: larger
     patches, (t, h, w) = patchify(np.stack([_frame(frames[i], size, cfg) for i in indices]), cfg)
     pixels = torch.from_numpy(patches).view(t, h * w, -1)
@@ -129,15 +128,6 @@ def video_segments(video: object, cfg: VideoConfig, opts: VideoOptions,
                             h * w // unit) for px in pixels.unbind(0))  # fmt: skip
     stamps = pair_timestamps(indices, fps or DEFAULT_FPS, cfg.temporal_patch_size)
     return VideoSegments(tuple(stamps), items)
-
-
-def _pairs(indices: list[int], cfg: VideoConfig) -> int:
-    return -(-len(indices) // cfg.temporal_patch_size)
-
-
-def _pair_tokens(size: tuple[int, int], cfg: VideoConfig) -> int:
-    unit = cfg.patch_size * cfg.merge_size
-    return (size[0] // unit) * (size[1] // unit)
 
 
 def segment_ids(seg: VideoSegments, encode: Callable[[str], list[int]], start: int, end: int,

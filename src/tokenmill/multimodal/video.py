@@ -169,15 +169,32 @@ def _within_budget(
     indices: list[int], size: tuple[int, int], cfg: VideoConfig, budget: int
 ) -> list[int]:
     """The sampled frames cut to the pairs ``budget`` tokens pay for (at least one pair)."""
-    tp, unit = cfg.temporal_patch_size, cfg.patch_size * cfg.merge_size
-    per_pair = (size[0] // unit) * (size[1] // unit)  # tokens of one temporal patch
-    pairs = budget // per_pair
+    pairs = budget // pair_tokens(size, cfg)
     if pairs < 1:
-        raise InvalidRequestError(
-            f"a video frame pair takes {per_pair} tokens, more than the {budget} left of the "
-            "prompt's visual-token budget (max_visual_tokens_per_prompt); lower max_pixels"
-        )
-    if -(-len(indices) // tp) <= pairs:
-        return indices
-    keep = torch.linspace(0, len(indices) - 1, pairs * tp).round().long().tolist()
-    return [indices[k] for k in keep]
+        raise pair_over_budget(pair_tokens(size, cfg), budget)
+    return indices if num_pairs(indices, cfg) <= pairs else thin_pairs(indices, pairs, cfg)
+
+
+def pair_tokens(size: tuple[int, int], cfg: VideoConfig) -> int:
+    """Placeholder tokens of one temporal patch (frame pair) of ``size`` (h, w) pixels."""
+    unit = cfg.patch_size * cfg.merge_size
+    return (size[0] // unit) * (size[1] // unit)
+
+
+def num_pairs(indices: list[int], cfg: VideoConfig) -> int:
+    """Temporal patches of the sampled frames (the last one padded by repetition)."""
+    return -(-len(indices) // cfg.temporal_patch_size)
+
+
+def thin_pairs(indices: list[int], pairs: int, cfg: VideoConfig) -> list[int]:
+    """``pairs`` temporal patches' worth of ``indices``, spread evenly over them."""
+    keep = np.linspace(0, len(indices) - 1, pairs * cfg.temporal_patch_size)
+    return [indices[k] for k in keep.round().astype(int).tolist()]
+
+
+def pair_over_budget(per_pair: int, budget: int) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"a video frame pair takes {per_pair} tokens, more than the {budget} left of the "
+        "prompt's visual-token budget (max_visual_tokens_per_prompt); raise the budget, "
+        "lower max_pixels, or send fewer or smaller media"
+    )
