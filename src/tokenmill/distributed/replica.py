@@ -135,6 +135,7 @@ class ReplicaClient(EngineCoreClient):
         conn = Client(address, authkey=key)
         self._cmd_send = self._out_recv = conn
         self._write_lock = threading.Lock()
+        self._shutdown_lock = threading.Lock()  # EngineCoreClient.shutdown
         self._pending = _Pending()
         self._ids = itertools.count()
         self._core_counts = (0, 0)
