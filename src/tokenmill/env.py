@@ -84,6 +84,27 @@ TOKENMILL_NATIVE_ISA: EnvVar[str] = _declare(
 )
 
 
+def _fp32_gemm(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("auto", "native", "torch"):
+        raise ValueError("use auto, native or torch")
+    return value
+
+
+TOKENMILL_FP32_GEMM: EnvVar[str] = _declare(
+    EnvVar(
+        "TOKENMILL_FP32_GEMM",
+        default="auto",
+        parse=_fp32_gemm,
+        doc="Who multiplies float32 weights on CPU where tokenmill offers both (Whisper's "
+        "linears): 'native' (the native kernels' float32 GEMM), 'torch' (PyTorch's BLAS), or "
+        "'auto' (the default): native on an AVX-512 CPU that is not Intel's, where the BLAS "
+        "PyTorch ships (MKL) runs float32 at its AVX2 rate, else torch.",
+    )
+)
+
+
+
 def cache_dir() -> Path:
     """Root folder of tokenmill's caches (``$TOKENMILL_CACHE_DIR``, default ~/.cache/tokenmill)."""
     return TOKENMILL_CACHE_DIR.get()

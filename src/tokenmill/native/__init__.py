@@ -71,15 +71,25 @@ _LEVELS = {level.name: level for level in ISA_LEVELS}
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str:
+    """The first ``field : value`` of ``/proc/cpuinfo`` ("" where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
+        return ""
     for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        if line.split(":", 1)[0].strip() == field:
+            return line.split(":", 1)[1].strip()
+    return ""
+
+
+def _cpu_flags() -> frozenset[str]:
+    return frozenset(_cpuinfo("flags").split())
+
+
+def cpu_vendor() -> str:
+    """``GenuineIntel``, ``AuthenticAMD``, ... ("" off Linux x86)."""
+    return _cpuinfo("vendor_id")
 
 
 def isas_available() -> tuple[str, ...]:

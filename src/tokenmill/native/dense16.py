@@ -1,8 +1,10 @@
-"""16-bit float weights (bfloat16, float16) times float32 activations: ``kernels/dense16_gemm.c``.
+"""16-bit float weights (bfloat16, float16), or float32 ones, times float32 activations:
+``kernels/dense16_gemm.c``.
 
 Tiles of 16 output rows, each ``[K2 = ceil(K / 2)][16 rows][2 inputs]`` in the weight's
 own dtype, zero-padded past N rows and K inputs, so any shape packs. A kernel (``KERNELS``)
-is picked once per weight format by ``best_kernel`` and passed on every call.
+is picked once per weight format by ``best_kernel`` and passed on every call. Float32
+weights take the native kernel only where it beats PyTorch's BLAS (``fp32_native``).
 """
 
 from __future__ import annotations
@@ -12,12 +14,14 @@ from collections.abc import Mapping
 import torch
 
 from tokenmill import native
+from tokenmill.env import TOKENMILL_FP32_GEMM
 
 TILE = 16
 KERNELS: Mapping[str, tuple[int, torch.dtype]] = {
     "bf16-avx512bf16": (0, torch.bfloat16),  # vdpbf16ps, activations as two bfloat16 terms
     "bf16-fma": (1, torch.bfloat16),  # weights widened to float32, float32 FMAs
     "fp16-fma": (2, torch.float16),  # vcvtph2ps (F16C), float32 FMAs
+    "fp32-fma": (3, torch.float32),  # float32 weights, the fp16 kernel's FMAs
 }
 """Kernel name -> (id in dense16_gemm.c, weight dtype)."""
 NATIVE_CODE_BASE = 16
@@ -35,6 +39,28 @@ def best_kernel(dtype: torch.dtype) -> str:
     if dtype == torch.float16:
         return "fp16-fma"
     return "bf16-avx512bf16" if has_avx512_bf16() else "bf16-fma"
+
+
+FP32_KERNEL = "fp32-fma"
+
+
+def fp32_native() -> bool:
+    """Whether float32 weights go through the native ``fp32-fma`` kernel here, rather than
+    PyTorch's BLAS: ``$TOKENMILL_FP32_GEMM``; ``auto`` is yes on an AVX-512 CPU that is not
+    Intel's. There the MKL that PyTorch ships runs float32 at its AVX2 rate (two Zen 5 cores:
+    ~95 GMAC/s at 1500 rows against this kernel's ~230), while on Intel it runs AVX-512."""
+    choice = TOKENMILL_FP32_GEMM.get()
+    if choice == "torch":
+        return False
+    isa = native.active_isa()
+    if choice == "native":
+        if isa is None:
+            raise ValueError(
+                "TOKENMILL_FP32_GEMM=native needs the native CPU kernels (x86-64 with "
+                "AVX2+FMA+F16C and a C compiler); unset it or use torch"
+            )
+        return True
+    return isa == "avx512" and native.cpu_vendor() != "GenuineIntel"
 
 
 def tile_shape(n: int, k: int) -> tuple[int, int, int, int]:

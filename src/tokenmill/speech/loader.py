@@ -12,7 +12,7 @@ import torch
 from tokenmill.speech.config import WhisperConfig
 from tokenmill.speech.ct2 import hf_weights, read_ct2
 from tokenmill.speech.tokens import WhisperTokens
-from tokenmill.speech.whisper import Whisper
+from tokenmill.speech.whisper import Whisper, pack_native
 
 
 def is_whisper_folder(path: str | Path) -> bool:
@@ -91,6 +91,8 @@ def load_whisper(folder: str | Path, dtype: torch.dtype = torch.float32) -> Load
         raise ValueError(f"{folder}: weights missing for {sorted(missing)[:5]}")
     model.load_state_dict(state, strict=True, assign=True)
     model.eval().requires_grad_(False)
+    pack_native(model)
+    model.decoder.pack_head()
     tokens = WhisperTokens.load(folder, cfg.multilingual)
     suppress_all = tuple(sorted(set(suppress) | set(tokens.extra_suppress)))
     return LoadedWhisper(model, tokens, suppress_all, tuple(begin))

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.native import dense16
 from tokenmill.speech.config import WhisperConfig
 
 VOCAB_BLOCKS = 4
@@ -37,11 +38,47 @@ FEW_ROWS = 16
 """A linear over at most this many rows (a decode step) goes through ``vocab_logits``."""
 
 
+def pack_native(model: nn.Module) -> int:
+    """Give every float32 linear of ``model`` a copy of its weight in the native float32
+    kernel's tiles (``native_tiles``), which ``linear`` then multiplies by, where that kernel
+    beats PyTorch's BLAS (``dense16.fp32_native``); the number of linears packed."""
+    if not dense16.fp32_native():
+        return 0
+    packed = 0
+    for layer in model.modules():
+        if isinstance(layer, nn.Linear) and layer.weight.dtype == torch.float32:
+            layer.native_tiles = _tiles(layer.weight)
+            packed += 1
+    return packed
+
+
+def _tiles(weight: torch.Tensor) -> torch.Tensor:
+    n, k = weight.shape
+    tiles = dense16.empty_tiles(n, k, torch.float32)
+    dense16.write_rows(tiles, 0, weight)
+    return tiles
+
+
+def native_linear(
+    tiles: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., K] @ the packed [n, K] weight (+ bias) -> [..., n], float32."""
+    flat = x.reshape(-1, x.shape[-1]).contiguous()
+    y = dense16.gemm(flat, tiles, dense16.KERNELS[dense16.FP32_KERNEL][0], n)
+    if bias is not None:
+        y += bias
+    return y.view(*x.shape[:-1], n)
+
+
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` for x [..., D], equal up to rounding. With few rows the weight is read
-    as row blocks of one batched matmul, as ``vocab_logits`` reads the table: the decoder's
-    32 linears (33 MB) took 8.8 ms as plain matmuls and 4.1-6.7 ms so, at 1-2 rows, weights
-    not in cache, on one core."""
+    """``layer(x)`` for x [..., D], equal up to rounding: through the native tiles when
+    ``pack_native`` gave it some. Else, with few rows, the weight is read as row blocks of
+    one batched matmul, as ``vocab_logits`` reads the table: the decoder's 32 linears (33 MB)
+    took 8.8 ms as plain matmuls and 4.1-6.7 ms so, at 1-2 rows, weights not in cache, on one
+    core (AVX2 Xeon)."""
+    tiles = getattr(layer, "native_tiles", None)
+    if tiles is not None:
+        return native_linear(tiles, x, layer.out_features, layer.bias)
     rows = x.numel() // x.shape[-1]
     if rows > FEW_ROWS or layer.out_features % VOCAB_BLOCKS:
         return layer(x)
@@ -87,10 +124,9 @@ class EncoderLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.self_attn_layer_norm(x)
         k, v = self.self_attn.kv(h)
-        x = x + self.self_attn.merge(
-            F.scaled_dot_product_attention(self.self_attn.split(self.self_attn.q_proj(h)), k, v)
-        )
-        return x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+        q = self.self_attn.split(linear(self.self_attn.q_proj, h))
+        x = x + self.self_attn.merge(F.scaled_dot_product_attention(q, k, v))
+        return x + linear(self.fc2, F.gelu(linear(self.fc1, self.final_layer_norm(x))))
 
 
 class Encoder(nn.Module):
@@ -203,6 +239,18 @@ class Decoder(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, i, cache, rows, pos, mask)
         x = self.layer_norm(x[:, -1] if at is None else x[:, at])  # [B, D] or [B, A, D]
+        return self.logits(x)
+
+    def pack_head(self) -> None:
+        """The output projection (tied to the token table) in native tiles too."""
+        if dense16.fp32_native() and self.embed_tokens.weight.dtype == torch.float32:
+            self.head_tiles = _tiles(self.embed_tokens.weight)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D] -> [..., V]"""
+        tiles = getattr(self, "head_tiles", None)
+        if tiles is not None:
+            return native_linear(tiles, x, self.embed_tokens.num_embeddings, None)
         logits = vocab_logits(x.reshape(-1, x.shape[-1]), self.embed_tokens.weight)
         return logits.view(*x.shape[:-1], -1)
 

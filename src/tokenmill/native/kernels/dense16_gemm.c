@@ -1,9 +1,10 @@
-/* y[M, N] = x[M, K] . W^T for W stored in 16-bit floats (bfloat16 or float16); x, y and
- * the accumulation in float32.
+/* y[M, N] = x[M, K] . W^T for W stored in 16-bit floats (bfloat16 or float16), or in float32;
+ * x, y and the accumulation in float32.
  *
  * Weight layout (built by tokenmill/native/dense16.py): tiles of 16 output rows, each
- * [K2 = ceil(K / 2)][16 rows][2 inputs] of 16-bit values, rows past N and the input past K
- * zero. One 64-byte load then holds inputs 2j, 2j + 1 of 16 rows.
+ * [K2 = ceil(K / 2)][16 rows][2 inputs] of 16-bit values (float32 for FP32_FMA), rows past N
+ * and the input past K zero. One 64-byte load then holds inputs 2j, 2j + 1 of 16 rows (two
+ * loads for float32). ``w`` is addressed in 16-bit units: a float32 tile is twice as long.
  *
  * Kernels (chosen once at load, see DENSE16_*):
  *   BF16_DP  bfloat16 on AVX512-BF16: vdpbf16ps multiplies bfloat16 pairs exactly and adds
@@ -17,6 +18,10 @@
  *            float32 FMAs; the exact products of float32 weights (the fallback everywhere).
  *   FP16_FMA float16 through F16C (vcvtph2ps), float32 FMAs on input pairs, the pair lanes
  *            added at the end.
+ *   FP32_FMA float32 weights, the same FMAs as FP16_FMA on (row, input pair) lanes. Where the
+ *            BLAS PyTorch ships runs float32 at its AVX2 rate on an AVX-512 CPU (MKL on AMD:
+ *            ~95 against this kernel's ~230 GMAC/s on two Zen 5 cores), float32 models go
+ *            through it (see dense16.py's ``fp32_kernel``).
  * The FMA kernels are written once on simd.h's vf16 and give the same bits at both ISA
  * levels: only the register blocking differs.
  *
@@ -38,7 +43,7 @@
 #define MBLOCK (VF16_REGS >= 32 ? 4 : 2)
 #define PREFETCH 1024
 
-enum { DENSE16_BF16_DP = 0, DENSE16_BF16_FMA = 1, DENSE16_FP16_FMA = 2 };
+enum { DENSE16_BF16_DP = 0, DENSE16_BF16_FMA = 1, DENSE16_FP16_FMA = 2, DENSE16_FP32_FMA = 3 };
 
 int dense16_has_bf16(void) {
 #ifdef __AVX512BF16__
@@ -74,8 +79,9 @@ static inline __attribute__((always_inline)) void block_kernel(
     for (int64_t j = 0; j < K2; j++) {
         const uint16_t *p[2];
         for (int t = 0; t < tb; t++) {
-            p[t] = w + t * tile_elems + j * 32;
+            p[t] = w + t * tile_elems + j * (kernel == DENSE16_FP32_FMA ? 64 : 32);
             _mm_prefetch((const char *)p[t] + PREFETCH, _MM_HINT_T0);
+            if (kernel == DENSE16_FP32_FMA) _mm_prefetch((const char *)p[t] + PREFETCH + 64, _MM_HINT_T0);
         }
         if (kernel == DENSE16_BF16_DP) {
 #ifdef __AVX512BF16__
@@ -101,9 +107,15 @@ static inline __attribute__((always_inline)) void block_kernel(
                     acc[t][m][1] = vf16_fmadd(wo[t], x1, acc[t][m][1]);
                 }
             }
-        } else { /* FP16_FMA: lanes (row r, input 2j + p) for rows 0-7 (a) and 8-15 (b) */
+        } else { /* FP16 / FP32: lanes (row r, input 2j + p) for rows 0-7 (a) and 8-15 (b) */
             vf16 wa[2], wb[2];
-            for (int t = 0; t < tb; t++) wa[t] = vf16_from_fp16(p[t]), wb[t] = vf16_from_fp16(p[t] + 16);
+            for (int t = 0; t < tb; t++) {
+                if (kernel == DENSE16_FP32_FMA) {
+                    wa[t] = vf16_load((const float *)p[t]), wb[t] = vf16_load((const float *)p[t] + 16);
+                } else {
+                    wa[t] = vf16_from_fp16(p[t]), wb[t] = vf16_from_fp16(p[t] + 16);
+                }
+            }
             for (int m = 0; m < mb; m++) {
                 /* (x[2j], x[2j+1]), broadcast 8 times */
                 const vf16 xp = vf16_set1_pair((const float *)xs + m * 2 * K2 + 2 * j);
@@ -117,8 +129,9 @@ static inline __attribute__((always_inline)) void block_kernel(
     for (int t = 0; t < tb; t++)
         for (int m = 0; m < mb; m++) {
             const vf16 a = acc[t][m][0], b = acc[t][m][1];
-            /* FP16: add each row's two input lanes */
-            const vf16 r = kernel == DENSE16_FP16_FMA ? vf16_pair_sums(a, b) : vf16_add(a, b);
+            /* FP16 / FP32: add each row's two input lanes */
+            const int pairs = kernel == DENSE16_FP16_FMA || kernel == DENSE16_FP32_FMA;
+            const vf16 r = pairs ? vf16_pair_sums(a, b) : vf16_add(a, b);
             vf16_store(out + (t * MBLOCK + m) * TILE, r);
         }
 }
@@ -141,6 +154,7 @@ static void block_dispatch(int kernel, const uint16_t *w, int64_t tile_elems, in
         BLOCK_CASES(DENSE16_BF16_DP, 1) BLOCK_CASES(DENSE16_BF16_DP, 2)
         BLOCK_CASES(DENSE16_BF16_FMA, 1) BLOCK_CASES(DENSE16_BF16_FMA, 2)
         BLOCK_CASES(DENSE16_FP16_FMA, 1) BLOCK_CASES(DENSE16_FP16_FMA, 2)
+        BLOCK_CASES(DENSE16_FP32_FMA, 1) BLOCK_CASES(DENSE16_FP32_FMA, 2)
     }
 }
 
@@ -174,7 +188,8 @@ void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int k
 #ifndef __AVX512BF16__
     if (kernel == DENSE16_BF16_DP) kernel = DENSE16_BF16_FMA; /* same tiles; not built here */
 #endif
-    const int64_t K2 = (K + 1) / 2, tiles = (N + TILE - 1) / TILE, tile_elems = K2 * 32;
+    const int64_t K2 = (K + 1) / 2, tiles = (N + TILE - 1) / TILE;
+    const int64_t tile_elems = K2 * (kernel == DENSE16_FP32_FMA ? 64 : 32); /* 16-bit units */
     const int64_t row = 2 * K2; /* values per token in the scratch */
     const int dp = kernel == DENSE16_BF16_DP;
     char *buf = scratch_for((size_t)M * row * 4 + 64); /* 2 x bf16 or 1 x float32 each */
