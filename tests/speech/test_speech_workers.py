@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from tokenmill.speech.vits import CONTEXT, pieces
+from tokenmill.speech.vits import CONTEXT, SHAPE_BUCKET, pieces
 from tokenmill.speech.workers import TaskPool
 
 
@@ -63,8 +63,13 @@ def test_piece_plan():
     assert spans(pieces(100, 0, 512, parts=2)) == [(0, 100)]  # under 2 x 64 frames: one
     assert spans(pieces(10, 24, 512)) == [(0, 10)]
     plan = pieces(700, 24, 512)
-    assert [(p.lo, p.hi) for p in plan] == [(0, 24 + CONTEXT), (24 - CONTEXT, 362 + CONTEXT),
-                                            (362 - CONTEXT, 700)]  # fmt: skip
+    # each window: CONTEXT frames either side, grown to a multiple of SHAPE_BUCKET (16)
+    # frames, to the right while there are frames, else to the left
+    assert [(p.lo, p.hi) for p in plan] == [(0, 48), (12, 380), (348, 700)]
+    for total in (10, 37, 300, 700, 1500):
+        for p in pieces(total, 24, 512, parts=2):
+            assert p.lo <= max(0, p.start - CONTEXT) and p.hi >= min(total, p.end + CONTEXT)
+            assert (p.hi - p.lo) % SHAPE_BUCKET == 0 or (p.lo, p.hi) == (0, total)
 
 
 def test_stream_bytes_do_not_depend_on_the_workers(tts, piper_voice):

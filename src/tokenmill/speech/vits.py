@@ -403,8 +403,12 @@ class Vits(nn.Module):
         ``frames`` (from zp's first ``frames + FLOW_CONTEXT``: equal up to rounding)."""
         if frames is not None:
             zp = zp[:, :, : frames + FLOW_CONTEXT]
-        z = self.flow.reverse(zp, torch.ones(1, 1, zp.shape[2]))
-        return z if frames is None else z[:, :, :frames]
+        n = zp.shape[2]
+        padded = bucketed(n)  # zero frames, masked: every layer sees its own zero padding
+        mask = torch.ones(1, 1, padded)
+        mask[:, :, n:] = 0
+        z = self.flow.reverse(F.pad(zp, (0, padded - n)), mask)
+        return z[:, :, : n if frames is None else frames]
 
     def prior(
         self, ids: torch.Tensor, scales: Scales, generator: torch.Generator | None = None
@@ -445,6 +449,24 @@ FLOW_CONTEXT = 32
 CONTEXT = 12
 """Latent frames decoded on either side of a piece: an output sample at frame position p
 depends on z frames p - 11.02 .. p + 9.96 (the generator's receptive field, measured)."""
+SHAPE_BUCKET = 16
+"""The flows' and the generator's inputs are a multiple of this many frames long (the
+flows padded with masked zeros, a piece's window widened by more context: both exact).
+oneDNN builds its convolution kernels per input length, ~50 per length and at most 1024
+kept: every new sentence length used to cost a build (a 6-sentence text took 0.77 s the
+first time, 0.50 s the next, on two Zen 5 cores) and a few texts overflowed the cache."""
+
+
+def bucketed(frames: int) -> int:
+    return -(-frames // SHAPE_BUCKET) * SHAPE_BUCKET
+
+
+def widen(lo: int, hi: int, total: int) -> tuple[int, int]:
+    """The window [lo, hi) of ``total`` frames grown to ``bucketed`` length (or to all of
+    them): to the right first, then to the left."""
+    want = min(bucketed(hi - lo), total)
+    right = min(want - (hi - lo), total - hi)
+    return lo - (want - (hi - lo) - right), hi + right
 
 
 @dataclass(frozen=True)
@@ -479,5 +501,6 @@ def pieces(
     n = max(-(-rest // size), min(parts, rest // 64), 1)
     cuts += [cuts[-1] + rest * i // n for i in range(1, n + 1)]
     return [
-        Piece(a, b, max(0, a - CONTEXT), min(total, b + CONTEXT)) for a, b in zip(cuts, cuts[1:])
+        Piece(a, b, *widen(max(0, a - CONTEXT), min(total, b + CONTEXT), total))
+        for a, b in zip(cuts, cuts[1:])
     ]
