@@ -93,18 +93,20 @@ def test_decode_attention_odd_head_sizes(native_level, d) -> None:
         torch.testing.assert_close(out[b].double(), want, rtol=1e-5, atol=1e-5)
 
 
-GEMM_SHAPES = [(1, 1, 1), (1, 7, 5), (2, 33, 17), (3, 64, 48), (5, 301, 100), (7, 576, 31)]
+GEMM_SHAPES = [(1, 1, 1), (1, 7, 5), (2, 33, 17), (3, 64, 48), (5, 301, 100), (7, 576, 31),
+               (41, 130, 70)]
 
 
 def _fma_kernels() -> list[str]:
-    return ["bf16-fma", "fp16-fma"]
+    return ["bf16-fma", "fp16-fma", "fp32-fma"]
 
 
 @pytest.mark.parametrize("kernel", [*_fma_kernels(), "bf16-avx512bf16"])
 @pytest.mark.parametrize(("m", "k", "n"), GEMM_SHAPES)
 def test_dense16_gemm(native_level, kernel, m, k, n) -> None:
-    """16-bit weights of any shape (padded tiles) times float32 rows; the exact-product
-    kernels to float32 rounding of a float64 sum, the two-term bfloat16 one to ~2^-16."""
+    """16-bit (or float32) weights of any shape (padded tiles) times float32 rows; the
+    exact-product kernels to float32 rounding of a float64 sum, the two-term bfloat16 one
+    to ~2^-16."""
     if kernel == "bf16-avx512bf16" and not dense16.has_avx512_bf16():
         pytest.skip("no AVX512-BF16 in this library")
     code, dtype = dense16.KERNELS[kernel]

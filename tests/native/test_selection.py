@@ -137,3 +137,43 @@ def test_native_isa_fixture_sets_the_level(native_isa) -> None:
         assert not native.available()
     else:
         assert native.active_isa() == native_isa
+
+
+@pytest.mark.parametrize(
+    ("isa", "vendor", "value", "native_fp32"),
+    [
+        ("avx512", "AuthenticAMD", "", True),  # MKL runs float32 at its AVX2 rate here
+        ("avx512", "GenuineIntel", "", False),  # MKL runs AVX-512 on Intel
+        ("avx2", "AuthenticAMD", "auto", False),
+        (None, "AuthenticAMD", "", False),  # no native kernels
+        ("avx512", "GenuineIntel", "native", True),
+        ("avx2", "GenuineIntel", " Native ", True),
+        ("avx512", "AuthenticAMD", "torch", False),
+    ],
+)
+def test_who_multiplies_float32_weights(monkeypatch, isa, vendor, value, native_fp32) -> None:
+    from tokenmill.native import dense16
+
+    monkeypatch.setattr(native, "active_isa", lambda: isa)
+    monkeypatch.setattr(native, "cpu_vendor", lambda: vendor)
+    monkeypatch.setenv("TOKENMILL_FP32_GEMM", value)
+    assert dense16.fp32_native() is native_fp32
+
+
+def test_native_float32_without_the_kernels_says_what_to_change(monkeypatch) -> None:
+    from tokenmill.native import dense16
+
+    monkeypatch.setattr(native, "active_isa", lambda: None)
+    monkeypatch.setenv("TOKENMILL_FP32_GEMM", "native")
+    with pytest.raises(ValueError, match="TOKENMILL_FP32_GEMM=native needs"):
+        dense16.fp32_native()
+    monkeypatch.setenv("TOKENMILL_FP32_GEMM", "mkl")
+    with pytest.raises(ValueError, match="TOKENMILL_FP32_GEMM='mkl' is invalid: use auto"):
+        dense16.fp32_native()
+
+
+def test_the_cpu_vendor_is_read_from_cpuinfo() -> None:
+    vendor = native.cpu_vendor()
+    assert isinstance(vendor, str)
+    if native.platform.machine() == "x86_64" and native._cpu_flags():
+        assert vendor in ("GenuineIntel", "AuthenticAMD", "HygonGenuine", "CentaurHauls")

@@ -180,3 +180,36 @@ def test_independent_windows_decode_together_as_transformers(transcriber, long_a
     assert result.segments[1].end == 40.0
     # batched: fewer decoder steps than both windows' tokens one after the other
     assert transcriber.engine.steps - steps <= max(map(len, want)) + 1
+
+
+def test_native_float32_linears_equal_pytorch(whisper_ct2, clips, monkeypatch):
+    """The native float32 kernel (``TOKENMILL_FP32_GEMM=native``) and PyTorch's BLAS give the
+    same encoder output and decoder logits up to float32 rounding, and the same greedy pick."""
+    from tokenmill import native
+    from tokenmill.speech.loader import load_whisper
+    from tokenmill.speech.mel import log_mel
+    from tokenmill.speech.whisper import DecoderCache
+
+    if native.active_isa() is None:
+        pytest.skip("no native kernels here")
+    out = {}
+    for mode in ("native", "torch"):
+        monkeypatch.setenv("TOKENMILL_FP32_GEMM", mode)
+        loaded = load_whisper(whisper_ct2)
+        model = loaded.model
+        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        packed = [m for m in linears if hasattr(m, "native_tiles")]
+        assert len(packed) == (len(linears) if mode == "native" else 0)
+        assert hasattr(model.decoder, "head_tiles") == (mode == "native")
+        mel = log_mel(torch.from_numpy(load_audio(clips[0]))[None])
+        cache = DecoderCache(model.cfg, 1, torch.float32)
+        with torch.inference_mode():
+            enc = model.encoder(mel)
+            model.decoder.set_cross(enc, cache, slice(0, 1))
+            prompt = torch.tensor([loaded.tokens.sot_sequence(None, "transcribe")])
+            logits = model.decoder(prompt, torch.zeros(1, dtype=torch.long), cache, slice(0, 1))
+        out[mode] = enc, logits
+    (enc_n, logits_n), (enc_t, logits_t) = out["native"], out["torch"]
+    torch.testing.assert_close(enc_n, enc_t, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(logits_n, logits_t, rtol=1e-4, atol=1e-3)
+    assert logits_n.argmax(-1).tolist() == logits_t.argmax(-1).tolist()
