@@ -104,7 +104,6 @@ TOKENMILL_FP32_GEMM: EnvVar[str] = _declare(
 )
 
 
-
 def cache_dir() -> Path:
     """Root folder of tokenmill's caches (``$TOKENMILL_CACHE_DIR``, default ~/.cache/tokenmill)."""
     return TOKENMILL_CACHE_DIR.get()

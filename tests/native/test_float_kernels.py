@@ -93,8 +93,15 @@ def test_decode_attention_odd_head_sizes(native_level, d) -> None:
         torch.testing.assert_close(out[b].double(), want, rtol=1e-5, atol=1e-5)
 
 
-GEMM_SHAPES = [(1, 1, 1), (1, 7, 5), (2, 33, 17), (3, 64, 48), (5, 301, 100), (7, 576, 31),
-               (41, 130, 70)]
+GEMM_SHAPES = [
+    (1, 1, 1),
+    (1, 7, 5),
+    (2, 33, 17),
+    (3, 64, 48),
+    (5, 301, 100),
+    (7, 576, 31),
+    (41, 130, 70),
+]
 
 
 def _fma_kernels() -> list[str]:

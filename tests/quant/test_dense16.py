@@ -24,7 +24,7 @@ def _kernels() -> list:
 
 
 # The AVX512-BF16 kernel keeps activations to 16 significant bits (hi + lo bfloat16 terms).
-TOLERANCE = {"bf16-avx512bf16": 2e-5, "bf16-fma": 2e-6, "fp16-fma": 2e-6}
+TOLERANCE = {"bf16-avx512bf16": 2e-5, "bf16-fma": 2e-6, "fp16-fma": 2e-6, "fp32-fma": 2e-6}
 SHAPES = [(1, 576, 576), (4, 192, 576), (5, 49, 33), (3, 37, 19), (7, 17, 1), (1, 1, 2),
           (33, 100, 301), (130, 64, 64)]  # fmt: skip
 
@@ -65,7 +65,8 @@ def test_kernels_agree_with_the_fallback(kernel: str) -> None:
     base.load_weight(w)
     for m in (1, 32):
         x = torch.randn(m, 576, generator=g)
-        a, b = ours(x), base(x)
+        # float32 weights: against PyTorch's own float32 product
+        a, b = ours(x), x @ w.T if dtype == torch.float32 else base(x)
         assert (a - b).abs().max() <= TOLERANCE[kernel] * b.abs().max()
 
 
@@ -91,18 +92,32 @@ def test_best_kernel_follows_the_cpu() -> None:
     expected = "bf16-avx512bf16" if dense16.has_avx512_bf16() else "bf16-fma"
     assert dense16.best_kernel(torch.bfloat16) == expected
     assert dense16.best_kernel(torch.float16) == "fp16-fma"
+    assert dense16.best_kernel(torch.float32) == "fp32-fma"
 
 
 @pytest.mark.parametrize(
     ("stored", "dtype", "expected"),
     [(torch.bfloat16, "auto", "bf16"), (torch.float16, "auto", "fp16"),
-     (torch.float32, "auto", "none"), (None, "auto", "none"),
+     (torch.float32, "float32", "none"), (None, "auto", "none"),
      (torch.bfloat16, "float32", "none"), (torch.bfloat16, "bfloat16", "none")],
 )  # fmt: skip
 def test_auto_keeps_16bit_hf_checkpoints(stored, dtype, expected) -> None:
     cpu = torch.device("cpu")
     assert resolve_quantization("auto", dtype, cpu, "hf", stored) == expected
     assert resolve_quantization("auto", "auto", torch.device("cuda"), "hf", stored) == "none"
+
+
+@pytest.mark.skipif(not native.available(), reason="no native kernels here")
+@pytest.mark.parametrize(("gemm", "expected"), [("native", "fp32"), ("torch", "none")])
+def test_auto_gives_float32_checkpoints_the_native_kernel_where_it_wins(
+    monkeypatch, gemm, expected
+) -> None:
+    """A float32 folder takes the native float32 kernel where ``fp32_native`` says it beats
+    PyTorch's BLAS (auto: on AVX-512 CPUs not Intel's), else stays dense."""
+    monkeypatch.setenv("TOKENMILL_FP32_GEMM", gemm)
+    cpu = torch.device("cpu")
+    assert resolve_quantization("auto", "auto", cpu, "hf", torch.float32) == expected
+    assert resolve_quantization("auto", "float32", cpu, "hf", torch.float32) == "none"
 
 
 def test_auto_without_the_kernels_keeps_hf_checkpoints_dense() -> None:

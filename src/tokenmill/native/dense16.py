@@ -35,7 +35,9 @@ def has_avx512_bf16() -> bool:
 
 
 def best_kernel(dtype: torch.dtype) -> str:
-    """The fastest kernel here for weights of ``dtype`` (bfloat16 or float16)."""
+    """The fastest kernel here for weights of ``dtype`` (bfloat16, float16 or float32)."""
+    if dtype == torch.float32:
+        return FP32_KERNEL
     if dtype == torch.float16:
         return "fp16-fma"
     return "bf16-avx512bf16" if has_avx512_bf16() else "bf16-fma"

@@ -21,8 +21,9 @@ from tokenmill.quant.base import LinearMethod, check_rows, row_chunks, to_float
 
 logger = logging.getLogger(__name__)
 
-FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""Weight format name (a resolved ``quantization``) -> the dtype it keeps."""
+FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""Weight format name (a resolved ``quantization``) -> the dtype it keeps (fp32: the native
+float32 kernel, chosen where it beats PyTorch's BLAS, see ``dense16.fp32_native``)."""
 
 
 class Dense16Method(LinearMethod):
@@ -61,7 +62,7 @@ class Dense16Method(LinearMethod):
         return dense16.read_rows(layer.wtiles, ids, _in_features(layer)).to(dtype)
 
     def weight_bytes(self, layer):
-        return layer.dense16_out * _in_features(layer) * 2
+        return layer.dense16_out * _in_features(layer) * self.dtype.itemsize
 
     def storage(self, layer):
         return [layer.wtiles]

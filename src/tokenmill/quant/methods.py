@@ -127,7 +127,7 @@ def method_for(name: str) -> LinearMethod:
     machine, else PyTorch's kernels for int4/int8 (bf16/fp16 need the native kernels)."""
     if name == "dense":
         return _DENSE
-    if name in ("bf16", "fp16"):
+    if name in ("bf16", "fp16", "fp32"):
         from tokenmill.quant.dense16 import dense16_method
 
         return dense16_method(name)

@@ -15,12 +15,14 @@ from gguf import GGMLQuantizationType as Q
 
 from tokenmill import native
 from tokenmill.errors import InvalidRequestError
+from tokenmill.native.dense16 import fp32_native
 from tokenmill.quant.gguf_blocks import DENSE_TYPES, INT4_EXACT_TYPES
 from tokenmill.quant.methods import LinearMethod, method_for
 
 QUANTIZATIONS: Mapping[str, str] = {
     "auto": "gguf on CPU for a GGUF checkpoint unless dtype is float32/float16; on CPU with "
-    "dtype=auto a bf16/fp16 HF checkpoint keeps its 16-bit weights (KEPT_16BIT); else none",
+    "dtype=auto a bf16/fp16 HF checkpoint keeps its 16-bit weights (KEPT_16BIT), and a float32 "
+    "one takes the native float32 kernel where it beats PyTorch's BLAS (NATIVE_FP32); else none",
     "none": "dense weights in the model dtype (GGUF tensors are dequantized)",
     "gguf": "keep a GGUF's precision: 4-bit block types as int4 groups of 32 (exact), other "
     "quantized types as int8 (groups of 32; PyTorch's fallback: per row), float tensors dense",
@@ -32,6 +34,12 @@ KEPT_16BIT: Mapping[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: 
 """What auto resolves to for an HF checkpoint stored in 16-bit floats, on CPU with the
 native kernels and dtype=auto: the weights stay as stored (``quant/dense16.py``), float32
 activations. Not a user choice: a resolved name only."""
+NATIVE_FP32 = "fp32"
+"""What auto resolves to for an HF checkpoint stored in float32, on CPU with dtype=auto,
+where the native float32 kernel beats PyTorch's BLAS (``dense16.fp32_native``): the
+weights in that kernel's tiles. A resolved name only."""
+FLOAT_FORMATS = ("bf16", "fp16", NATIVE_FP32)
+"""Resolved names whose weights stay float (any shape packs: the tiles are padded)."""
 
 
 def check_quantization(name: str) -> None:
@@ -50,8 +58,12 @@ def resolve_quantization(
         fast = device.type == "cpu" and fmt == "gguf" and dtype in ("auto", "bfloat16", "bf16")
         if fast:
             return "gguf"
-        keep = device.type == "cpu" and dtype == "auto" and stored in KEPT_16BIT
-        return KEPT_16BIT[stored] if keep and native.available() else "none"
+        cpu_auto = device.type == "cpu" and dtype == "auto" and native.available()
+        if cpu_auto and stored in KEPT_16BIT:
+            return KEPT_16BIT[stored]
+        if cpu_auto and stored == torch.float32 and fp32_native():
+            return NATIVE_FP32
+        return "none"
     if name != "none" and device.type != "cpu":
         raise InvalidRequestError(
             f"quantization={name!r} uses CPU kernels; on {device.type} use quantization='none'"
@@ -78,7 +90,7 @@ class QuantPlan:
     ) -> LinearMethod:
         """Method of the linear named ``prefix`` with output shards ``out_sizes``."""
         name = self._choice(prefix)
-        if name in ("bf16", "fp16"):
+        if name in FLOAT_FORMATS:
             return method_for(name)  # any shape: the tiles are padded
         if name == "int4" and not _fits(name, out_sizes, in_features):
             name = "int8"
@@ -89,7 +101,7 @@ class QuantPlan:
     def embedding_method(self, prefix: str) -> LinearMethod:
         """Tables stay 8-bit at least: a 4-bit output head costs too much quality."""
         choice = self._choice(prefix)
-        return method_for(choice if choice in ("dense", "bf16", "fp16") else "int8")
+        return method_for(choice if choice in ("dense", *FLOAT_FORMATS) else "int8")
 
     def _choice(self, prefix: str) -> str:
         if self.quantization != "gguf":
