@@ -98,26 +98,33 @@ def test_best_kernel_follows_the_cpu() -> None:
 @pytest.mark.parametrize(
     ("stored", "dtype", "expected"),
     [(torch.bfloat16, "auto", "bf16"), (torch.float16, "auto", "fp16"),
-     (torch.float32, "float32", "none"), (None, "auto", "none"),
+     (torch.float32, "auto", "none"), (None, "auto", "none"),
      (torch.bfloat16, "float32", "none"), (torch.bfloat16, "bfloat16", "none")],
 )  # fmt: skip
-def test_auto_keeps_16bit_hf_checkpoints(stored, dtype, expected) -> None:
+def test_auto_keeps_16bit_hf_checkpoints(monkeypatch, stored, dtype, expected) -> None:
+    monkeypatch.setenv("TOKENMILL_FP32_GEMM", "torch")  # float32: PyTorch's BLAS
     cpu = torch.device("cpu")
     assert resolve_quantization("auto", dtype, cpu, "hf", stored) == expected
     assert resolve_quantization("auto", "auto", torch.device("cuda"), "hf", stored) == "none"
 
 
 @pytest.mark.skipif(not native.available(), reason="no native kernels here")
-@pytest.mark.parametrize(("gemm", "expected"), [("native", "fp32"), ("torch", "none")])
-def test_auto_gives_float32_checkpoints_the_native_kernel_where_it_wins(
-    monkeypatch, gemm, expected
-) -> None:
-    """A float32 folder takes the native float32 kernel where ``fp32_native`` says it beats
-    PyTorch's BLAS (auto: on AVX-512 CPUs not Intel's), else stays dense."""
+@pytest.mark.parametrize(
+    ("gemm", "expected"), [("native", "fp32"), ("torch", "none"), ("auto", "none")]
+)
+def test_float32_checkpoints_take_the_native_kernel_when_asked(monkeypatch, gemm, expected) -> None:
+    """With ``TOKENMILL_FP32_GEMM=native`` a float32 folder (or any float folder at
+    dtype=float32) takes the native float32 kernel; otherwise (auto too: opt-in for the
+    text engine) it stays dense."""
     monkeypatch.setenv("TOKENMILL_FP32_GEMM", gemm)
     cpu = torch.device("cpu")
     assert resolve_quantization("auto", "auto", cpu, "hf", torch.float32) == expected
-    assert resolve_quantization("auto", "float32", cpu, "hf", torch.float32) == "none"
+    assert resolve_quantization("auto", "float32", cpu, "hf", torch.float32) == expected
+    assert resolve_quantization("auto", "float32", cpu, "hf", torch.bfloat16) == expected
+    assert resolve_quantization("auto", "auto", cpu, "hf", torch.bfloat16) == "bf16"
+    assert resolve_quantization("auto", "float32", cpu, "hf", None) == "none"  # mixed dtypes
+    assert resolve_quantization("auto", "float32", cpu, "gguf", None) == "none"
+    assert resolve_quantization("none", "float32", cpu, "hf", torch.float32) == "none"
 
 
 def test_auto_without_the_kernels_keeps_hf_checkpoints_dense() -> None:

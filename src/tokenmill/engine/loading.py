@@ -16,7 +16,13 @@ from tokenmill.layers.ops import select_ops
 from tokenmill.loader import Checkpoint, load_checkpoint
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
-from tokenmill.quant.plan import auto_dtype, build_plan, resolve_quantization, stored_float_dtype
+from tokenmill.quant.plan import (
+    FLOAT_FORMATS,
+    auto_dtype,
+    build_plan,
+    resolve_quantization,
+    stored_float_dtype,
+)
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
@@ -93,6 +99,12 @@ def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> Loaded
         stored = stored_float_dtype(ckpt) if auto_hf else None
         quantization = resolve_quantization(config.quantization, config.dtype, device, ckpt.format,
                                             stored)  # fmt: skip
+        if (
+            auto_hf
+            and quantization in FLOAT_FORMATS
+            and not getattr(model_cls, "takes_quant_plan", True)
+        ):
+            quantization = "none"  # its layers are dense only: weights in the model dtype
         types = _stored_types(ckpt) if quantization == "gguf" else {}
         plan = build_plan(quantization, types if shard is None else shard.stored_types(types))
         dtype = auto_dtype() if plan and config.dtype == "auto" else config.torch_dtype()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -28,6 +29,9 @@ class CausalLM(nn.Module, ABC):
     """What activations and caches compute in."""
     ops: Ops
     """The kernels and attention backend its layers were built with (``layers/ops.py``)."""
+    takes_quant_plan: ClassVar[bool] = True
+    """False: the model builds dense layers only (a ``quant`` plan is refused), so
+    ``quantization="auto"`` keeps its weights dense in the model dtype."""
 
     def cache_specs(self) -> list[CacheSpec]:
         """One cache spec per layer (``kv_cache/spec.py``); default: full attention."""

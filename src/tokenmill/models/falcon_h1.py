@@ -115,6 +115,8 @@ class FalconH1Layer(nn.Module):
 
 
 class FalconH1ForCausalLM(CausalLM):
+    takes_quant_plan = False
+
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
                  max_positions: int | None = None, quant: Any = None,
                  ops: Ops | None = None) -> None:  # fmt: skip

@@ -59,6 +59,8 @@ class Mamba2Block(nn.Module):
 
 
 class Mamba2ForCausalLM(CausalLM):
+    takes_quant_plan = False
+
     def __init__(self, hf_config: dict[str, Any], dtype: torch.dtype,
                  max_positions: int | None = None, quant: Any = None,
                  ops: Ops | None = None) -> None:  # fmt: skip

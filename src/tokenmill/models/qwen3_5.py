@@ -190,6 +190,8 @@ class HybridModel(nn.Module):
 class Qwen3_5ForCausalLM(CausalLM):
     """Qwen3.5 text model; weights under HF names (``model.layers.N.linear_attn...``)."""
 
+    takes_quant_plan = False
+
     weight_prefix = "model."
     """Where the language model's weights sit in the checkpoint (before ``layers.N``)."""
     model_cls: type[HybridModel] = HybridModel

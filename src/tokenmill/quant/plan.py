@@ -15,14 +15,16 @@ from gguf import GGMLQuantizationType as Q
 
 from tokenmill import native
 from tokenmill.errors import InvalidRequestError
+from tokenmill.env import TOKENMILL_FP32_GEMM
 from tokenmill.native.dense16 import fp32_native
 from tokenmill.quant.gguf_blocks import DENSE_TYPES, INT4_EXACT_TYPES
 from tokenmill.quant.methods import LinearMethod, method_for
 
 QUANTIZATIONS: Mapping[str, str] = {
     "auto": "gguf on CPU for a GGUF checkpoint unless dtype is float32/float16; on CPU with "
-    "dtype=auto a bf16/fp16 HF checkpoint keeps its 16-bit weights (KEPT_16BIT), and a float32 "
-    "one takes the native float32 kernel where it beats PyTorch's BLAS (NATIVE_FP32); else none",
+    "dtype=auto a bf16/fp16 HF checkpoint keeps its 16-bit weights (KEPT_16BIT), and with "
+    "TOKENMILL_FP32_GEMM=native a float32 one takes the native float32 kernel (NATIVE_FP32); "
+    "else none",
     "none": "dense weights in the model dtype (GGUF tensors are dequantized)",
     "gguf": "keep a GGUF's precision: 4-bit block types as int4 groups of 32 (exact), other "
     "quantized types as int8 (groups of 32; PyTorch's fallback: per row), float tensors dense",
@@ -35,9 +37,14 @@ KEPT_16BIT: Mapping[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: 
 native kernels and dtype=auto: the weights stay as stored (``quant/dense16.py``), float32
 activations. Not a user choice: a resolved name only."""
 NATIVE_FP32 = "fp32"
-"""What auto resolves to for an HF checkpoint stored in float32, on CPU with dtype=auto,
-where the native float32 kernel beats PyTorch's BLAS (``dense16.fp32_native``): the
-weights in that kernel's tiles. A resolved name only."""
+"""What auto resolves to for an HF checkpoint stored in float32 (dtype=auto), or in any
+float dtype at dtype=float32, on CPU with ``TOKENMILL_FP32_GEMM=native``: float32 weights
+in the native float32 kernel's tiles. A resolved name only. Opt-in for the text engine
+(Whisper takes the kernel on ``auto``): its float32 sums round differently from MKL's,
+and on random-weight test models, whose logits hold near-ties, greedy tokens then part
+from transformers' (a Qwen2.5-VL test's text request at its 13th token)."""
+FLOAT32_NAMES = ("float32", "float", "fp32")
+"""The ``dtype`` names of float32 (``config.DTYPES``)."""
 FLOAT_FORMATS = ("bf16", "fp16", NATIVE_FP32)
 """Resolved names whose weights stay float (any shape packs: the tiles are padded)."""
 
@@ -58,10 +65,13 @@ def resolve_quantization(
         fast = device.type == "cpu" and fmt == "gguf" and dtype in ("auto", "bfloat16", "bf16")
         if fast:
             return "gguf"
-        cpu_auto = device.type == "cpu" and dtype == "auto" and native.available()
-        if cpu_auto and stored in KEPT_16BIT:
+        cpu = device.type == "cpu" and native.available()
+        if cpu and dtype == "auto" and stored in KEPT_16BIT:
             return KEPT_16BIT[stored]
-        if cpu_auto and stored == torch.float32 and fp32_native():
+        # float32 weights: stored so (dtype auto), or any float folder at dtype=float32
+        float32 = stored == torch.float32 if dtype == "auto" else dtype in FLOAT32_NAMES
+        chosen = TOKENMILL_FP32_GEMM.get() == "native"  # opt-in here, see NATIVE_FP32
+        if cpu and fmt == "hf" and stored is not None and float32 and chosen and fp32_native():
             return NATIVE_FP32
         return "none"
     if name != "none" and device.type != "cpu":
