@@ -14,8 +14,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tokenmill import native
-from tokenmill.errors import InvalidRequestError
 from tokenmill.env import TOKENMILL_FP32_GEMM
+from tokenmill.errors import InvalidRequestError
 from tokenmill.native.dense16 import fp32_native
 from tokenmill.quant.gguf_blocks import DENSE_TYPES, INT4_EXACT_TYPES
 from tokenmill.quant.methods import LinearMethod, method_for
