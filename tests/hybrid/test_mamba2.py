@@ -84,3 +84,30 @@ def test_default_time_step_limit_survives_config_json(tmp_path, smollm2_hf_token
     (tokens, _), = tokenmill_greedy(hybrid_llm(path), [prompt], 8)  # fmt: skip
     (expected, _), = hf_greedy(path, [prompt], 8)  # fmt: skip
     assert tokens == expected
+
+
+@pytest.mark.parametrize("gemm", ["auto", "native"])
+def test_a_16bit_folder_loads_with_dense_weights(tmp_path, smollm2_hf_tokenizer, monkeypatch, gemm):
+    """quantization=auto keeps a bf16 folder's weights 16-bit (or, with the native float32
+    kernel asked for, in its tiles) only for models that take a plan: a hybrid keeps dense
+    weights and loads (it used to refuse with "quantized weights are not supported")."""
+    from tokenmill import native
+
+    if gemm == "native" and native.active_isa() is None:
+        pytest.skip("no native kernels here")
+    monkeypatch.setenv("TOKENMILL_FP32_GEMM", gemm)
+    path = make_mamba2(tmp_path / "m", smollm2_hf_tokenizer)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(path).to(torch.bfloat16).save_pretrained(path)
+    prompt = [5, 17, 99, 3]
+    dense = tokenmill_greedy(hybrid_llm(path), [prompt], 4)
+    from tokenmill import LLM
+
+    dtype = "auto" if gemm == "auto" else "float32"
+    llm = LLM(str(path), dtype=dtype, device="cpu", max_model_len=128, num_kv_blocks=64,
+              block_size=4)  # fmt: skip
+    (tokens, _), = tokenmill_greedy(llm, [prompt], 4)  # fmt: skip
+    assert len(tokens) == 4
+    if gemm == "native":  # float32 both ways, dense both ways: the same tokens
+        assert tokens == dense[0][0]
