@@ -99,8 +99,8 @@ TOKENMILL_FP32_GEMM: EnvVar[str] = _declare(
         doc="Who multiplies float32 weights on CPU: 'native' (the native kernels' float32 "
         "GEMM), 'torch' (PyTorch's BLAS), or 'auto' (the default): for Whisper's linears, "
         "native on an AVX-512 CPU that is not Intel's, where the BLAS PyTorch ships (MKL) "
-        "runs float32 at its AVX2 rate, else torch; for the text engine's float32 HF "
-        "folders, torch (native only when set to native).",
+        "runs float32 at its AVX2 rate, else torch; for the text engine's float32 models "
+        "(HF folders, hybrids included), torch (native only when set to native).",
     )
 )
 

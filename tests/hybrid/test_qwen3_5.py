@@ -179,3 +179,22 @@ def test_state_pool_flags():
     assert options["ssm_state_cache_size"] == 8 and options["ssm_full_memory_ratio"] is None
     args = parser.parse_args(["--model", "m", "--ssm-full-memory-ratio", "0.25"])
     assert engine_options(args)["ssm_full_memory_ratio"] == 0.25
+
+
+def test_native_float32_kernel_when_asked(qwen35_dir, hf_model, monkeypatch):
+    """With ``TOKENMILL_FP32_GEMM=native`` the hybrid's dense float32 linears and tables move
+    into the native float32 kernel's tiles after loading (no dense weight is left), and the
+    batch still follows transformers: each step's greedy pick given the same prefix, and the
+    log-probs to the float32 tolerance."""
+    from tokenmill import native
+    from tokenmill.layers.linear import Linear, VocabEmbedding
+
+    if native.active_isa() is None:
+        pytest.skip("no native kernels here")
+    monkeypatch.setenv("TOKENMILL_FP32_GEMM", "native")
+    llm = _llm(qwen35_dir)
+    model = llm.engine.loaded.model
+    layers = [m for m in model.modules() if isinstance(m, Linear | VocabEmbedding)]
+    assert layers and all(m.method.name == "fp32" and not hasattr(m, "weight") for m in layers)
+    prompts = _prompts(4, seed=3)
+    _assert_matches_hf(hf_model, prompts, tokenmill_greedy(llm, prompts, STEPS))

@@ -167,3 +167,36 @@ def test_one_image_on_cuda_equals_transformers(ckpt, images):
         {"prompt": prompt, "multi_modal_data": {"image": images[0]}}, _greedy(), use_tqdm=False
     )
     assert _tokens(out) == [ref]
+
+
+def test_native_float32_kernel_when_asked(ckpt, images, monkeypatch):
+    """``TOKENMILL_FP32_GEMM=native``: the language model's weights resolve to the native
+    float32 kernel's tiles and the tower's ``nn.Linear`` layers become ``NativeLinear``;
+    the tower's embeddings equal the PyTorch path's to float32 rounding, and the first
+    greedy tokens after the image are the same (only the first few: float32 sums in another
+    order flip this random model's near-ties later on)."""
+    from tokenmill import native
+    from tokenmill.quant.dense16 import NativeLinear
+
+    if native.active_isa() is None:
+        pytest.skip("no native kernels here")
+    prompt = {"prompt": USER.format(IMG + "one"), "multi_modal_data": {"image": [images[1]]}}
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=4, ignore_eos=True)
+    out = {}
+    for mode in ("native", "torch"):
+        monkeypatch.setenv("TOKENMILL_FP32_GEMM", mode)
+        llm = _llm(ckpt)
+        model = llm.engine.loaded.model
+        towers = [m for m in model.visual.modules() if isinstance(m, NativeLinear)]
+        plain = [m for m in model.visual.modules() if type(m) is torch.nn.Linear]
+        assert (bool(towers), bool(plain)) == (mode == "native", mode == "torch")
+        assert llm.engine.loaded.quantization == ("fp32" if mode == "native" else "none")
+        proc = llm.llm_engine.mm_processor
+        ids, mm = proc.process(llm.tokenizer.encode(prompt["prompt"]), {"image": [images[1]]},
+                               proc.defaults)  # fmt: skip
+        (emb,) = model.encode(mm.items)
+        (res,) = llm.generate([prompt], params, use_tqdm=False)
+        out[mode] = emb, list(res.outputs[0].token_ids)
+    (emb_n, tokens_n), (emb_t, tokens_t) = out["native"], out["torch"]
+    torch.testing.assert_close(emb_n, emb_t, rtol=1e-4, atol=1e-4)
+    assert tokens_n == tokens_t

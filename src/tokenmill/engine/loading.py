@@ -10,14 +10,18 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.env import TOKENMILL_FP32_GEMM
 from tokenmill.errors import InvalidRequestError
 from tokenmill.kv_cache.spec import FullAttention, bytes_per_block
 from tokenmill.layers.ops import select_ops
 from tokenmill.loader import Checkpoint, load_checkpoint
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
+from tokenmill.native.dense16 import fp32_native
+from tokenmill.quant.dense16 import repack_dense_float32, swap_float32_linears
 from tokenmill.quant.plan import (
     FLOAT_FORMATS,
+    NATIVE_FP32,
     auto_dtype,
     build_plan,
     resolve_quantization,
@@ -132,11 +136,25 @@ def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> Loaded
         _kv_blocks(config, model, dtype, max_model_len)
         weights = ckpt.weights(dtype, keep_quantized=plan is not None)
         model.load_weights(weights if shard is None else shard.weights(weights))
+        if _native_float32_after_load(quantization, device):
+            moved = 0 if plan else repack_dense_float32(model)  # a plan made its own
+            moved += swap_float32_linears(model)  # the towers' nn.Linear layers
+            logger.info("%d float32 layers moved to the native float32 kernel", moved)
         model.eval()
     phases.log(f"model ready (cold load of {ckpt.path})")
     return LoadedModel(
         ckpt, model, tokenizer, max_model_len, dtype, device, quantization, phases.seconds
     )
+
+
+def _native_float32_after_load(quantization: str, device: torch.device) -> bool:
+    """``TOKENMILL_FP32_GEMM=native`` asks for the native float32 kernel on CPU, and the
+    weights are float32: either dense (``none``: the models that build no quantization plan,
+    the hybrids) or in its plan (``fp32``, ``quant/plan.py: NATIVE_FP32``), whose towers
+    are still ``nn.Linear`` layers. Dense float32 weights of other dtypes are skipped."""
+    if device.type != "cpu" or quantization not in ("none", NATIVE_FP32):
+        return False
+    return TOKENMILL_FP32_GEMM.get() == "native" and fp32_native()
 
 
 def _stored_types(ckpt: Checkpoint) -> dict:

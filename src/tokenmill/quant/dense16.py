@@ -87,3 +87,63 @@ def _method(name: str, isa: str | None) -> Dense16Method:
     kernel = dense16.best_kernel(FORMATS[name])
     logger.info("%s weights: native kernel %s", name, kernel)
     return Dense16Method(kernel)
+
+
+def repack_dense_float32(model: torch.nn.Module) -> int:
+    """Move every dense float32 CPU weight of ``model``'s linears and tables (the layers
+    whose method is ``methods.DenseMethod``, named "dense") into the native float32 kernel's tiles, once the weights have
+    loaded; each dense weight is freed as its tiles fill. For the models that build no
+    quantization plan (the hybrids, ``CausalLM.takes_quant_plan``). Returns the layers moved."""
+    method = dense16_method("fp32")
+    moved = 0
+    for layer in model.modules():
+        weight = getattr(layer, "weight", None)
+        dense = getattr(getattr(layer, "method", None), "name", None) == "dense"
+        if not dense or weight is None:
+            continue
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            continue
+        w = weight.detach()
+        del layer.weight
+        method.create_weights(layer, w.shape[0], w.shape[1], torch.float32)
+        method.load_rows(layer, 0, w)
+        layer.method = method
+        moved += 1
+    return moved
+
+
+class NativeLinear(torch.nn.Module):
+    """A float32 ``nn.Linear`` whose weight lives in the native float32 kernel's tiles
+    (``swap_float32_linears``); y = x W^T + b for x [..., in] float32."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        tiles = dense16.empty_tiles(self.out_features, self.in_features, torch.float32)
+        dense16.write_rows(tiles, 0, linear.weight.detach())
+        self.register_buffer("wtiles", tiles)
+        self.bias = linear.bias
+        self.kernel_id = dense16.KERNELS[dense16.FP32_KERNEL][0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).float().contiguous()
+        y = dense16.gemm(flat, self.wtiles, self.kernel_id, self.out_features)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
+
+
+def swap_float32_linears(model: torch.nn.Module) -> int:
+    """Replace every plain float32 CPU ``nn.Linear`` in ``model`` (the vision and audio
+    towers' layers; subclasses, whose owners may read ``.weight``, stay) by a
+    ``NativeLinear``; the number replaced."""
+    swapped = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
+                continue
+            setattr(parent, name, NativeLinear(child))
+            swapped += 1
+    return swapped
