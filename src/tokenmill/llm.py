@@ -174,20 +174,22 @@ class LLM(PoolingMixin, SpeechMixin):
         items, options = attach_media(engine.mm_processor, self.config, prompts, items, options)
         params = params_per_prompt(sampling_params, len(items), self.get_default_sampling_params)
         ids = []
-        try:
-            for (text, token_ids), p, opts in zip(items, params, options):
-                p = p.clone()
-                p.output_kind = RequestOutputKind.FINAL_ONLY
-                ids.append(
-                    engine.add_request(
-                        p.truncate_prompt(token_ids), p, self._next_id(), prompt=text, options=opts
-                    )
-                )
-            return self._run_to_completion(ids, use_tqdm)
-        except BaseException:
-            for rid in ids:
-                engine.abort(rid)
-            raise
+        with engine.drive.offline(lambda: not engine.has_unfinished()):  # see engine/drive.py
+            try:
+                for (text, token_ids), p, opts in zip(items, params, options):
+                    p = p.clone()
+                    p.output_kind = RequestOutputKind.FINAL_ONLY
+                    ids.append(
+                        engine.add_request(
+                            p.truncate_prompt(token_ids), p, self._next_id(), prompt=text,
+                            options=opts,
+                        )
+                    )  # fmt: skip
+                return self._run_to_completion(ids, use_tqdm)
+            except BaseException:
+                for rid in ids:
+                    engine.abort(rid)
+                raise
 
     def chat(
         self,
@@ -233,12 +235,18 @@ class LLM(PoolingMixin, SpeechMixin):
             engine.mm_processor, self.config, prompt, items, options
         )
         params = sampling_params or self.get_default_sampling_params()
-        rid = engine.add_request(
-            params.truncate_prompt(token_ids), params, self._next_id(), prompt=text, options=opts
-        )
-        return self._stream(engine, rid, time.time())
+        request = (params.truncate_prompt(token_ids), params, self._next_id(), text, opts)
+        return self._stream(engine, request, time.time())
 
-    def _stream(self, engine: LLMEngine, rid: str, arrival: float) -> Iterator[RequestOutput]:
+    def _stream(self, engine: LLMEngine, request: tuple, arrival: float) -> Iterator[RequestOutput]:
+        """The request's outputs as they come; the engine is held while the stream is
+        open (``engine/drive.py``), from its first ``next``."""
+        token_ids, params, rid, text, opts = request
+        with engine.drive.offline(lambda: not engine.has_unfinished()):
+            rid = engine.add_request(token_ids, params, rid, prompt=text, options=opts)
+            yield from self._outputs(engine, rid, arrival)
+
+    def _outputs(self, engine: LLMEngine, rid: str, arrival: float) -> Iterator[RequestOutput]:
         finished = False
         first_token: float | None = None
         try:

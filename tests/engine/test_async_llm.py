@@ -135,3 +135,45 @@ def test_final_only_requests_cost_the_engine_one_output(tiny_llm):
         front.shutdown()
     assert routed == {"f": 1, "d": 8}
     assert len(final) == 1 and len(final[0].outputs[0].token_ids) == 8
+
+
+def test_offline_runs_beside_a_server_on_the_same_engine(tiny_llm):
+    """``LLM.serve`` (or a server on ``llm.engine``) while another thread calls
+    ``generate``: the offline run waits for the served requests to finish and holds the
+    engine while it runs, so neither driver steps the other's requests or takes their
+    outputs (it used to: a served stream stalled, or the offline run found the engine idle
+    with its requests unfinished). Both get the tokens each gets alone."""
+    import threading
+
+    prompts = [f"shared engine prompt {i}" for i in range(6)]
+    params = SamplingParams(
+        temperature=0, max_tokens=24, ignore_eos=True, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+    alone = [o.outputs[0].text for o in tiny_llm.generate(prompts, params)]
+    front = AsyncLLM(tiny_llm.engine)
+    offline: list[list[str]] = []
+
+    def run_offline() -> None:
+        for _ in range(3):
+            offline.append([o.outputs[0].text for o in tiny_llm.generate(prompts, params)])
+
+    async def served(prompt: str) -> str:
+        outs = [out async for out in front.generate(prompt, params)]
+        return outs[-1].outputs[0].text
+
+    async def main() -> list[str]:
+        thread = threading.Thread(target=run_offline)
+        thread.start()
+        texts = []
+        for _ in range(3):
+            texts += await asyncio.gather(*(served(p) for p in prompts))
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        return texts
+
+    try:
+        texts = asyncio.run(main())
+    finally:
+        front.shutdown()
+    assert texts == alone * 3
+    assert offline == [alone] * 3
+    assert not tiny_llm.engine.has_unfinished()

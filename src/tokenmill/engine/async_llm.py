@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
@@ -242,15 +243,25 @@ class AsyncLLM:
             self._thread.join(timeout)
 
     # -- the engine thread -------------------------------------------------------------
+    def _turn(self) -> contextlib.AbstractContextManager[None]:
+        """One turn of the engine thread's loop holds the engine (``engine/drive.py``)."""
+        drive = getattr(self.engine, "drive", None)
+        return contextlib.nullcontext() if drive is None else drive.turn()
+
     def _run(self) -> None:
+        drive = getattr(self.engine, "drive", None)
+        if drive is not None:
+            drive.served = True  # an offline run on this engine waits for it to be idle
         try:
             while True:
-                if self._handle_commands(block=not self.engine.has_unfinished()):
-                    break
-                self._expire_queued()
-                if self.engine.has_unfinished():
-                    self._route(self.engine.step())
-                self._mark_started()
+                first = self._next_command(block=not self.engine.has_unfinished())
+                with self._turn():
+                    if self._handle_commands(first):
+                        break
+                    self._expire_queued()
+                    if self.engine.has_unfinished():
+                        self._route(self.engine.step())
+                    self._mark_started()
                 self._flush()
         except BaseException as exc:  # a bug, not a bad request: fail everyone, stay dead
             logger.exception("the engine thread failed")
@@ -258,16 +269,24 @@ class AsyncLLM:
             for rid in list(self._live):
                 self._release(rid, EngineDeadError(f"the engine failed: {exc!r}"))
         finally:
-            for rid in list(self._live):
-                self.engine.abort(rid)
-                self._release(rid, EngineDeadError("the engine was shut down"))
+            with self._turn():
+                for rid in list(self._live):
+                    self.engine.abort(rid)
+                    self._release(rid, EngineDeadError("the engine was shut down"))
+            if drive is not None:
+                drive.served = False
             self._flush()
 
-    def _handle_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one when idle); True on stop."""
+    def _next_command(self, block: bool) -> object | None:
+        """The first queued command (waiting for one when idle, holding nothing)."""
         try:
-            cmd = self._commands.get() if block else self._commands.get_nowait()
+            return self._commands.get() if block else self._commands.get_nowait()
         except queue.Empty:
+            return None
+
+    def _handle_commands(self, cmd: object | None) -> bool:
+        """Apply ``cmd`` and the commands queued behind it; True on stop."""
+        if cmd is None:
             return False
         while True:
             if isinstance(cmd, _Stop):

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.builder import build_engine
+from tokenmill.engine.drive import DriveLock
 from tokenmill.engine.hooks import RequestHook
 from tokenmill.engine.loading import LoadedModel
 from tokenmill.engine.output_processor import OutputProcessor, ParentState
@@ -43,6 +44,8 @@ class LLMEngine:
         hooks: Sequence[RequestHook] = (),
     ) -> None:
         self.config = config
+        self.drive = DriveLock()
+        """One driver at a time: the offline API or a server's engine thread (``drive.py``)."""
         parts = build_engine(config, loaded, hooks)
         self.loaded = parts.loaded
         self.tokenizer = self.loaded.tokenizer
