@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -174,7 +175,7 @@ class LLM(PoolingMixin, SpeechMixin):
         items, options = attach_media(engine.mm_processor, self.config, prompts, items, options)
         params = params_per_prompt(sampling_params, len(items), self.get_default_sampling_params)
         ids = []
-        with engine.drive.offline(lambda: not engine.has_unfinished()):  # see engine/drive.py
+        with _driving(engine):
             try:
                 for (text, token_ids), p, opts in zip(items, params, options):
                     p = p.clone()
@@ -242,7 +243,7 @@ class LLM(PoolingMixin, SpeechMixin):
         """The request's outputs as they come; the engine is held while the stream is
         open (``engine/drive.py``), from its first ``next``."""
         token_ids, params, rid, text, opts = request
-        with engine.drive.offline(lambda: not engine.has_unfinished()):
+        with _driving(engine):
             rid = engine.add_request(token_ids, params, rid, prompt=text, options=opts)
             yield from self._outputs(engine, rid, arrival)
 
@@ -319,3 +320,12 @@ def _metrics(
         out["finished_time"] = finished
         out["e2e_latency"] = finished - arrival
     return out
+
+
+def _driving(engine: Any) -> contextlib.AbstractContextManager[None]:
+    """Hold the engine for an offline run (``engine/drive.py``); engines without a
+    ``drive`` (the pooling engine: one driver only) need none."""
+    drive = getattr(engine, "drive", None)
+    if drive is None:
+        return contextlib.nullcontext()
+    return drive.offline(lambda: not engine.has_unfinished())
