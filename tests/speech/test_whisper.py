@@ -192,15 +192,18 @@ def test_native_float32_linears_equal_pytorch(whisper_ct2, clips, monkeypatch):
 
     if native.active_isa() is None:
         pytest.skip("no native kernels here")
-    out = {}
+    from tokenmill.quant.dense16 import NativeLinear
+
+    out, counts = {}, {}
     for mode in ("native", "torch"):
         monkeypatch.setenv("TOKENMILL_FP32_GEMM", mode)
         loaded = load_whisper(whisper_ct2)
         model = loaded.model
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        packed = [m for m in linears if hasattr(m, "native_tiles")]
-        assert len(packed) == (len(linears) if mode == "native" else 0)
-        assert hasattr(model.decoder, "head_tiles") == (mode == "native")
+        plain = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        packed = [m for m in model.modules() if isinstance(m, NativeLinear)]
+        counts[mode] = len(plain) + len([m for m in packed if m is not model.decoder.head])
+        assert (plain == []) == (mode == "native") and (packed == []) == (mode == "torch")
+        assert (model.decoder.head is not None) == (mode == "native")
         mel = log_mel(torch.from_numpy(load_audio(clips[0]))[None])
         cache = DecoderCache(model.cfg, 1, torch.float32)
         with torch.inference_mode():
@@ -209,6 +212,7 @@ def test_native_float32_linears_equal_pytorch(whisper_ct2, clips, monkeypatch):
             prompt = torch.tensor([loaded.tokens.sot_sequence(None, "transcribe")])
             logits = model.decoder(prompt, torch.zeros(1, dtype=torch.long), cache, slice(0, 1))
         out[mode] = enc, logits
+    assert counts["native"] == counts["torch"] == 64  # every linear packed, none left plain
     (enc_n, logits_n), (enc_t, logits_t) = out["native"], out["torch"]
     torch.testing.assert_close(enc_n, enc_t, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(logits_n, logits_t, rtol=1e-4, atol=1e-3)

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.env import TOKENMILL_FP32_GEMM
 from tokenmill.errors import InvalidRequestError
 from tokenmill.kv_cache.spec import FullAttention, bytes_per_block
 from tokenmill.layers.ops import select_ops
@@ -163,7 +162,7 @@ def _native_float32_after_load(
         return False
     if fmt != "hf" or shard is not None:
         return False
-    return TOKENMILL_FP32_GEMM.get() == "native" and fp32_native()
+    return fp32_native(auto=False)
 
 
 def _stored_types(ckpt: Checkpoint) -> dict:

@@ -113,16 +113,16 @@ def repack_dense_float32(model: torch.nn.Module) -> int:
 
 
 class NativeLinear(torch.nn.Module):
-    """A float32 ``nn.Linear`` whose weight lives in the native float32 kernel's tiles
-    (``swap_float32_linears``); y = x W^T + b for x [..., in] float32."""
+    """A float32 weight [out, in] (an ``nn.Linear``'s, ``swap_float32_linears``, or a tied
+    output table's) in the native float32 kernel's tiles; y = x W^T + b for x [..., in]."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_features, self.in_features = weight.shape
         tiles = dense16.empty_tiles(self.out_features, self.in_features, torch.float32)
-        dense16.write_rows(tiles, 0, linear.weight.detach())
+        dense16.write_rows(tiles, 0, weight.detach())
         self.register_buffer("wtiles", tiles)
-        self.bias = linear.bias
+        self.bias = bias
         self.kernel_id = dense16.KERNELS[dense16.FP32_KERNEL][0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -144,6 +144,6 @@ def swap_float32_linears(model: torch.nn.Module) -> int:
                 continue
             if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
                 continue
-            setattr(parent, name, NativeLinear(child))
+            setattr(parent, name, NativeLinear(child.weight, child.bias))
             swapped += 1
     return swapped

@@ -14,7 +14,6 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tokenmill import native
-from tokenmill.env import TOKENMILL_FP32_GEMM
 from tokenmill.errors import InvalidRequestError
 from tokenmill.native.dense16 import fp32_native
 from tokenmill.quant.gguf_blocks import DENSE_TYPES, INT4_EXACT_TYPES
@@ -44,7 +43,7 @@ in the native float32 kernel's tiles. A resolved name only. Opt-in for the text 
 and on random-weight test models, whose logits hold near-ties, greedy tokens then part
 from transformers' (a Qwen2.5-VL test's text request at its 13th token)."""
 FLOAT32_NAMES = ("float32", "float", "fp32")
-"""The ``dtype`` names of float32 (``config.DTYPES``)."""
+"""The ``dtype`` names of float32 (``config.DTYPES``; not imported: config imports this)."""
 FLOAT_FORMATS = ("bf16", "fp16", NATIVE_FP32)
 """Resolved names whose weights stay float (any shape packs: the tiles are padded)."""
 
@@ -70,8 +69,8 @@ def resolve_quantization(
             return KEPT_16BIT[stored]
         # float32 weights: stored so (dtype auto), or any float folder at dtype=float32
         float32 = stored == torch.float32 if dtype == "auto" else dtype in FLOAT32_NAMES
-        chosen = TOKENMILL_FP32_GEMM.get() == "native"  # opt-in here, see NATIVE_FP32
-        if cpu and fmt == "hf" and stored is not None and float32 and chosen and fp32_native():
+        opt_in = fp32_native(auto=False)  # see NATIVE_FP32
+        if cpu and fmt == "hf" and stored is not None and float32 and opt_in:
             return NATIVE_FP32
         return "none"
     if name != "none" and device.type != "cpu":

@@ -92,7 +92,6 @@ def load_whisper(folder: str | Path, dtype: torch.dtype = torch.float32) -> Load
     model.load_state_dict(state, strict=True, assign=True)
     model.eval().requires_grad_(False)
     pack_native(model)
-    model.decoder.pack_head()
     tokens = WhisperTokens.load(folder, cfg.multilingual)
     suppress_all = tuple(sorted(set(suppress) | set(tokens.extra_suppress)))
     return LoadedWhisper(model, tokens, suppress_all, tuple(begin))

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.native import dense16
+from tokenmill.quant.dense16 import NativeLinear, swap_float32_linears
 from tokenmill.speech.config import WhisperConfig
 
 VOCAB_BLOCKS = 4
@@ -38,47 +39,28 @@ FEW_ROWS = 16
 """A linear over at most this many rows (a decode step) goes through ``vocab_logits``."""
 
 
-def pack_native(model: nn.Module) -> int:
-    """Give every float32 linear of ``model`` a copy of its weight in the native float32
-    kernel's tiles (``native_tiles``), which ``linear`` then multiplies by, where that kernel
-    beats PyTorch's BLAS (``dense16.fp32_native``); the number of linears packed."""
+def pack_native(model: Whisper) -> int:
+    """Where the native float32 kernel beats PyTorch's BLAS (``dense16.fp32_native``),
+    every float32 linear of ``model`` becomes a ``NativeLinear`` and the decoder's output
+    head (tied to the token table) gets one too; the number of layers packed."""
     if not dense16.fp32_native():
         return 0
-    packed = 0
-    for layer in model.modules():
-        if isinstance(layer, nn.Linear) and layer.weight.dtype == torch.float32:
-            layer.native_tiles = _tiles(layer.weight)
-            packed += 1
+    packed = swap_float32_linears(model)
+    table = model.decoder.embed_tokens.weight
+    if table.dtype == torch.float32:
+        model.decoder.head = NativeLinear(table)
+        packed += 1
     return packed
 
 
-def _tiles(weight: torch.Tensor) -> torch.Tensor:
-    n, k = weight.shape
-    tiles = dense16.empty_tiles(n, k, torch.float32)
-    dense16.write_rows(tiles, 0, weight)
-    return tiles
-
-
-def native_linear(
-    tiles: torch.Tensor, x: torch.Tensor, n: int, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """x [..., K] @ the packed [n, K] weight (+ bias) -> [..., n], float32."""
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    y = dense16.gemm(flat, tiles, dense16.KERNELS[dense16.FP32_KERNEL][0], n)
-    if bias is not None:
-        y += bias
-    return y.view(*x.shape[:-1], n)
-
-
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)`` for x [..., D], equal up to rounding: through the native tiles when
-    ``pack_native`` gave it some. Else, with few rows, the weight is read as row blocks of
-    one batched matmul, as ``vocab_logits`` reads the table: the decoder's 32 linears (33 MB)
-    took 8.8 ms as plain matmuls and 4.1-6.7 ms so, at 1-2 rows, weights not in cache, on one
-    core (AVX2 Xeon)."""
-    tiles = getattr(layer, "native_tiles", None)
-    if tiles is not None:
-        return native_linear(tiles, x, layer.out_features, layer.bias)
+def linear(layer: nn.Linear | NativeLinear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` for x [..., D], equal up to rounding. A ``NativeLinear`` (``pack_native``)
+    multiplies itself. Else, with few rows, the weight is read as row blocks of one batched
+    matmul, as ``vocab_logits`` reads the table: the decoder's 32 linears (33 MB) took 8.8 ms
+    as plain matmuls and 4.1-6.7 ms so, at 1-2 rows, weights not in cache, on one core (AVX2
+    Xeon)."""
+    if isinstance(layer, NativeLinear):
+        return layer(x)
     rows = x.numel() // x.shape[-1]
     if rows > FEW_ROWS or layer.out_features % VOCAB_BLOCKS:
         return layer(x)
@@ -213,6 +195,8 @@ class Decoder(nn.Module):
         self.embed_positions = nn.Embedding(cfg.max_target_positions, cfg.d_model)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.decoder_layers))
         self.layer_norm = nn.LayerNorm(cfg.d_model)
+        self.head: NativeLinear | None = None
+        """The output projection (the token table, tied) in native tiles (``pack_native``)."""
 
     def set_cross(self, enc: torch.Tensor, cache: DecoderCache, rows: slice) -> None:
         """Store the cross-attention K/V of ``enc`` [B, 1500, D] in ``rows``."""
@@ -241,16 +225,10 @@ class Decoder(nn.Module):
         x = self.layer_norm(x[:, -1] if at is None else x[:, at])  # [B, D] or [B, A, D]
         return self.logits(x)
 
-    def pack_head(self) -> None:
-        """The output projection (tied to the token table) in native tiles too."""
-        if dense16.fp32_native() and self.embed_tokens.weight.dtype == torch.float32:
-            self.head_tiles = _tiles(self.embed_tokens.weight)
-
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] -> [..., V]"""
-        tiles = getattr(self, "head_tiles", None)
-        if tiles is not None:
-            return native_linear(tiles, x, self.embed_tokens.num_embeddings, None)
+        if self.head is not None:
+            return self.head(x)
         logits = vocab_logits(x.reshape(-1, x.shape[-1]), self.embed_tokens.weight)
         return logits.view(*x.shape[:-1], -1)
 
