@@ -105,6 +105,27 @@ TOKENMILL_FP32_GEMM: EnvVar[str] = _declare(
 )
 
 
+def _bf16_kernel(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("auto", "amx", "avx512bf16", "fma"):
+        raise ValueError("use auto, amx, avx512bf16 or fma")
+    return value
+
+
+TOKENMILL_BF16_KERNEL: EnvVar[str] = _declare(
+    EnvVar(
+        "TOKENMILL_BF16_KERNEL",
+        default="auto",
+        parse=_bf16_kernel,
+        doc="Which native kernel multiplies bfloat16 weights on CPU (chosen once at load, "
+        "shown in the load log): 'amx' (AMX-BF16 tiles), 'avx512bf16' (vdpbf16ps), 'fma' "
+        "(weights widened to float32, float32 FMAs: every x86-64 CPU with AVX2), or 'auto' "
+        "(the default): amx where the CPU has it and Linux grants the process its tile state, "
+        "else fma. A kernel this CPU or library can not run is an error.",
+    )
+)
+
+
 def cache_dir() -> Path:
     """Root folder of tokenmill's caches (``$TOKENMILL_CACHE_DIR``, default ~/.cache/tokenmill)."""
     return TOKENMILL_CACHE_DIR.get()

@@ -108,14 +108,24 @@ def _fma_kernels() -> list[str]:
     return ["bf16-fma", "fp16-fma", "fp32-fma"]
 
 
-@pytest.mark.parametrize("kernel", [*_fma_kernels(), "bf16-avx512bf16"])
-@pytest.mark.parametrize(("m", "k", "n"), GEMM_SHAPES)
-def test_dense16_gemm(native_level, kernel, m, k, n) -> None:
-    """16-bit (or float32) weights of any shape (padded tiles) times float32 rows; the
-    exact-product kernels to float32 rounding of a float64 sum, the two-term bfloat16 one
-    to ~2^-16."""
+TWO_TERM = ("bf16-avx512bf16", "bf16-amx")
+
+
+def _skip_unless_runs(kernel: str) -> None:
     if kernel == "bf16-avx512bf16" and not dense16.has_avx512_bf16():
         pytest.skip("no AVX512-BF16 in this library")
+    if kernel == "bf16-amx" and not dense16.has_amx():
+        pytest.skip("no AMX-BF16 in this library, or the OS refuses the tile state")
+
+
+@pytest.mark.parametrize("kernel", [*_fma_kernels(), *TWO_TERM])
+@pytest.mark.parametrize(("m", "k", "n"), [*GEMM_SHAPES, (33, 1001, 45), (300, 96, 40)])
+def test_dense16_gemm(native_level, kernel, m, k, n) -> None:
+    """16-bit (or float32) weights of any shape (padded tiles) times float32 rows; the
+    exact-product kernels to float32 rounding of a float64 sum, the two-term bfloat16 ones
+    to ~2^-16. The extra shapes: AMX's second token block, a k tail of 20 inputs, and more
+    tokens than one of its L2 chunks."""
+    _skip_unless_runs(kernel)
     code, dtype = dense16.KERNELS[kernel]
     g = torch.Generator().manual_seed(m * 1000 + k + n)
     w = torch.randn(n, k, generator=g).to(dtype)
@@ -125,8 +135,25 @@ def test_dense16_gemm(native_level, kernel, m, k, n) -> None:
     y = dense16.gemm(x, tiles, code, n)
     want = x.double() @ w.double().T
     scale = (x.double().abs() @ w.double().abs().T).max().item()
-    tol = 2e-5 if kernel == "bf16-avx512bf16" else 2e-6
+    tol = 2e-5 if kernel in TWO_TERM else 2e-6
     assert (y.double() - want).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("kernel", [*_fma_kernels(), *TWO_TERM])
+@pytest.mark.parametrize(("k", "n"), [(576, 64), (45, 17), (1536, 48)])
+def test_dense16_rows_do_not_depend_on_the_batch(native_level, kernel, k, n) -> None:
+    """A token's output has the same bits alone, in a batch of 5, of 37 (AMX: two token
+    blocks, then one) and of 700 (several of AMX's L2 chunks): batched results equal
+    single-request ones."""
+    _skip_unless_runs(kernel)
+    code, dtype = dense16.KERNELS[kernel]
+    g = torch.Generator().manual_seed(k * n)
+    tiles = dense16.empty_tiles(n, k, dtype)
+    dense16.write_rows(tiles, 0, torch.randn(n, k, generator=g))
+    x = torch.randn(700, k, generator=g)
+    whole = dense16.gemm(x, tiles, code, n)
+    for rows in (slice(0, 1), slice(3, 8), slice(17, 54), slice(699, 700)):
+        assert torch.equal(dense16.gemm(x[rows].contiguous(), tiles, code, n), whole[rows])
 
 
 def _levels() -> tuple[str, ...]:

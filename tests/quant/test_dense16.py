@@ -17,14 +17,24 @@ pytestmark = pytest.mark.usefixtures("native_level")  # every ISA level this CPU
 
 
 def _kernels() -> list:
-    marks = pytest.mark.skipif(
-        native.available() and not dense16.has_avx512_bf16(), reason="no AVX512-BF16 here"
-    )
-    return [pytest.param(k, marks=marks) if k == "bf16-avx512bf16" else k for k in dense16.KERNELS]
+    needs = {
+        "bf16-avx512bf16": (dense16.has_avx512_bf16, "no AVX512-BF16 here"),
+        "bf16-amx": (dense16.has_amx, "no AMX-BF16 here (or the OS refuses its tile state)"),
+    }
+    out = []
+    for k in dense16.KERNELS:
+        if k in needs:
+            ok, why = needs[k]
+            k = pytest.param(
+                k, marks=pytest.mark.skipif(native.available() and not ok(), reason=why)
+            )
+        out.append(k)
+    return out
 
 
-# The AVX512-BF16 kernel keeps activations to 16 significant bits (hi + lo bfloat16 terms).
-TOLERANCE = {"bf16-avx512bf16": 2e-5, "bf16-fma": 2e-6, "fp16-fma": 2e-6, "fp32-fma": 2e-6}
+# The AVX512-BF16 and AMX kernels keep activations to 16 significant bits (hi + lo bfloat16).
+TOLERANCE = {"bf16-avx512bf16": 2e-5, "bf16-amx": 2e-5, "bf16-fma": 2e-6, "fp16-fma": 2e-6,
+             "fp32-fma": 2e-6}  # fmt: skip
 SHAPES = [(1, 576, 576), (4, 192, 576), (5, 49, 33), (3, 37, 19), (7, 17, 1), (1, 1, 2),
           (33, 100, 301), (130, 64, 64)]  # fmt: skip
 
@@ -89,10 +99,30 @@ def test_shards_at_unaligned_rows_and_embedding_rows() -> None:
 
 
 def test_best_kernel_follows_the_cpu() -> None:
-    expected = "bf16-avx512bf16" if dense16.has_avx512_bf16() else "bf16-fma"
+    expected = "bf16-amx" if dense16.has_amx() else "bf16-fma"
     assert dense16.best_kernel(torch.bfloat16) == expected
     assert dense16.best_kernel(torch.float16) == "fp16-fma"
     assert dense16.best_kernel(torch.float32) == "fp32-fma"
+
+
+@pytest.mark.parametrize(
+    ("choice", "kernel"),
+    [("fma", "bf16-fma"), ("avx512bf16", "bf16-avx512bf16"), ("amx", "bf16-amx")],
+)
+def test_the_bf16_kernel_can_be_chosen(monkeypatch, choice, kernel) -> None:
+    """``TOKENMILL_BF16_KERNEL`` picks the kernel; one this CPU (or the library at this
+    level) can not run is a ValueError naming the variable, never an illegal instruction."""
+    monkeypatch.setenv("TOKENMILL_BF16_KERNEL", choice)
+    runs = {"fma": native.available(), "avx512bf16": dense16.has_avx512_bf16(),
+            "amx": dense16.has_amx()}[choice]  # fmt: skip
+    if runs:
+        assert dense16.best_kernel(torch.bfloat16) == kernel
+    else:
+        with pytest.raises(ValueError, match="TOKENMILL_BF16_KERNEL"):
+            dense16.best_kernel(torch.bfloat16)
+    monkeypatch.setenv("TOKENMILL_BF16_KERNEL", "tiles")
+    with pytest.raises(ValueError, match="use auto, amx, avx512bf16 or fma"):
+        dense16.best_kernel(torch.bfloat16)
 
 
 @pytest.mark.parametrize(

@@ -231,6 +231,8 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.dense16_gemm.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, ptr]
     lib.dense16_has_bf16.argtypes = []
     lib.dense16_has_bf16.restype = ctypes.c_int
+    lib.dense16_amx_enable.argtypes = []
+    lib.dense16_amx_enable.restype = ctypes.c_int
     for fn in (
         lib.add_rms_norm,
         lib.rope_store_kv,

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 
 from tokenmill import native
-from tokenmill.env import TOKENMILL_FP32_GEMM
+from tokenmill.env import TOKENMILL_BF16_KERNEL, TOKENMILL_FP32_GEMM
 
 TILE = 16
 KERNELS: Mapping[str, tuple[int, torch.dtype]] = {
@@ -22,6 +22,7 @@ KERNELS: Mapping[str, tuple[int, torch.dtype]] = {
     "bf16-fma": (1, torch.bfloat16),  # weights widened to float32, float32 FMAs
     "fp16-fma": (2, torch.float16),  # vcvtph2ps (F16C), float32 FMAs
     "fp32-fma": (3, torch.float32),  # float32 weights, the fp16 kernel's FMAs
+    "bf16-amx": (4, torch.bfloat16),  # AMX-BF16 tiles, activations as two bfloat16 terms
 }
 """Kernel name -> (id in dense16_gemm.c, weight dtype)."""
 NATIVE_CODE_BASE = 16
@@ -34,13 +35,43 @@ def has_avx512_bf16() -> bool:
     return lib is not None and "avx512_bf16" in native._cpu_flags() and bool(lib.dense16_has_bf16())
 
 
+def has_amx() -> bool:
+    """The CPU has AMX-BF16, the built library was compiled with it, and Linux grants this
+    process the tile state (``arch_prctl``; a VM may refuse it: then no AMX, never SIGILL)."""
+    lib = native._library()
+    flags = native._cpu_flags()
+    return (
+        lib is not None
+        and {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+        and bool(lib.dense16_amx_enable())
+    )
+
+
 def best_kernel(dtype: torch.dtype) -> str:
-    """The fastest kernel here for weights of ``dtype`` (bfloat16, float16 or float32)."""
+    """The kernel here for weights of ``dtype`` (bfloat16, float16 or float32).
+
+    bfloat16 (``$TOKENMILL_BF16_KERNEL``, default auto): AMX where the process may use it,
+    else the float32 FMAs on widened weights, which beat ``vdpbf16ps`` where it was measured
+    (two Sapphire Rapids-class Xeon cores: 42-182 vs 29-59 GMAC/s; its two-term dot products
+    cost two instructions per input pair)."""
     if dtype == torch.float32:
         return FP32_KERNEL
     if dtype == torch.float16:
         return "fp16-fma"
-    return "bf16-avx512bf16" if has_avx512_bf16() else "bf16-fma"
+    choice = TOKENMILL_BF16_KERNEL.get()
+    ready = {
+        "amx": has_amx,
+        "avx512bf16": has_avx512_bf16,
+        "fma": lambda: native.active_isa() is not None,
+    }
+    if choice == "auto":
+        return "bf16-amx" if has_amx() else "bf16-fma"
+    if not ready[choice]():
+        raise ValueError(
+            f"TOKENMILL_BF16_KERNEL={choice} can not run here (CPU flags, the native library, "
+            "or for amx the OS's tile permission); unset it to take the best kernel"
+        )
+    return {"amx": "bf16-amx", "avx512bf16": "bf16-avx512bf16", "fma": "bf16-fma"}[choice]
 
 
 FP32_KERNEL = "fp32-fma"

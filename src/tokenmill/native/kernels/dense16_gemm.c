@@ -18,6 +18,12 @@
  *            float32 FMAs; the exact products of float32 weights (the fallback everywhere).
  *   FP16_FMA float16 through F16C (vcvtph2ps), float32 FMAs on input pairs, the pair lanes
  *            added at the end.
+ *   BF16_AMX bfloat16 on AMX-BF16 tiles (Sapphire Rapids and later, where the OS grants the
+ *            process the tile state: dense16_amx_enable): tdpbf16ps on the same weight tiles
+ *            (a [K2][16][2] tile slice of 16 pairs is an AMX B tile as it lies), the same two
+ *            bfloat16 activation terms as BF16_DP. Every token runs the same tile program
+ *            whatever the batch (the rows of a tile product are independent), so one
+ *            request's bits do not depend on its batch.
  *   FP32_FMA float32 weights, the same FMAs as FP16_FMA on (row, input pair) lanes. Where the
  *            BLAS PyTorch ships runs float32 at its AVX2 rate on an AVX-512 CPU (MKL on AMD:
  *            ~95 against this kernel's ~230 GMAC/s on two Zen 5 cores), float32 models go
@@ -43,11 +49,36 @@
 #define MBLOCK (VF16_REGS >= 32 ? 4 : 2)
 #define PREFETCH 1024
 
-enum { DENSE16_BF16_DP = 0, DENSE16_BF16_FMA = 1, DENSE16_FP16_FMA = 2, DENSE16_FP32_FMA = 3 };
+enum {
+    DENSE16_BF16_DP = 0,
+    DENSE16_BF16_FMA = 1,
+    DENSE16_FP16_FMA = 2,
+    DENSE16_FP32_FMA = 3,
+    DENSE16_BF16_AMX = 4,
+};
 
 int dense16_has_bf16(void) {
 #ifdef __AVX512BF16__
     return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+/* 1 where the library was built with AMX-BF16 and Linux lets this process use the tile
+ * data state (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; some VMs refuse it, and a tile
+ * instruction without it is a SIGILL). Asked once; the grant is for every thread. */
+int dense16_amx_enable(void) {
+#ifdef HAVE_AMX
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* REQ_XCOMP_PERM */, 18) == 0;
+    return granted;
 #else
     return 0;
 #endif
@@ -160,33 +191,236 @@ static void block_dispatch(int kernel, const uint16_t *w, int64_t tile_elems, in
 
 /* Token m's activations into the kernel's form: 2 K2 float32 (zero past K) or, for BF16_DP,
  * 2 K2 bfloat16 hi terms and 2 K2 lo terms. */
-static void prepare_row(int kernel, const float *x, int64_t K, int64_t K2, float *xf, uint16_t *hi,
+static void prepare_row(int kernel, const float *x, int64_t K, int64_t row, float *xf, uint16_t *hi,
                         uint16_t *lo) {
-    if (kernel != DENSE16_BF16_DP) {
+    if (kernel != DENSE16_BF16_DP && kernel != DENSE16_BF16_AMX) {
         memcpy(xf, x, K * sizeof(float));
-        if (K < 2 * K2) xf[K] = 0.f;
+        if (K < row) xf[K] = 0.f;
         return;
     }
 #ifdef __AVX512BF16__
-    for (int64_t k = 0; k < 2 * K2; k += 16) {
+    for (int64_t k = 0; k < row; k += 16) {
         int64_t left = K - k;
         __mmask16 mask = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
         __m512 v = _mm512_maskz_loadu_ps(mask, x + k);
         __m256bh h = _mm512_cvtneps_pbh(v);
         __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
         __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
-        __mmask16 store = 2 * K2 - k >= 16 ? 0xffff : (__mmask16)((1u << (2 * K2 - k)) - 1);
+        __mmask16 store = row - k >= 16 ? 0xffff : (__mmask16)((1u << (row - k)) - 1);
         _mm256_mask_storeu_epi16(hi + k, store, (__m256i)h);
         _mm256_mask_storeu_epi16(lo + k, store, (__m256i)l);
     }
 #endif
 }
 
+#ifdef HAVE_AMX
+/* AMX: tiles 0-3 accumulate C[token block b][weight tile t] (16 x 16 float32, tile 2 b + t),
+ * 4-5 hold the weights of k block kb for tiles t = 0, 1 (16 pairs x 16 rows: 1 KB), 6-7
+ * the hi (then lo) terms of token blocks 0, 1 (16 tokens x 32 inputs). Per k block each C
+ * takes hi . B then lo . B, the four hi products before the four lo ones so no product
+ * waits on the one before it. */
+#define AMX_KB 32 /* inputs per k block */
+#define AMX_PREFETCH 2
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} AmxConfig;
+
+/* C (0-3) and A (6-7) tiles of ``rows`` token rows (a product's time follows its rows),
+ * B (4-5) tiles of 16 input pairs */
+static void amx_configure(int rows) {
+    AmxConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) c.rows[t] = t == 4 || t == 5 ? 16 : rows, c.colsb[t] = 64;
+    _tile_loadconfig(&c);
+}
+
+#define AMX_DP_BLOCK(A_HI0, A_HI1, A_LO0, A_LO1, B0, B1, STRIDE_A)                            \
+    _tile_loadd(4, B0, 64);                                                                 \
+    _tile_loadd(5, B1, 64);                                                                 \
+    _tile_loadd(6, A_HI0, STRIDE_A);                                                        \
+    _tile_loadd(7, A_HI1, STRIDE_A);                                                        \
+    _tile_dpbf16ps(0, 6, 4);                                                                \
+    _tile_dpbf16ps(1, 6, 5);                                                                \
+    _tile_dpbf16ps(2, 7, 4);                                                                \
+    _tile_dpbf16ps(3, 7, 5);                                                                \
+    _tile_loadd(6, A_LO0, STRIDE_A);                                                        \
+    _tile_loadd(7, A_LO1, STRIDE_A);                                                        \
+    _tile_dpbf16ps(0, 6, 4);                                                                \
+    _tile_dpbf16ps(1, 6, 5);                                                                \
+    _tile_dpbf16ps(2, 7, 4);                                                                \
+    _tile_dpbf16ps(3, 7, 5);
+
+/* M <= 16 (decode, a short verify): one token block against 4 weight tiles at a time, so
+ * each C takes its hi product, then 3 other products, then its lo one (no product waits
+ * on the one before it); tiles 0-3 are C[t], 4-5 the weights (reloaded for the lo pass),
+ * 6-7 the hi and lo terms. Each C row sees the same products in the same order as in the
+ * two-block program: the same bits. */
+static void amx_gemm_one_block(const uint16_t *hi, const uint16_t *lo, int64_t M, int64_t row,
+                               const uint16_t *w, int64_t K2, int64_t N, float *y) {
+    const int64_t tiles = (N + TILE - 1) / TILE, quads = (tiles + 3) / 4;
+    const int64_t kblocks = row / AMX_KB, full = K2 / 16, tile_elems = K2 * 32, sa = row * 2;
+#pragma omp parallel
+    {
+        amx_configure((int)M);
+        uint16_t tail[4][16 * 32] __attribute__((aligned(64)));
+        float out[4][16 * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < quads; q++) {
+            const uint16_t *wt[4];
+            for (int t = 0; t < 4; t++) /* tiles past N read the quad's first again */
+                wt[t] = w + (4 * q + t < tiles ? 4 * q + t : 4 * q) * tile_elems;
+            if (full < kblocks) {
+                memset(tail, 0, sizeof tail);
+                for (int t = 0; t < 4; t++) memcpy(tail[t], wt[t] + full * 512, (K2 - full * 16) * 64);
+            }
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < kblocks; kb++) {
+                const uint16_t *b[4];
+                for (int t = 0; t < 4; t++) b[t] = kb < full ? wt[t] + kb * 512 : tail[t];
+                /* decode streams the weights from memory: keep AMX_PREFETCH k blocks of
+                 * each tile in flight (tile loads do not start the hardware prefetchers
+                 * early enough) */
+                if (kb + AMX_PREFETCH < full)
+                    for (int t = 0; t < 4; t++)
+                        for (int l = 0; l < 16; l++)
+                            _mm_prefetch((const char *)(wt[t] + (kb + AMX_PREFETCH) * 512) + 64 * l, _MM_HINT_T0);
+                _tile_loadd(6, hi + kb * AMX_KB, sa);
+                _tile_loadd(7, lo + kb * AMX_KB, sa);
+                _tile_loadd(4, b[0], 64);
+                _tile_loadd(5, b[1], 64);
+                _tile_dpbf16ps(0, 6, 4);
+                _tile_dpbf16ps(1, 6, 5);
+                _tile_dpbf16ps(0, 7, 4);
+                _tile_dpbf16ps(1, 7, 5);
+                _tile_loadd(4, b[2], 64);
+                _tile_loadd(5, b[3], 64);
+                _tile_dpbf16ps(2, 6, 4);
+                _tile_dpbf16ps(3, 6, 5);
+                _tile_dpbf16ps(2, 7, 4);
+                _tile_dpbf16ps(3, 7, 5);
+            }
+            _tile_stored(0, out[0], 64);
+            _tile_stored(1, out[1], 64);
+            _tile_stored(2, out[2], 64);
+            _tile_stored(3, out[3], 64);
+            for (int t = 0; t < 4 && 4 * q + t < tiles; t++) {
+                const int64_t n0 = (4 * q + t) * TILE;
+                const int64_t cols = N - n0 < TILE ? N - n0 : TILE;
+                for (int64_t r = 0; r < M; r++)
+                    memcpy(y + r * N + n0, out[t] + r * 16, cols * sizeof(float));
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* hi / lo: [Mpad][row] bfloat16 (row = 32 KB, zero past K; Mpad a multiple of 32 rows, the
+ * rows past M any value: their products land in rows of C nobody reads). */
+static void amx_gemm(const uint16_t *hi, const uint16_t *lo, int64_t M, int64_t row,
+                     const uint16_t *w, int64_t K2, int64_t N, float *y) {
+    const int64_t tiles = (N + TILE - 1) / TILE, pairs = (tiles + 1) / 2;
+    const int64_t kblocks = row / AMX_KB, full = K2 / 16, tile_elems = K2 * 32;
+    const int64_t mblocks = (M + 31) / 32, sa = row * 2;
+#pragma omp parallel
+    {
+        amx_configure(16);
+        uint16_t tail[2][16 * 32] __attribute__((aligned(64)));
+        float out[4][16 * 16] __attribute__((aligned(64)));
+        /* tokens in chunks whose two terms (chunk x row x 4 bytes) stay in L2 while every
+         * weight pair passes over them */
+        int64_t chunk = (256 * 1024 / (row * 4)) / 32 * 32;
+        chunk = chunk < 32 ? 32 : chunk;
+        for (int64_t c0 = 0; c0 < mblocks * 32; c0 += chunk) {
+        const int64_t c1 = c0 + chunk < mblocks * 32 ? c0 + chunk : mblocks * 32;
+#pragma omp for schedule(static) nowait
+        for (int64_t p = 0; p < pairs; p++) {
+            /* a second tile past N reads the first again: its C is thrown away */
+            const uint16_t *w0 = w + 2 * p * tile_elems;
+            const uint16_t *w1 = 2 * p + 1 < tiles ? w0 + tile_elems : w0;
+            if (full < kblocks) { /* the last k block has K2 % 16 pairs: zero the rest */
+                memset(tail, 0, sizeof tail);
+                memcpy(tail[0], w0 + full * 512, (K2 - full * 16) * 64);
+                memcpy(tail[1], w1 + full * 512, (K2 - full * 16) * 64);
+            }
+            for (int64_t m0 = c0; m0 < c1; m0 += 32) {
+                const uint16_t *h0 = hi + m0 * row, *l0 = lo + m0 * row;
+                const int two = M - m0 > 16; /* token blocks here: the last may be 1 */
+                _tile_zero(0);
+                _tile_zero(1);
+                if (two) {
+                    _tile_zero(2);
+                    _tile_zero(3);
+                }
+                for (int64_t kb = 0; kb < kblocks; kb++) {
+                    const uint16_t *b0 = kb < full ? w0 + kb * 512 : tail[0];
+                    const uint16_t *b1 = kb < full ? w1 + kb * 512 : tail[1];
+                    const int64_t k = kb * AMX_KB;
+                    if (two) {
+                        AMX_DP_BLOCK(h0 + k, h0 + 16 * row + k, l0 + k, l0 + 16 * row + k, b0, b1, sa)
+                    } else { /* the same products in the same order for each C row */
+                        _tile_loadd(4, b0, 64);
+                        _tile_loadd(5, b1, 64);
+                        _tile_loadd(6, h0 + k, sa);
+                        _tile_loadd(7, l0 + k, sa);
+                        _tile_dpbf16ps(0, 6, 4);
+                        _tile_dpbf16ps(1, 6, 5);
+                        _tile_dpbf16ps(0, 7, 4);
+                        _tile_dpbf16ps(1, 7, 5);
+                    }
+                }
+                _tile_stored(0, out[0], 64);
+                _tile_stored(1, out[1], 64);
+                if (two) {
+                    _tile_stored(2, out[2], 64);
+                    _tile_stored(3, out[3], 64);
+                }
+                for (int t = 0; t < 2 && 2 * p + t < tiles; t++) {
+                    const int64_t n0 = (2 * p + t) * TILE;
+                    const int64_t cols = N - n0 < TILE ? N - n0 : TILE;
+                    for (int b = 0; b < 1 + two; b++)
+                        for (int r = 0; r < 16 && m0 + 16 * b + r < M; r++)
+                            memcpy(y + (m0 + 16 * b + r) * N + n0, out[2 * b + t] + r * 16,
+                                   cols * sizeof(float));
+                }
+            }
+        }
+        }
+        _tile_release();
+    }
+}
+#endif
+
 /* x [M, K] float32 (row stride K), w [ceil(N / 16)] tiles, y [M, N] float32. */
 void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int kernel, int64_t N,
                   float *y) {
+#ifndef HAVE_AMX
+    if (kernel == DENSE16_BF16_AMX) kernel = DENSE16_BF16_DP; /* same tiles; not built here */
+#else
+    if (kernel == DENSE16_BF16_AMX && !dense16_amx_enable()) kernel = DENSE16_BF16_DP;
+#endif
 #ifndef __AVX512BF16__
     if (kernel == DENSE16_BF16_DP) kernel = DENSE16_BF16_FMA; /* same tiles; not built here */
+#endif
+#ifdef HAVE_AMX
+    if (kernel == DENSE16_BF16_AMX) {
+        const int64_t K2a = (K + 1) / 2, row = (2 * K2a + AMX_KB - 1) / AMX_KB * AMX_KB;
+        const int64_t mpad = (M + 31) / 32 * 32;
+        uint16_t *hi = scratch_for((size_t)mpad * row * 4 + 64), *lo = hi + mpad * row;
+#pragma omp parallel for schedule(static) if (M * K > 65536)
+        for (int64_t m = 0; m < M; m++)
+            prepare_row(kernel, x + m * K, K, row, 0, hi + m * row, lo + m * row);
+        if (M <= 16)
+            amx_gemm_one_block(hi, lo, M, row, w, K2a, N, y);
+        else
+            amx_gemm(hi, lo, M, row, w, K2a, N, y);
+        return;
+    }
 #endif
     const int64_t K2 = (K + 1) / 2, tiles = (N + TILE - 1) / TILE;
     const int64_t tile_elems = K2 * (kernel == DENSE16_FP32_FMA ? 64 : 32); /* 16-bit units */
@@ -202,7 +436,7 @@ void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int k
     } else {
 #pragma omp parallel for schedule(static) if (M * K > 65536)
         for (int64_t m = 0; m < M; m++)
-            prepare_row(kernel, x + m * K, K, K2, xf + m * row, hi + m * row, lo + m * row);
+            prepare_row(kernel, x + m * K, K, row, xf + m * row, hi + m * row, lo + m * row);
     }
     const int64_t pairs = (tiles + 1) / 2, mblocks = (M + MBLOCK - 1) / MBLOCK;
 #pragma omp parallel for schedule(static)
