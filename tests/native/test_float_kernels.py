@@ -212,3 +212,17 @@ def test_add_rms_norm_gives_the_same_bits_at_each_level(dim) -> None:
 
     first, *rest = _at_each_level(run)
     assert all(torch.equal(first, r) for r in rest)
+
+
+@pytest.mark.parametrize(("rows", "inter"), [(1, 7), (3, 64), (70, 1536), (5, 37)])
+def test_silu_and_mul(native_level, rows, inter) -> None:
+    """The decode layer's SiLU gate, also the prefill's: against PyTorch in float64, large
+    and tiny gates included (no overflow in exp)."""
+    import torch.nn.functional as F
+
+    g = torch.Generator().manual_seed(rows * inter)
+    x = torch.randn(rows, 2 * inter, generator=g) * 6
+    x[0, : min(inter, 4)] = torch.tensor([0.0, 90.0, -90.0, 1e-30])[: min(inter, 4)]
+    gate, up = x.double().chunk(2, dim=-1)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(native.silu_and_mul(x).double(), want, rtol=3e-6, atol=1e-7)

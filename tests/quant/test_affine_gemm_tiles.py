@@ -127,3 +127,31 @@ def test_every_level_gives_the_same_bits(bits, dtype):
             got[isa] = native.affine_gemm(x, tiles, bits, 96)
     first, *others = got.values()
     assert all(torch.equal(first, y) for y in others), list(got)
+
+
+def _amx_int8() -> bool:
+    from tokenmill.native import dense16
+
+    flags = native._cpu_flags()
+    return "amx_int8" in flags and dense16.has_amx()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("m", [16, 19, 32, 37, 70])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_amx_blocks_give_the_vnni_bits(bits, m, bf16):
+    """Where AMX-INT8 runs, blocks of 16 tokens take their integer products from tile
+    instructions (the rest from vpdpbusd): the same bits as the VNNI path alone, so a
+    token's output does not depend on the block it lands in."""
+    if not _amx_int8() or native.active_isa() != "avx512":
+        pytest.skip("no AMX-INT8 at this level (or the OS refuses the tile state)")
+    lib = native._library()
+    tiles, _ = _weights(bits, 96, 576, seed=m)
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(bits))
+    x = x.bfloat16() if bf16 else x
+    try:
+        lib.affine_set_amx(0)
+        vnni = native.affine_gemm(x, tiles, bits, 96)
+    finally:
+        lib.affine_set_amx(1)
+    assert torch.equal(native.affine_gemm(x, tiles, bits, 96), vnni)

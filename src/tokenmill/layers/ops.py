@@ -65,7 +65,18 @@ def _native_add_rms_norm(
     return native.add_rms_norm(x.contiguous(), residual, weight, min_norm), residual
 
 
-NATIVE_KERNELS = Kernels("native", rms_norm=_native_rms_norm, add_rms_norm=_native_add_rms_norm)
+def _native_silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    if x.dim() != 2 or not x.is_contiguous() or x.dtype != torch.float32 or x.shape[1] % 2:
+        return None
+    return native.silu_and_mul(x)
+
+
+NATIVE_KERNELS = Kernels(
+    "native",
+    rms_norm=_native_rms_norm,
+    add_rms_norm=_native_add_rms_norm,
+    silu_and_mul=_native_silu_and_mul,
+)
 """float32 CPU rows in one native call each (the fast norm form, ``exact=False``)."""
 
 

@@ -224,6 +224,8 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.affine_gemm.restype = None
     f32 = ctypes.c_float
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, flag]
+    lib.silu_and_mul.argtypes = [ptr, i64, i64, ptr]
+    lib.affine_set_amx.argtypes = [ctypes.c_int]
     lib.rope_store_kv.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, ptr, i64,
                                      ptr, f32, i64, ptr, ptr, i64, ptr, i64]  # fmt: skip
@@ -335,6 +337,15 @@ def add_rms_norm(
     add = x is not None
     _need().add_rms_norm(x.data_ptr() if add else 0, residual.data_ptr(), weight.data_ptr(),
                             out.data_ptr(), residual.shape[0], residual.shape[1], min_norm, add)  # fmt: skip
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x [T, 2 I] = [gate | up] float32 contiguous -> [T, I] (the decode
+    layer's own activation, so a prefill and a decode step compute it alike)."""
+    rows, two_i = x.shape
+    out = torch.empty(rows, two_i // 2, dtype=torch.float32)
+    _need().silu_and_mul(x.data_ptr(), rows, two_i // 2, out.data_ptr())
     return out
 
 

@@ -144,6 +144,88 @@ static void tile_dispatch(const uint8_t *w, int bits, int64_t groups, int mb, co
     }
 }
 
+/* -- AMX-INT8 for blocks of 16 tokens ---------------------------------------------------
+ * Where Linux grants the tile state (dense16_amx_enable), each full block of 16 tokens
+ * takes its integer dot products from tdpbsud (signed activations x unsigned codes): per
+ * group and tile, C1 = q1 . codes and C2 = q2 . codes (16 tokens x 16 rows, int32). Integer
+ * sums are exact in any order, so these are tile_kernel's t1 and t2 to the bit, and the
+ * float steps after them are tile_kernel's, in its order: the same bits as the VNNI path
+ * for every token, whatever its block. Tokens past the last full block take the VNNI path.
+ * A group's codes are an AMX B tile as packed (8 rows of 4 inputs x 16 rows); 4-bit codes
+ * are split into their two nibble rows first. Tiles: 0-1 C1/C2, 2-3 q1/q2, 4 the codes. */
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define AFFINE_AMX 1
+int dense16_amx_enable(void);
+static int amx_min_rows = 16; /* affine_set_amx(0): never (tests compare the two paths) */
+
+void affine_set_amx(int on) { amx_min_rows = on ? 16 : 1 << 30; }
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} AffineAmxConfig;
+
+static void affine_amx_configure(void) {
+    AffineAmxConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    c.rows[0] = c.rows[1] = 16, c.colsb[0] = c.colsb[1] = 64; /* C: 16 tokens x 16 int32 */
+    c.rows[2] = c.rows[3] = 16, c.colsb[2] = c.colsb[3] = 32; /* A: 16 tokens x 32 int8 */
+    c.rows[4] = 8, c.colsb[4] = 64;                           /* B: 8 quads x 16 rows */
+    _tile_loadconfig(&c);
+}
+
+/* One tile of 16 rows x 16 tokens (m0 .. m0 + 15) -> out [16 tokens][16] */
+static void amx_tile_block(const uint8_t *w, int bits, int64_t groups, const int8_t *qx,
+                           const float *dx, const float *sx, int64_t K, float *out) {
+    const int steps = bits == 4 ? 4 : 8;
+    const int64_t group_bytes = (int64_t)steps * 64 + 64;
+    uint8_t codes[8 * 64] __attribute__((aligned(64)));
+    int32_t c1[16 * 16] __attribute__((aligned(64))), c2[16 * 16] __attribute__((aligned(64)));
+    const __m512i low4 = _mm512_set1_epi8(0x0f);
+    __m512 y[16];
+    for (int m = 0; m < 16; m++) y[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *gw = w + g * group_bytes;
+        _mm_prefetch((const char *)gw + PREFETCH, _MM_HINT_T0);
+        const uint8_t *b = gw;
+        if (bits == 4) {
+            for (int s = 0; s < 4; s++) {
+                __m512i v = _mm512_loadu_si512((const void *)(gw + s * 64));
+                _mm512_store_si512((void *)(codes + 128 * s), _mm512_and_si512(v, low4));
+                _mm512_store_si512((void *)(codes + 128 * s + 64),
+                                   _mm512_and_si512(_mm512_srli_epi16(v, 4), low4));
+            }
+            b = codes;
+        }
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(4, b, 64);
+        _tile_loadd(2, qx + 2 * g * GROUP, 2 * K);
+        _tile_loadd(3, qx + 2 * g * GROUP + GROUP, 2 * K);
+        _tile_dpbsud(0, 2, 4);
+        _tile_dpbsud(1, 3, 4);
+        _tile_stored(0, c1, 64);
+        _tile_stored(1, c2, 64);
+        const uint8_t *sc = gw + steps * 64;
+        __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
+        __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));
+        for (int m = 0; m < 16; m++) {
+            int64_t gi = m * (K / GROUP) + g;
+            __m512i t1 = _mm512_load_si512((const void *)(c1 + 16 * m));
+            __m512i t2 = _mm512_load_si512((const void *)(c2 + 16 * m));
+            __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(t1, 8), t2));
+            y[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(scale, _mm512_set1_ps(dx[gi])), y[m]);
+            y[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sx[gi]), y[m]);
+        }
+    }
+    for (int m = 0; m < 16; m++) _mm512_storeu_ps(out + m * TILE, y[m]);
+}
+#else
+void affine_set_amx(int on) { (void)on; }
+#endif
+
 /* x [M, K] (float32 or bfloat16), w tiles [N / 16][K / 32][...], y [M, N] (float32 or bfloat16).
  * work: 2 * M * K int8 + 2 * M * K / 32 floats of scratch. */
 void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
@@ -155,12 +237,36 @@ void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_
     for (int64_t m = 0; m < M; m++)
         quantize_row((const char *)x + m * K * xsize, x_bf16, K, qx + 2 * m * K, dx + m * groups,
                      sx + m * groups);
-    const int64_t mblocks = (M + MBLOCK - 1) / MBLOCK;
+    int64_t amx_rows = 0; /* tokens 0 .. amx_rows - 1 go through AMX, 16 at a time */
+#ifdef AFFINE_AMX
+    if (M >= amx_min_rows && dense16_amx_enable()) amx_rows = M / 16 * 16;
+#endif
+    const int64_t mblocks = (M - amx_rows + MBLOCK - 1) / MBLOCK;
     /* tile-major: a tile's weights come from memory once and serve every token from L1 */
-#pragma omp parallel for schedule(static)
+#pragma omp parallel
+    {
+#ifdef AFFINE_AMX
+    if (amx_rows) affine_amx_configure();
+#endif
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
+#ifdef AFFINE_AMX
+        for (int64_t m0 = 0; m0 < amx_rows; m0 += 16) {
+            float out[16 * TILE];
+            amx_tile_block(w + t * tile_bytes, bits, groups, qx + 2 * m0 * K, dx + m0 * groups,
+                           sx + m0 * groups, K, out);
+            for (int m = 0; m < 16; m++) {
+                if (y_bf16) {
+                    uint16_t *dst = (uint16_t *)y + (m0 + m) * N + t * TILE;
+                    for (int r = 0; r < TILE; r++) dst[r] = f32_to_bf16(out[m * TILE + r]);
+                } else {
+                    memcpy((float *)y + (m0 + m) * N + t * TILE, out + m * TILE, TILE * 4);
+                }
+            }
+        }
+#endif
         for (int64_t mbi = 0; mbi < mblocks; mbi++) {
-            int64_t m0 = mbi * MBLOCK;
+            int64_t m0 = amx_rows + mbi * MBLOCK;
             int mb = (int)(M - m0 < MBLOCK ? M - m0 : MBLOCK);
             float out[MBLOCK * TILE];
             tile_dispatch(w + t * tile_bytes, bits, groups, mb, qx + 2 * m0 * K, dx + m0 * groups,
@@ -174,6 +280,10 @@ void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_
                 }
             }
         }
+    }
+#ifdef AFFINE_AMX
+    if (amx_rows) _tile_release();
+#endif
     }
 }
 
@@ -233,6 +343,29 @@ static inline __m512 gelu_erf(__m512 x) {
     __mmask16 pos = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_GE_OQ);
     __m512 one_plus = _mm512_mask_sub_ps(tail, pos, _mm512_set1_ps(2.f), tail);
     return _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(0.5f)), one_plus);
+}
+
+/* silu(g) = g sigmoid(g), sigmoid from e = exp(-|g|): 1 / (1 + e), or e / (1 + e) for g < 0
+ * (no overflow either way) */
+static inline __m512 silu16(__m512 g) {
+    __m512 e = exp_neg(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+    __m512 r = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+    __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
+    return _mm512_mul_ps(g, _mm512_mask_mul_ps(r, neg, r, e));
+}
+
+/* out [rows, I] = silu(gate) * up for x [rows, 2 I] = [gate | up], float32 */
+void silu_and_mul(const float *x, int64_t rows, int64_t inter, float *out) {
+#pragma omp parallel for schedule(static) if (rows * inter > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        for (int64_t i = 0; i < inter; i += 16) {
+            __mmask16 m = inter - i >= 16 ? 0xffff : (__mmask16)((1u << (inter - i)) - 1);
+            __m512 v = silu16(_mm512_maskz_loadu_ps(m, g + i));
+            _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, u + i)));
+        }
+    }
 }
 
 static void quantize_row1(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx) {
@@ -371,6 +504,8 @@ void affine_gemm_rows(const void *x, _Bool bf16, int64_t M, int64_t K, const uin
 }
 
 #else /* AVX2 + FMA + F16C (-mno-avx512f): the same functions, bit for bit */
+void affine_set_amx(int on) { (void)on; } /* no AMX at this level */
+
 /* No vpdpbusd: vpmaddubsw multiplies unsigned x signed bytes and adds pairs into int16
  * (saturating), vpmaddwd by 1 widens pairs of those to int32. The codes are used as 4-bit
  * nibbles (8-bit codes split into theirs), so a pair is at most 2 * 15 * 127 = 3810 and
@@ -609,6 +744,32 @@ static inline __m256 exp_neg(__m256 y) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.f));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* silu as the AVX-512 silu16, lane by lane */
+static inline __m256 silu8(__m256 g) {
+    __m256 e = exp_neg(_mm256_sub_ps(_mm256_setzero_ps(), abs8(g)));
+    __m256 r = _mm256_div_ps(_mm256_set1_ps(1.f), _mm256_add_ps(_mm256_set1_ps(1.f), e));
+    __m256 neg = _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ);
+    return _mm256_mul_ps(g, _mm256_blendv_ps(r, _mm256_mul_ps(r, e), neg));
+}
+
+void silu_and_mul(const float *x, int64_t rows, int64_t inter, float *out) {
+#pragma omp parallel for schedule(static) if (rows * inter > 32768)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = x + r * 2 * inter, *u = g + inter;
+        float *o = out + r * inter;
+        int64_t i = 0;
+        for (; i + 8 <= inter; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+        if (i < inter) { /* the tail through a zero-padded buffer */
+            float gb[8] = {0}, ub[8] = {0}, ob[8];
+            memcpy(gb, g + i, (inter - i) * 4);
+            memcpy(ub, u + i, (inter - i) * 4);
+            _mm256_storeu_ps(ob, _mm256_mul_ps(silu8(_mm256_loadu_ps(gb)), _mm256_loadu_ps(ub)));
+            memcpy(o + i, ob, (inter - i) * 4);
+        }
+    }
 }
 
 /* GELU, exact erf form, as the AVX-512 gelu_erf */

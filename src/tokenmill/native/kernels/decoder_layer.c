@@ -11,6 +11,7 @@ void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_
                  int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx);
 void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int kernel, int64_t N,
                   float *y);
+void silu_and_mul(const float *x, int64_t rows, int64_t inter, float *out);
 void add_rms_norm(float *x, float *residual, const float *w, float *out, int64_t rows, int64_t dim,
                   float min_norm, _Bool add);
 void rope_store_kv(float *qkv, int64_t tokens, int64_t row_stride, int64_t q_heads,
@@ -86,14 +87,13 @@ void decode_layer(const LayerDesc *L, const StepArgs *s) {
     project(&L->o, s->attn, s->hidden, s);
     add_rms_norm(s->hidden, s->residual, L->post_norm, s->normed, B, H, L->min_norm, 1);
     project(&L->gate_up, s->normed, s->gate_up, s);
+    if (L->activation == 0) {
+        silu_and_mul(s->gate_up, B, I, s->act); /* the prefill's kernel: the same bits */
+    } else {
 #pragma omp parallel for schedule(static) if (B > 1) /* a verify step's rows */
-    for (int64_t t = 0; t < B; t++) {
-        const float *g = s->gate_up + t * 2 * I, *u = g + I;
-        float *a = s->act + t * I;
-        if (L->activation == 0) {
-#pragma omp simd
-            for (int64_t i = 0; i < I; i++) a[i] = g[i] / (1.f + expf(-g[i])) * u[i];
-        } else {
+        for (int64_t t = 0; t < B; t++) {
+            const float *g = s->gate_up + t * 2 * I, *u = g + I;
+            float *a = s->act + t * I;
             for (int64_t i = 0; i < I; i++) a[i] = gelu_tanh(g[i]) * u[i];
         }
     }
