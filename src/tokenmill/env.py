@@ -84,18 +84,23 @@ TOKENMILL_NATIVE_ISA: EnvVar[str] = _declare(
 )
 
 
-def _fp32_gemm(raw: str) -> str:
-    value = raw.strip().lower()
-    if value not in ("auto", "native", "torch"):
-        raise ValueError("use auto, native or torch")
-    return value
+def _one_of(*values: str) -> Callable[[str], str]:
+    """A parser taking one of ``values`` (case and spaces ignored)."""
+
+    def parse(raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in values:
+            raise ValueError(f"use {', '.join(values[:-1])} or {values[-1]}")
+        return value
+
+    return parse
 
 
 TOKENMILL_FP32_GEMM: EnvVar[str] = _declare(
     EnvVar(
         "TOKENMILL_FP32_GEMM",
         default="auto",
-        parse=_fp32_gemm,
+        parse=_one_of("auto", "native", "torch"),
         doc="Who multiplies float32 weights on CPU: 'native' (the native kernels' float32 "
         "GEMM), 'torch' (PyTorch's BLAS), or 'auto' (the default): for Whisper's linears, "
         "native on an AVX-512 CPU that is not Intel's, where the BLAS PyTorch ships (MKL) "
@@ -105,18 +110,11 @@ TOKENMILL_FP32_GEMM: EnvVar[str] = _declare(
 )
 
 
-def _bf16_kernel(raw: str) -> str:
-    value = raw.strip().lower()
-    if value not in ("auto", "amx", "avx512bf16", "fma"):
-        raise ValueError("use auto, amx, avx512bf16 or fma")
-    return value
-
-
 TOKENMILL_BF16_KERNEL: EnvVar[str] = _declare(
     EnvVar(
         "TOKENMILL_BF16_KERNEL",
         default="auto",
-        parse=_bf16_kernel,
+        parse=_one_of("auto", "amx", "avx512bf16", "fma"),
         doc="Which native kernel multiplies bfloat16 weights on CPU (chosen once at load, "
         "shown in the load log): 'amx' (AMX-BF16 tiles), 'avx512bf16' (vdpbf16ps), 'fma' "
         "(weights widened to float32, float32 FMAs: every x86-64 CPU with AVX2), or 'auto' "

@@ -144,6 +144,19 @@ static void tile_dispatch(const uint8_t *w, int bits, int64_t groups, int mb, co
     }
 }
 
+/* out [mb][16] -> rows m0 .. m0 + mb - 1, columns of tile t, of y (float32 or bfloat16) */
+static void store_tile(const float *out, int mb, void *y, int y_bf16, int64_t m0, int64_t N,
+                       int64_t t) {
+    for (int m = 0; m < mb; m++) {
+        if (y_bf16) {
+            uint16_t *dst = (uint16_t *)y + (m0 + m) * N + t * TILE;
+            for (int r = 0; r < TILE; r++) dst[r] = f32_to_bf16(out[m * TILE + r]);
+        } else {
+            memcpy((float *)y + (m0 + m) * N + t * TILE, out + m * TILE, TILE * 4);
+        }
+    }
+}
+
 /* -- AMX-INT8 for blocks of 16 tokens ---------------------------------------------------
  * Where Linux grants the tile state (dense16_amx_enable), each full block of 16 tokens
  * takes its integer dot products from tdpbsud (signed activations x unsigned codes): per
@@ -255,14 +268,7 @@ void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_
             float out[16 * TILE];
             amx_tile_block(w + t * tile_bytes, bits, groups, qx + 2 * m0 * K, dx + m0 * groups,
                            sx + m0 * groups, K, out);
-            for (int m = 0; m < 16; m++) {
-                if (y_bf16) {
-                    uint16_t *dst = (uint16_t *)y + (m0 + m) * N + t * TILE;
-                    for (int r = 0; r < TILE; r++) dst[r] = f32_to_bf16(out[m * TILE + r]);
-                } else {
-                    memcpy((float *)y + (m0 + m) * N + t * TILE, out + m * TILE, TILE * 4);
-                }
-            }
+            store_tile(out, 16, y, y_bf16, m0, N, t);
         }
 #endif
         for (int64_t mbi = 0; mbi < mblocks; mbi++) {
@@ -271,14 +277,7 @@ void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_
             float out[MBLOCK * TILE];
             tile_dispatch(w + t * tile_bytes, bits, groups, mb, qx + 2 * m0 * K, dx + m0 * groups,
                           sx + m0 * groups, K, out);
-            for (int m = 0; m < mb; m++) {
-                if (y_bf16) {
-                    uint16_t *dst = (uint16_t *)y + (m0 + m) * N + t * TILE;
-                    for (int r = 0; r < TILE; r++) dst[r] = f32_to_bf16(out[m * TILE + r]);
-                } else {
-                    memcpy((float *)y + (m0 + m) * N + t * TILE, out + m * TILE, TILE * 4);
-                }
-            }
+            store_tile(out, mb, y, y_bf16, m0, N, t);
         }
     }
 #ifdef AFFINE_AMX

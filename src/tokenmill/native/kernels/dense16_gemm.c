@@ -253,11 +253,10 @@ static void amx_configure(int rows) {
     _tile_dpbf16ps(2, 7, 4);                                                                \
     _tile_dpbf16ps(3, 7, 5);
 
-/* M <= 16 (decode, a short verify): one token block against 4 weight tiles at a time, so
- * each C takes its hi product, then 3 other products, then its lo one (no product waits
- * on the one before it); tiles 0-3 are C[t], 4-5 the weights (reloaded for the lo pass),
- * 6-7 the hi and lo terms. Each C row sees the same products in the same order as in the
- * two-block program: the same bits. */
+/* M <= 16 (decode, a short verify): one token block against 4 weight tiles at a time;
+ * tiles 0-3 are C[t], 4-5 the weights of two tiles, 6-7 the hi and lo terms. Each C row
+ * sees the same products in the same order as in the two-block program (hi . B then lo . B
+ * per 32-input block): the same bits. */
 static void amx_gemm_one_block(const uint16_t *hi, const uint16_t *lo, int64_t M, int64_t row,
                                const uint16_t *w, int64_t K2, int64_t N, float *y) {
     const int64_t tiles = (N + TILE - 1) / TILE, quads = (tiles + 3) / 4;
