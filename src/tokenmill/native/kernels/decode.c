@@ -115,26 +115,40 @@ static inline int64_t next_slot(SlotWalk *w) {
     return slot;
 }
 
+/* Prefetch the key and value rows of up to n positions from p (< len) on, advancing ``w``
+ * past them: the walk over a sequence's blocks jumps, so the hardware prefetchers miss. */
+static inline void prefetch_rows(SlotWalk *w, int64_t p, int64_t len, int n, const float *cache,
+                                 int64_t kv_heads, int64_t g, int64_t d, int64_t cache_slots) {
+    for (int i = 0; i < n && p + i < len; i++) {
+        const int64_t slot = next_slot(w);
+        const char *k = (const char *)(cache + (slot * kv_heads + g) * d);
+        const char *v = (const char *)(cache + ((cache_slots + slot) * kv_heads + g) * d);
+        for (int64_t b = 0; b < d * (int64_t)sizeof(float); b += 64) {
+            _mm_prefetch(k + b, _MM_HINT_T0);
+            _mm_prefetch(v + b, _MM_HINT_T1);
+        }
+    }
+}
+
 /* For heads h < H (weights w[h] = wgt[h * wstride ..]): out[h][0 .. 16 C) = sum over
- * positions first .. len - 1, then the n_extra extra slots (their weights at w[h] + xoff),
+ * positions first .. len - 1, then the n_extra extra slots (weights w[h][len ..]),
  * of weight * v, one fused multiply-add per element and position in that order, as the
  * scalar loop; the H x C sums stay in registers and the heads share each v load.
  * v: the value plane (plus the kv head's and chunk's offset), `row` floats per slot. */
 static inline __attribute__((always_inline)) void value_sum_n(
     const float *v, int64_t row, SlotWalk walk, int64_t first, int64_t len, const int64_t *extra,
-    int64_t n_extra, const float *wgt, int64_t wstride, int64_t xoff, const int H, const int C,
+    int64_t n_extra, const float *wgt, int64_t wstride, const int H, const int C,
     float *out, int64_t ostride) {
     vf16 acc[3][4];
     for (int h = 0; h < H; h++)
         for (int u = 0; u < C; u++) acc[h][u] = vf16_zero();
     for (int64_t p = first; p < len + n_extra; p++) {
         const int64_t slot = p < len ? next_slot(&walk) : extra[p - len];
-        const int64_t at = p < len ? p : xoff + p - len;
         const float *vp = v + slot * row;
         vf16 vu[4];
         for (int u = 0; u < C; u++) vu[u] = vf16_load(vp + 16 * u);
         for (int h = 0; h < H; h++) {
-            const vf16 w = vf16_set1(wgt[h * wstride + at]);
+            const vf16 w = vf16_set1(wgt[h * wstride + p]);
             for (int u = 0; u < C; u++) acc[h][u] = vf16_fmadd(w, vu[u], acc[h][u]);
         }
     }
@@ -147,18 +161,46 @@ static inline __attribute__((always_inline)) void value_sum_n(
 
 #define VALUE_CASE(H, C)                                                                     \
     case (H) * 8 + (C):                                                                      \
-        value_sum_n(v, row, walk, first, len, extra, n_extra, wgt, wstride, xoff, H, C, out,  \
+        value_sum_n(v, row, walk, first, len, extra, n_extra, wgt, wstride, H, C, out,  \
                     ostride);                                                                \
         break;
 
 static void value_sum(const float *v, int64_t row, SlotWalk walk, int64_t first, int64_t len,
                       const int64_t *extra, int64_t n_extra, const float *wgt, int64_t wstride,
-                      int64_t xoff, int heads, int chunks, float *out, int64_t ostride) {
+                      int heads, int chunks, float *out, int64_t ostride) {
     switch (heads * 8 + chunks) {
         VALUE_CASE(1, 1) VALUE_CASE(1, 2) VALUE_CASE(1, 3) VALUE_CASE(1, 4)
         VALUE_CASE(2, 1) VALUE_CASE(2, 2) VALUE_CASE(2, 3) VALUE_CASE(2, 4)
         VALUE_CASE(3, 1) VALUE_CASE(3, 2) VALUE_CASE(3, 3) VALUE_CASE(3, 4)
     }
+}
+
+/* x[0 .. n) -> exp(x - max) / sum, in place. Lane i of the sum takes positions i, i + 16,
+ * ... (vf16_exp_neg each), then vf16_sum_lanes: the same bits at either level, and a
+ * position's weight depends only on the row's scores (a verify row, its draft keys past the
+ * context, is laid out as the decode step of the same tokens). */
+static void softmax_in_place(float *x, int64_t n) {
+    vf16 vtop = vf16_set1(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) vtop = vf16_max(vtop, vf16_load(x + i));
+    float lanes[16], top = -INFINITY;
+    vf16_store(lanes, vtop);
+    for (int l = 0; l < 16; l++) top = lanes[l] > top ? lanes[l] : top;
+    for (; i < n; i++) top = x[i] > top ? x[i] : top;
+    const vf16 shift = vf16_set1(top);
+    vf16 acc = vf16_zero();
+    for (i = 0; i + 16 <= n; i += 16) {
+        const vf16 e = vf16_exp_neg(vf16_sub(vf16_load(x + i), shift));
+        vf16_store(x + i, e);
+        acc = vf16_add(acc, e);
+    }
+    if (i < n) { /* the tail's unused lanes add zeros */
+        const int rest = (int)(n - i);
+        vf16_store_n(x + i, vf16_exp_neg(vf16_sub(vf16_load_n(x + i, rest), shift)), rest);
+        acc = vf16_add(acc, vf16_load_n(x + i, rest));
+    }
+    const float total = vf16_sum_lanes(acc);
+    for (i = 0; i < n; i++) x[i] /= total;
 }
 
 /* q: [B, q_stride] (q heads first), out: [B, q_heads * d]. Sequence b sees key positions
@@ -191,12 +233,15 @@ void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q
                 const float *qh = q + b * q_stride + (g * group + j) * d;
                 float *o = out + b * q_heads * d + (g * group + j) * d;
                 float *scores = scratch + (b * q_heads + g * group + j) * stride;
-                float top = -INFINITY;
                 SlotWalk walk = walk0;
+                /* scores[first .. len) for the context, then scores[len .. len + n_extra) */
                 if (d % 16 == 0) {
                     const float *keys[16];
+                    SlotWalk ahead = walk; /* the first head's pass brings the rows in early */
+                    if (j == 0) prefetch_rows(&ahead, first, len, 16, cache, kv_heads, g, d, cache_slots);
                     for (int64_t p0 = first; p0 < len; p0 += 16) {
                         const int n = len - p0 < 16 ? (int)(len - p0) : 16;
+                        if (j == 0) prefetch_rows(&ahead, p0 + 16, len, 16, cache, kv_heads, g, d, cache_slots);
                         for (int p = 0; p < n; p++)
                             keys[p] = cache + (next_slot(&walk) * kv_heads + g) * d;
                         key_scores(qh, keys, n, d, scale, scores + p0);
@@ -205,52 +250,22 @@ void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q
                         const int n = n_extra - e0 < 16 ? (int)(n_extra - e0) : 16;
                         for (int p = 0; p < n; p++)
                             keys[p] = cache + (extra[e0 + p] * kv_heads + g) * d;
-                        key_scores(qh, keys, n, d, scale, scores + max_len + e0);
+                        key_scores(qh, keys, n, d, scale, scores + len + e0);
                     }
-                    for (int64_t p = first; p < len; p++) top = scores[p] > top ? scores[p] : top;
-                    for (int64_t e = 0; e < n_extra; e++)
-                        top = scores[max_len + e] > top ? scores[max_len + e] : top;
                 } else {
-                    for (int64_t p = first; p < len; p++) {
-                        const float *k = cache + (next_slot(&walk) * kv_heads + g) * d;
-                        const float dot = vf16_dot(qh, k, d) * scale;
-                        scores[p] = dot;
-                        top = dot > top ? dot : top;
-                    }
-                    for (int64_t e = 0; e < n_extra; e++) {
-                        const float *k = cache + (extra[e] * kv_heads + g) * d;
-                        const float dot = vf16_dot(qh, k, d) * scale;
-                        scores[max_len + e] = dot;
-                        top = dot > top ? dot : top;
-                    }
+                    for (int64_t p = first; p < len; p++)
+                        scores[p] = vf16_dot(qh, cache + (next_slot(&walk) * kv_heads + g) * d, d) * scale;
+                    for (int64_t e = 0; e < n_extra; e++)
+                        scores[len + e] = vf16_dot(qh, cache + (extra[e] * kv_heads + g) * d, d) * scale;
                 }
-                float total = 0.f;
-                for (int64_t p = first; p < len; p++) {
-                    float e = expf(scores[p] - top);
-                    scores[p] = e;
-                    total += e;
-                }
-                for (int64_t e = 0; e < n_extra; e++) {
-                    float x = expf(scores[max_len + e] - top);
-                    scores[max_len + e] = x;
-                    total += x;
-                }
-                if (d % 16 == 0) { /* the weights; the sums below, for all heads at once */
-                    for (int64_t p = first; p < len; p++) scores[p] /= total;
-                    for (int64_t e = 0; e < n_extra; e++) scores[max_len + e] /= total;
-                    continue;
-                }
+                softmax_in_place(scores + first, len + n_extra - first);
+                if (d % 16 == 0) continue; /* the sums below, for all heads at once */
                 for (int64_t i = 0; i < d; i++) o[i] = 0.f;
                 walk = walk0;
-                for (int64_t p = first; p < len; p++) {
-                    const float *v = cache + ((cache_slots + next_slot(&walk)) * kv_heads + g) * d;
-                    float wgt = scores[p] / total;
-#pragma omp simd
-                    for (int64_t i = 0; i < d; i++) o[i] += wgt * v[i];
-                }
-                for (int64_t e = 0; e < n_extra; e++) {
-                    const float *v = cache + ((cache_slots + extra[e]) * kv_heads + g) * d;
-                    float wgt = scores[max_len + e] / total;
+                for (int64_t p = first; p < len + n_extra; p++) {
+                    const int64_t slot = p < len ? next_slot(&walk) : extra[p - len];
+                    const float *v = cache + ((cache_slots + slot) * kv_heads + g) * d;
+                    const float wgt = scores[p];
 #pragma omp simd
                     for (int64_t i = 0; i < d; i++) o[i] += wgt * v[i];
                 }
@@ -263,7 +278,7 @@ void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q
                 float *o = out + b * q_heads * d + (g * group + j) * d;
                 for (int64_t c = 0; c < d; c += 16 * VALUE_CHUNKS)
                     value_sum(v + c, kv_heads * d, walk0, first, len, extra, n_extra, wgt, stride,
-                              max_len, heads,
+                              heads,
                               d - c >= 16 * VALUE_CHUNKS ? VALUE_CHUNKS : (int)(d - c) / 16,
                               o + c, d);
             }

@@ -360,6 +360,11 @@ static void amx_gemm(const uint16_t *hi, const uint16_t *lo, int64_t M, int64_t 
                     const uint16_t *b0 = kb < full ? w0 + kb * 512 : tail[0];
                     const uint16_t *b1 = kb < full ? w1 + kb * 512 : tail[1];
                     const int64_t k = kb * AMX_KB;
+                    if (m0 == c0 && kb + AMX_PREFETCH < full)
+                        for (int l = 0; l < 16; l++) {
+                            _mm_prefetch((const char *)(w0 + (kb + AMX_PREFETCH) * 512) + 64 * l, _MM_HINT_T0);
+                            _mm_prefetch((const char *)(w1 + (kb + AMX_PREFETCH) * 512) + 64 * l, _MM_HINT_T0);
+                        }
                     if (two) {
                         AMX_DP_BLOCK(h0 + k, h0 + 16 * row + k, l0 + k, l0 + 16 * row + k, b0, b1, sa)
                     } else { /* the same products in the same order for each C row */

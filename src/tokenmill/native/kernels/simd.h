@@ -30,6 +30,12 @@ SIMD_INLINE vf16 vf16_set1(float x) { return _mm512_set1_ps(x); }
 SIMD_INLINE vf16 vf16_fmadd(vf16 a, vf16 b, vf16 c) { return _mm512_fmadd_ps(a, b, c); }
 SIMD_INLINE vf16 vf16_add(vf16 a, vf16 b) { return _mm512_add_ps(a, b); }
 SIMD_INLINE vf16 vf16_mul(vf16 a, vf16 b) { return _mm512_mul_ps(a, b); }
+SIMD_INLINE vf16 vf16_sub(vf16 a, vf16 b) { return _mm512_sub_ps(a, b); }
+SIMD_INLINE vf16 vf16_max(vf16 a, vf16 b) { return _mm512_max_ps(a, b); }
+SIMD_INLINE vf16 vf16_round(vf16 a) { /* to the nearest integer, ties to even */
+    return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+SIMD_INLINE vf16 vf16_scale2(vf16 p, vf16 n) { return _mm512_scalef_ps(p, n); } /* p 2^n */
 
 /* the first n (0 .. 16) lanes of a to p */
 SIMD_INLINE void vf16_store_n(float *p, vf16 a, int n) {
@@ -128,6 +134,25 @@ SIMD_INLINE vf16 vf16_add(vf16 a, vf16 b) {
 SIMD_INLINE vf16 vf16_mul(vf16 a, vf16 b) {
     return (vf16){_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)};
 }
+SIMD_INLINE vf16 vf16_sub(vf16 a, vf16 b) {
+    return (vf16){_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps(a.hi, b.hi)};
+}
+SIMD_INLINE vf16 vf16_max(vf16 a, vf16 b) {
+    return (vf16){_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)};
+}
+SIMD_INLINE vf16 vf16_round(vf16 a) {
+    const int mode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return (vf16){_mm256_round_ps(a.lo, mode), _mm256_round_ps(a.hi, mode)};
+}
+/* p 2^n for integral n in [-126, 127]: a multiply by the exact power, rounded once as
+ * scalef rounds */
+SIMD_INLINE __m256 scale2_8(__m256 p, __m256 n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+SIMD_INLINE vf16 vf16_scale2(vf16 p, vf16 n) {
+    return (vf16){scale2_8(p.lo, n.lo), scale2_8(p.hi, n.hi)};
+}
 
 SIMD_INLINE void vf16_store_n(float *p, vf16 a, int n) {
     float tmp[16];
@@ -215,6 +240,24 @@ SIMD_INLINE float vf16_sum_lanes(vf16 a) {
     vf16_store(tmp, a);
     for (int i = 0; i < 16; i++) sum += tmp[i];
     return sum;
+}
+
+/* exp(y) for y <= 0 (clamped at -87: exp(-87) is about 1.6e-38, the float range's end):
+ * y = n ln 2 + r, |r| <= ln 2 / 2, a degree-6 Taylor polynomial in r (relative error about
+ * 2e-7), times 2^n. The same operations at either level: the same bits. */
+SIMD_INLINE vf16 vf16_exp_neg(vf16 y) {
+    y = vf16_max(y, vf16_set1(-87.f));
+    const vf16 n = vf16_round(vf16_mul(y, vf16_set1(1.44269504f)));
+    vf16 r = vf16_fmadd(n, vf16_set1(-0.693145752f), y); /* ln 2 in two parts: r exact */
+    r = vf16_fmadd(n, vf16_set1(-1.42860677e-6f), r);
+    vf16 p = vf16_set1(1.f / 720);
+    p = vf16_fmadd(p, r, vf16_set1(1.f / 120));
+    p = vf16_fmadd(p, r, vf16_set1(1.f / 24));
+    p = vf16_fmadd(p, r, vf16_set1(1.f / 6));
+    p = vf16_fmadd(p, r, vf16_set1(0.5f));
+    p = vf16_fmadd(p, r, vf16_set1(1.f));
+    p = vf16_fmadd(p, r, vf16_set1(1.f));
+    return vf16_scale2(p, n);
 }
 
 /* q . k over d floats: a fused multiply-add chain per lane over the 16-float chunks (the
