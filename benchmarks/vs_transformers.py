@@ -119,7 +119,7 @@ def run_transformers(
 ) -> dict[str, float]:
     hf = load_hf(path, dtype)
     res = measure(hf_run, hf, args)
-    res["agg"] = len(prompts) * n_out / best_of(lambda: hf_run(hf, prompts, n_out), 1)
+    res["agg"] = len(prompts) * n_out / best_of(lambda: hf_run(hf, prompts, n_out), args.repeat)
     return res
 
 
@@ -132,7 +132,9 @@ def run_tokenmill(
         wbytes = decode_weight_bytes(llm.engine.loaded.model)
         res = measure(tm_run, llm, args)
         res["format"] = f"{llm.engine.loaded.quantization}/{str(llm.engine.loaded.dtype)[6:]}"
-        res["agg"] = len(prompts) * n_out / best_of(lambda: tm_run(llm, prompts, n_out), 1)
+        res["agg"] = (
+            len(prompts) * n_out / best_of(lambda: tm_run(llm, prompts, n_out), args.repeat)
+        )
     res["limit"] = bw / wbytes
     res["wbytes"] = wbytes
     return res

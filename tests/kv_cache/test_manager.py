@@ -28,17 +28,35 @@ def test_allocation_is_all_or_nothing():
     kv.check_integrity()
 
 
-def test_free_returns_blocks_tail_first_and_fifo():
+def test_freed_empty_blocks_are_reused_warmest_first():
     kv = KVCacheManager(num_blocks=4, block_size=2)
     kv.allocate_slots("a", 6)  # [0, 1, 2]
     kv.free("a")
     assert kv.num_free_blocks == 4
-    # free queue is now 3, 2, 1, 0: block 3 was never used and comes first,
-    # then a's tail before its head.
+    # a's blocks hold nothing cached: they come back head first (the request's
+    # own order, pages resident), and block 3, never written, comes last.
     kv.allocate_slots("b", 8)
-    assert kv.block_table("b") == [3, 2, 1, 0]
+    assert kv.block_table("b") == [0, 1, 2, 3]
     kv.free("b")
     kv.free("b")  # idempotent
+    kv.check_integrity()
+
+
+def test_cached_blocks_are_evicted_only_after_the_empty_ones_lru_first():
+    kv = KVCacheManager(num_blocks=5, block_size=2, enable_prefix_caching=True)
+    kv.allocate_slots("a", 4)  # [0, 1], both full
+    kv.commit("a", [1, 2, 3, 4], 4)
+    kv.allocate_slots("b", 3)  # [2, 3]: block 3 is a partial tail, never committed
+    kv.commit("b", [5, 6, 7], 3)  # commits block 2 only
+    kv.free("a")
+    kv.free("b")
+    pool = kv.pool
+    assert pool.num_cached == 3 and kv.num_free_blocks == 5
+    kv.allocate_slots("c", 4)  # the two empty blocks first: b's tail, then 4 (never used)
+    assert kv.block_table("c") == [3, 4] and pool.num_evictions == 0
+    kv.allocate_slots("d", 4)  # then the cached ones, least recently freed first: a's tail, head
+    assert kv.block_table("d") == [1, 0] and pool.num_evictions == 2
+    assert pool.num_cached == 1  # b's first block is still findable
     kv.check_integrity()
 
 
