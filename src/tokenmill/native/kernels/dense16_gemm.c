@@ -304,6 +304,13 @@ static void amx_gemm_one_block(const uint16_t *hi, const uint16_t *lo, int64_t M
                 _tile_dpbf16ps(2, 7, 4);
                 _tile_dpbf16ps(3, 7, 5);
             }
+            if ((4 * q + 4) * TILE <= N) { /* four whole tiles: straight into y */
+                _tile_stored(0, y + (4 * q + 0) * TILE, N * 4);
+                _tile_stored(1, y + (4 * q + 1) * TILE, N * 4);
+                _tile_stored(2, y + (4 * q + 2) * TILE, N * 4);
+                _tile_stored(3, y + (4 * q + 3) * TILE, N * 4);
+                continue;
+            }
             _tile_stored(0, out[0], 64);
             _tile_stored(1, out[1], 64);
             _tile_stored(2, out[2], 64);
@@ -377,6 +384,14 @@ static void amx_gemm(const uint16_t *hi, const uint16_t *lo, int64_t M, int64_t 
                         _tile_dpbf16ps(0, 7, 4);
                         _tile_dpbf16ps(1, 7, 5);
                     }
+                }
+                if (m0 + 32 <= M && (2 * p + 2) * TILE <= N) { /* whole tiles: into y */
+                    float *c = y + m0 * N + 2 * p * TILE;
+                    _tile_stored(0, c, N * 4);
+                    _tile_stored(1, c + TILE, N * 4);
+                    _tile_stored(2, c + 16 * N, N * 4);
+                    _tile_stored(3, c + 16 * N + TILE, N * 4);
+                    continue;
                 }
                 _tile_stored(0, out[0], 64);
                 _tile_stored(1, out[1], 64);
