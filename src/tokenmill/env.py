@@ -127,3 +127,17 @@ TOKENMILL_BF16_KERNEL: EnvVar[str] = _declare(
 def cache_dir() -> Path:
     """Root folder of tokenmill's caches (``$TOKENMILL_CACHE_DIR``, default ~/.cache/tokenmill)."""
     return TOKENMILL_CACHE_DIR.get()
+
+
+TOKENMILL_HOST_MALLOC: EnvVar[bool] = _declare(
+    EnvVar(
+        "TOKENMILL_HOST_MALLOC",
+        default="1",
+        parse=lambda raw: _one_of("0", "1")(raw) == "1",
+        doc="1 (the default): on Linux, tokenmill raises glibc malloc's map and trim "
+        "thresholds (32 MB, 256 MB) when an engine starts, so a step's multi-megabyte "
+        "tensors reuse freed heap memory instead of taking a page fault per 4 KB; up to "
+        "256 MB of freed memory stays resident. 0: leave malloc as it is (your own "
+        "MALLOC_* settings or a preloaded allocator).",
+    )
+)

@@ -19,6 +19,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.hooks import RequestHook
 from tokenmill.engine.loading import LoadedModel, kv_cache_blocks, load_model
 from tokenmill.executor import Executor, UniProcExecutor
+from tokenmill.host_memory import keep_freed_memory
 from tokenmill.kv_cache import KVCacheCoordinator, KVCacheManager, make_kv_cache
 from tokenmill.kv_cache.coordinator import state_pool_slots
 from tokenmill.kv_cache.snapshot_copies import SnapshotTensors
@@ -62,6 +63,7 @@ def build_engine(
     config: EngineConfig, loaded: LoadedModel | None = None, hooks: Sequence[RequestHook] = ()
 ) -> EngineParts:
     configure_threads()  # before loading: repacking quantized weights uses the pool
+    keep_freed_memory()
     ranks = _start_ranks(config, loaded)  # tensor parallel: the workers load meanwhile
     try:
         return _assemble(config, loaded, hooks, ranks)
