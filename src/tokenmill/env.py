@@ -124,6 +124,20 @@ TOKENMILL_BF16_KERNEL: EnvVar[str] = _declare(
 )
 
 
+TOKENMILL_SCAN_KERNEL: EnvVar[str] = _declare(
+    EnvVar(
+        "TOKENMILL_SCAN_KERNEL",
+        default="auto",
+        parse=_one_of("auto", "native", "triton", "torch"),
+        doc="Which kernels run the recurrent layers' scans (Gated DeltaNet, Mamba2; chosen "
+        "once at load, shown in the load log): 'native' (the C decode steps, CPU), 'triton' "
+        "(CUDA; on CPU only under TRITON_INTERPRET=1), 'torch' (the PyTorch reference), or "
+        "'auto' (the default): triton on CUDA, native on CPU where the native kernels build, "
+        "else torch. A kernel that can not run here is an error.",
+    )
+)
+
+
 def cache_dir() -> Path:
     """Root folder of tokenmill's caches (``$TOKENMILL_CACHE_DIR``, default ~/.cache/tokenmill)."""
     return TOKENMILL_CACHE_DIR.get()

@@ -125,7 +125,8 @@ def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> Loaded
     )
     with phases("kernels"):
         ops = select_ops(device, dtype, plan, config.attention_backend)  # every layer's kernels
-    logger.info("attention backend %s, layer kernels %s", ops.backend.name, ops.kernels.name)
+    logger.info("attention backend %s, layer kernels %s, recurrent scans %s",
+                ops.backend.name, ops.kernels.name, ops.scan.name)  # fmt: skip
     with phases("weights"):
         with torch.device(device):  # parameters are created in place: no second copy
             kwargs = {"quant": plan} if plan else {}

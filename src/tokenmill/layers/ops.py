@@ -1,10 +1,11 @@
 """The kernels every layer uses, chosen once when the model is built.
 
 ``select_ops(device, dtype, quant, attention_backend)`` looks at where and how the model
-computes and returns an ``Ops``: the attention backend and the ``Kernels`` of the small
-per-layer ops (RMSNorm with or without the residual add, SiLU-and-mul, rotary in place).
-Each layer takes the one it needs at construction; no layer looks at a tensor's device or
-dtype to pick a kernel.
+computes and returns an ``Ops``: the attention backend, the ``Kernels`` of the small
+per-layer ops (RMSNorm with or without the residual add, SiLU-and-mul, rotary in place)
+and the recurrent layers' ``ScanKernels`` (``layers/recurrent/scan.py``: Triton on CUDA,
+native on CPU, else the PyTorch reference). Each layer takes the one it needs at
+construction; no layer looks at a tensor's device or dtype to pick a kernel.
 
 - CUDA with triton: the fused Triton kernels (``triton_ops.py``), one launch per op instead
   of 2-5 PyTorch kernels (their launch cost dominates a batch-1 decode step under CUDA
@@ -26,6 +27,7 @@ import torch
 
 from tokenmill import native
 from tokenmill.attention.backends import REFERENCE, AttentionBackend, select_backend
+from tokenmill.layers.recurrent.scan import REFERENCE_SCAN, ScanKernels, select_scan
 from tokenmill.quant.plan import QuantPlan
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], "torch.Tensor | None"]
@@ -96,10 +98,12 @@ def triton_kernels() -> Kernels:
 
 @dataclass(frozen=True)
 class Ops:
-    """What one model's layers run: the attention backend and the small-op kernels."""
+    """What one model's layers run: the attention backend, the small-op kernels and the
+    recurrent layers' scans."""
 
     backend: AttentionBackend = REFERENCE
     kernels: Kernels = TORCH_KERNELS
+    scan: ScanKernels = REFERENCE_SCAN
 
 
 DEFAULT_OPS = Ops()
@@ -117,7 +121,7 @@ def select_ops(
     backend can not run this model, never switching to another one."""
     device = torch.device(device)
     backend = select_backend(attention_backend, device, dtype, quant is not None)
-    return Ops(backend, _kernels(device, dtype, quant))
+    return Ops(backend, _kernels(device, dtype, quant), select_scan(device))
 
 
 def _kernels(device: torch.device, dtype: torch.dtype, quant: QuantPlan | None) -> Kernels:

@@ -101,7 +101,7 @@ class FalconH1Layer(nn.Module):
             )
         else:
             norm = SiluGate()
-        self.mamba = Mamba2Mixer(shape, cfg.num_layers + layer_idx, dtype, norm)
+        self.mamba = Mamba2Mixer(shape, cfg.num_layers + layer_idx, dtype, norm, ops.scan)
         self.feed_forward = GatedMLP(hidden, cfg.intermediate_size, cfg.hidden_act, cfg.mlp_bias,
                                      dtype, ops=ops)  # fmt: skip
         self.input_layernorm = RMSNorm(hidden, eps, dtype=dtype, ops=ops)

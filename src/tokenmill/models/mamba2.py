@@ -51,7 +51,7 @@ class Mamba2Block(nn.Module):
         super().__init__()
         self.fp32 = fp32
         self.norm = RMSNorm(shape.hidden_size, shape.eps, dtype=dtype, ops=ops)
-        self.mixer = Mamba2Mixer(shape, layer_idx, dtype)
+        self.mixer = Mamba2Mixer(shape, layer_idx, dtype, scan=ops.scan)
 
     def forward(self, x: torch.Tensor, ctx: StepContext, plan: StatePlan) -> torch.Tensor:
         out = self.mixer(self.norm(x.to(self.norm.weight.dtype)), ctx, plan)

@@ -130,7 +130,7 @@ class HybridLayer(nn.Module):
         a = cfg.arch
         self.is_linear = cfg.layer_types[layer_idx] == LINEAR
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(cfg.deltanet, layer_idx, dtype)
+            self.linear_attn = GatedDeltaNet(cfg.deltanet, layer_idx, dtype, ops.scan)
         else:
             self.self_attn = GatedAttention(cfg, layer_idx, rotary, ops, dtype)
         prefix = f"model.layers.{layer_idx}.mlp"

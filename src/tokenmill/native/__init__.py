@@ -4,7 +4,9 @@
 - ``add_rms_norm``, ``rope_store_kv``, ``decode_attention``: the small per-layer steps
   of a float32 forward in one call each (``kernels/decode.c``);
 - ``dense16``: x W^T for bfloat16 / float16 weights, float32 activations
-  (``kernels/dense16_gemm.c``, ``dense16.py``).
+  (``kernels/dense16_gemm.c``, ``dense16.py``);
+- ``recurrent``: one decode step of the gated delta rule and of Mamba2's SSD, in place in
+  the state pool (``kernels/recurrent.c``, ``recurrent.py``).
 
 The C files are compiled together with the system C compiler (``cc -O3 -march=native
 -fopenmp``, about two seconds) the first time they are needed and cached under
@@ -235,12 +237,16 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.dense16_has_bf16.restype = ctypes.c_int
     lib.dense16_amx_enable.argtypes = []
     lib.dense16_amx_enable.restype = ctypes.c_int
+    lib.delta_rule_step.argtypes = [ptr] * 6 + [i64, ptr, ptr] + [i64] * 5 + [ptr]
+    lib.ssd_step.argtypes = [ptr] * 7 + [i64, ptr, ptr] + [i64] * 5 + [ptr]
     for fn in (
         lib.add_rms_norm,
         lib.rope_store_kv,
         lib.decode_attention,
         lib.decode_layer,
         lib.dense16_gemm,
+        lib.delta_rule_step,
+        lib.ssd_step,
     ):
         fn.restype = None
     return lib

@@ -15,6 +15,7 @@ from tokenmill.layers.linear import Linear, PackedLinear
 from tokenmill.layers.recurrent import delta_rule
 from tokenmill.layers.recurrent.conv import CausalConv1d
 from tokenmill.layers.recurrent.plan import StatePlan
+from tokenmill.layers.recurrent.scan import REFERENCE_SCAN, ScanKernels
 
 # HF's four input projections load into one packed projection, shards in this order.
 PACKED_IN_PROJ = {
@@ -67,9 +68,11 @@ class GatedRMSNorm(nn.Module):
 class GatedDeltaNet(nn.Module):
     """hidden [T, hidden] -> [T, hidden]; reads and writes this layer's state slots."""
 
-    def __init__(self, shape: DeltaNetShape, layer_idx: int, dtype: torch.dtype) -> None:
+    def __init__(self, shape: DeltaNetShape, layer_idx: int, dtype: torch.dtype,
+                 scan: ScanKernels = REFERENCE_SCAN) -> None:  # fmt: skip
+        """``scan``: the delta-rule kernels (``ops.scan``, chosen at load)."""
         super().__init__()
-        self.shape, self.layer_idx = shape, layer_idx
+        self.shape, self.layer_idx, self.scan = shape, layer_idx, scan
         nv = shape.num_v_heads
         self.in_proj = PackedLinear(
             shape.hidden_size, [shape.conv_dim, shape.value_dim, nv, nv], False, dtype
@@ -102,28 +105,31 @@ class GatedDeltaNet(nn.Module):
         normed = self.norm(core.to(hidden.dtype), z.reshape(tokens, s.num_v_heads, s.head_v_dim))
         return self.out_proj(normed.reshape(tokens, s.value_dim), ctx)
 
-    def _qkv(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Convolved [N, conv_dim] -> q, k [N, Hv, K] (normalized, q scaled), v [N, Hv, V],
-        float32."""
+    def _qkv(
+        self, conv_out: torch.Tensor, expand: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved [N, conv_dim] -> q, k [N, Hv, K] (normalized, q scaled; [N, Hk, K]
+        unless ``expand``), v [N, Hv, V], float32."""
         s, n = self.shape, conv_out.shape[0]
         q, k, v = F.silu(conv_out).float().split([s.key_dim, s.key_dim, s.value_dim], dim=-1)
         group = s.num_v_heads // s.num_k_heads
         q = delta_rule.l2_normalize(q.reshape(n, s.num_k_heads, s.head_k_dim))
         k = delta_rule.l2_normalize(k.reshape(n, s.num_k_heads, s.head_k_dim))
-        if group > 1:
+        if group > 1 and expand:
             q, k = q.repeat_interleave(group, 1), k.repeat_interleave(group, 1)
         return q * s.head_k_dim**-0.5, k, v.reshape(n, s.num_v_heads, s.head_v_dim)
 
     def _singles(self, mixed, g, beta, windows, states, plan: StatePlan, core) -> None:
-        """The one-token sequences together: one conv step and one delta step."""
+        """The one-token sequences together: one conv step and one delta step (in place in
+        the states of their slots)."""
         keep = plan.keep
         window = windows.index_select(0, plan.slots) * keep[:, None, None]
         conv_out, window = self.conv1d.forward_step(plan.gather(mixed), window)
         windows.index_copy_(0, plan.slots, window.to(windows.dtype))
-        q, k, v = self._qkv(conv_out)
-        state = states.index_select(0, plan.slots) * keep[:, None, None, None]
-        out, state = delta_rule.step(q, k, v, plan.gather(g), plan.gather(beta), state)
-        states.index_copy_(0, plan.slots, state)
+        q, k, v = self._qkv(conv_out, expand=False)
+        out = self.scan.delta_step(
+            q, k, v, plan.gather(g), plan.gather(beta), states, plan.slots, keep
+        )
         plan.scatter(core, out)
 
     def _run(self, mixed, g, beta, windows, states, run, core, plan: StatePlan) -> None:
@@ -139,7 +145,7 @@ class GatedDeltaNet(nn.Module):
         windows[run.slot] = window
         q, k, v = self._qkv(conv_out)
         state = torch.zeros_like(states[run.slot]) if run.fresh else states[run.slot]
-        out, state, kept = delta_rule.chunked_keeping(
+        out, state, kept = self.scan.delta_scan(
             q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
             g[rows].T, beta[rows].T, state, run.lead(delta_rule.CHUNK), run.offsets,
             run.chunk(delta_rule.CHUNK),

@@ -15,6 +15,7 @@ from tokenmill.layers.linear import Linear
 from tokenmill.layers.recurrent import ssd
 from tokenmill.layers.recurrent.conv import CausalConv1d
 from tokenmill.layers.recurrent.plan import Run, StatePlan
+from tokenmill.layers.recurrent.scan import REFERENCE_SCAN, ScanKernels
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,12 @@ class Mamba2Mixer(nn.Module):
     """hidden [T, hidden] -> [T, hidden]; reads and writes this layer's state slots."""
 
     def __init__(self, shape: Mamba2Shape, layer_idx: int, dtype: torch.dtype,
-                 norm: nn.Module | None = None) -> None:  # fmt: skip
+                 norm: nn.Module | None = None, scan: ScanKernels = REFERENCE_SCAN) -> None:  # fmt: skip
         """``layer_idx``: the layer's entry in ``ctx.kv_caches``. ``norm(y, z)``: the gate
-        (default Mamba2's grouped gated RMSNorm, loaded as ``norm.weight``)."""
+        (default Mamba2's grouped gated RMSNorm, loaded as ``norm.weight``). ``scan``: the
+        SSD kernels (``ops.scan``, chosen at load)."""
         super().__init__()
-        self.shape, self.layer_idx = shape, layer_idx
+        self.shape, self.layer_idx, self.scan = shape, layer_idx, scan
         h = shape.num_heads
         self.in_proj = Linear(
             shape.hidden_size, shape.inner + shape.conv_dim + h, shape.bias, dtype
@@ -109,17 +111,21 @@ class Mamba2Mixer(nn.Module):
         normed = self.norm(y.reshape(tokens, s.inner).to(hidden.dtype), z)
         return self.out_proj(normed, ctx)
 
-    def _xbc(self, conv_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Convolved [N, conv_dim] -> x [N, H, P], B, C [N, H, S] (groups expanded), float32."""
+    def _xbc(
+        self, conv_out: torch.Tensor, expand: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved [N, conv_dim] -> x [N, H, P], B, C [N, H, S] (groups expanded; [N, G, S]
+        unless ``expand``), float32."""
         s, n = self.shape, conv_out.shape[0]
         x, b, c = (
             F.silu(conv_out)
             .float()
             .split([s.inner, s.n_groups * s.state_size, s.n_groups * s.state_size], dim=-1)
         )
+        b, c = b.reshape(n, s.n_groups, s.state_size), c.reshape(n, s.n_groups, s.state_size)
         group = s.num_heads // s.n_groups
-        b = b.reshape(n, s.n_groups, s.state_size).repeat_interleave(group, 1)
-        c = c.reshape(n, s.n_groups, s.state_size).repeat_interleave(group, 1)
+        if group > 1 and expand:
+            b, c = b.repeat_interleave(group, 1), c.repeat_interleave(group, 1)
         return x.reshape(n, s.num_heads, s.head_dim), b, c
 
     def _params(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,11 +136,9 @@ class Mamba2Mixer(nn.Module):
         window = windows.index_select(0, plan.slots) * keep[:, None, None]
         conv_out, window = self.conv1d.forward_step(plan.gather(xbc), window)
         windows.index_copy_(0, plan.slots, window.to(windows.dtype))
-        x, b, c = self._xbc(conv_out)
-        state = states.index_select(0, plan.slots) * keep[:, None, None, None]
+        x, b, c = self._xbc(conv_out, expand=False)
         a, d = self._params()
-        out, state = ssd.step(x, plan.gather(dt), a, b, c, d, state)
-        states.index_copy_(0, plan.slots, state)
+        out = self.scan.ssd_step(x, plan.gather(dt), a, b, c, d, states, plan.slots, keep)
         plan.scatter(y, out)
 
     def _run(self, xbc, dt, windows, states, run: Run, y, plan: StatePlan) -> None:
@@ -148,7 +152,7 @@ class Mamba2Mixer(nn.Module):
         x, b, c = self._xbc(conv_out)
         state = torch.zeros_like(states[run.slot]) if run.fresh else states[run.slot]
         a, d = self._params()
-        out, state, kept = ssd.chunked_keeping(
+        out, state, kept = self.scan.ssd_scan(
             x.transpose(0, 1), dt[rows].T, a, b.transpose(0, 1), c.transpose(0, 1), d, state,
             run.lead(ssd.CHUNK), run.offsets, run.chunk(ssd.CHUNK),
         )  # fmt: skip
