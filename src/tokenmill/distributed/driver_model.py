@@ -1,5 +1,5 @@
 """The model as the driver's runner sees it: rank 0's tensor-parallel shard, the last
-pipeline stage, or TP rank 0 of the last stage.
+pipeline stage, or TP rank 0 of the last stage (with a media encoder: the whole encoder).
 
 ``ModelRunner`` calls ``forward`` and ``compute_logits`` as on one device; each call here
 first broadcasts what the workers need to make the same call on their shards (their
@@ -22,6 +22,8 @@ from tokenmill.distributed.messages import Forward, Logits, forward_of
 from tokenmill.kv_cache.snapshots import StateStep
 from tokenmill.kv_cache.spec import CacheSpec
 from tokenmill.models.base import CausalLM
+from tokenmill.multimodal.inputs import MediaItem
+from tokenmill.multimodal.model import SupportsMultiModal, multimodal_info
 
 if TYPE_CHECKING:
     from tokenmill.distributed.stages import PPStage
@@ -38,6 +40,17 @@ class _Driver(CausalLM):
         self.head_dim, self.vocab_size = local.head_dim, local.vocab_size
         self.dtype, self.ops = local.dtype, local.ops
         self._snapshot: StateStep | None = None
+        info = multimodal_info(local)
+        if info is not None:  # the encoder is the driver's (``encoder_part``)
+            self.multimodal = info
+
+    def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
+        """Media items -> their placeholder embeddings, on this rank's whole encoder (the
+        runner's multimodal step puts them in the step context, which ``forward``
+        broadcasts)."""
+        local = self.local
+        assert isinstance(local, SupportsMultiModal), "a text model has nothing to encode"
+        return local.encode(items)
 
     def recording(
         self, state_step: Callable[[list[str]], StateStep]

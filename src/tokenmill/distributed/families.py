@@ -5,8 +5,11 @@ The decoder families (``DecoderForCausalLM``) and the hybrid / state-space ones
 (Qwen3.5 / Qwen3-Next, Mamba2, LFM2, Falcon-H1) differ in names (``backbone.`` vs
 ``model.``), in what flows between layers (Llama-style (hidden, residual) pairs, or one
 hidden whose residual was added in place; Mamba2's in float32) and in what a layer
-takes (a ``StatePlan`` of the step's state slots for the recurrent ones). A ``Family``
-says it once per family; ``stages.PPStage`` runs any of them the same way.
+takes (a ``StatePlan`` of the step's state slots for the recurrent ones). The vision-
+and audio-language checkpoints nest one of those language models (``text_config``, its
+tensors under a prefix per layout) next to an encoder, which only the driver loads and
+runs (``encoder_part``). A ``Family`` says it once per family; ``stages.PPStage`` runs any
+of them the same way.
 """
 
 from __future__ import annotations
@@ -34,8 +37,9 @@ class Family:
     """One family's layout. ``*_names``: checkpoint (HF) name prefixes; ``*_attrs``:
     attribute paths on the built model."""
 
-    layers_name: str
-    """Prefix of layer i's tensors, before ``i.``: "model.layers."."""
+    layers_names: tuple[str, ...]
+    """Prefixes of layer i's tensors, before ``i.``: ("model.layers.",); a vision-language
+    family lists each checkpoint layout's ("model.language_model.layers.", "model.layers.")."""
     table_names: tuple[str, ...]
     final_names: tuple[str, ...]
     """The final norm and the head: the last stage's."""
@@ -62,12 +66,15 @@ class Family:
     nest: Callable[[dict[str, Any], dict[str, Any]], dict[str, Any]] | None = None
     """(config.json, a rank's edited language config) -> the config.json the rank builds
     from; None: a flat config (the edits are config.json itself). ``nested.NestedPart``."""
-    drops: tuple[str, ...] = ()
-    """Checkpoint name prefixes no rank loads (a vision tower the ranks never run)."""
-    text_only: bool = False
-    """The ranks build the language model without the checkpoint's encoder (``nest``
-    leaves its config out): text prompts run under TP / PP, media requests are refused
-    at the boundary (``launch.check_media``)."""
+    encoder_prefixes: tuple[str, ...] = ()
+    """Checkpoint name prefixes of a vision / audio encoder (tower and projector): the
+    driver loads them whole (``encoder_part.EncoderPart``), no other rank reads them."""
+    encoder_attrs: tuple[str, ...] = ()
+    """The built model's encoder modules: the driver keeps them (it encodes media and
+    broadcasts the embeddings with the step), every other rank drops them."""
+    first_stage_layers: Callable[[dict[str, Any]], int] = lambda raw: 1
+    """(config.json) -> the layers the first pipeline stage must hold: Qwen3-VL adds its
+    DeepStack features after each of the first L layers, on the stage that embeds."""
 
     def layer_types(self, hf: dict[str, Any]) -> list[str] | None:
         return None if self.types is None else list(self.types(hf))
@@ -88,6 +95,13 @@ def _plan(ctx: StepContext) -> StatePlan | None:
     return StatePlan.of(ctx) if ctx.state is not None else None
 
 
+def merged(hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    """hidden [T, hidden] with the step's media embeddings put over their rows."""
+    if ctx.input_embeds is not None:
+        hidden[ctx.input_embeds.rows] = ctx.input_embeds.values.to(hidden.dtype)
+    return hidden
+
+
 # -- the decoder families ------------------------------------------------------------------
 
 
@@ -100,7 +114,7 @@ def _decoder_layers(model: Any, carry: Carry, positions: torch.Tensor, ctx: Step
 
 
 DECODER = Family(
-    layers_name="model.layers.",
+    layers_names=("model.layers.",),
     table_names=("model.embed_tokens.",),
     final_names=("model.norm.", "lm_head."),
     table_attr="model.embed_tokens",
@@ -126,7 +140,7 @@ def _qwen3_5_types(hf: dict[str, Any]) -> tuple[str, ...]:
 
 def _qwen3_5_layers(model: Any, carry: Carry, positions: torch.Tensor, ctx: StepContext) -> Carry:
     hidden, residual = carry
-    rope, plan = model.model.rotary.tables(positions), _plan(ctx)
+    rope, plan = model.model.rope_tables(positions), _plan(ctx)  # [3, T]: M-RoPE (vision)
     for layer in model.model.layers:
         hidden, residual = layer(rope, hidden, residual, ctx, plan)
     return hidden, residual
@@ -139,7 +153,7 @@ def _qwen3_5_arch(hf: dict[str, Any]) -> ArchConfig:
 
 
 QWEN3_5 = Family(
-    layers_name="model.layers.",
+    layers_names=("model.layers.",),
     table_names=("model.embed_tokens.",),
     final_names=("model.norm.", "lm_head."),
     table_attr="model.embed_tokens",
@@ -148,7 +162,7 @@ QWEN3_5 = Family(
     kinds=lambda hf: [
         frozenset({STATE if t == "linear_attention" else PAGED}) for t in _qwen3_5_types(hf)
     ],  # fmt: skip
-    embed=lambda model, ids, ctx: model.model.embed_tokens(ids),
+    embed=lambda model, ids, ctx: merged(model.model.embed_tokens(ids), ctx),
     layers=_qwen3_5_layers,
     finish=lambda model, c: model.model.norm.forward_residual(c[0], c[1])[0],
     types_key="layer_types",
@@ -175,7 +189,7 @@ def _mamba2_arch(hf: dict[str, Any]) -> ArchConfig:
 
 
 MAMBA2 = Family(
-    layers_name="backbone.layers.",
+    layers_names=("backbone.layers.",),
     table_names=("backbone.embeddings.", "backbone.embedding."),
     final_names=("backbone.norm_f.", "lm_head."),
     table_attr="embeddings",
@@ -211,7 +225,7 @@ def _lfm2_arch(hf: dict[str, Any]) -> ArchConfig:
 
 
 LFM2 = Family(
-    layers_name="model.layers.",
+    layers_names=("model.layers.",),
     table_names=("model.embed_tokens.",),
     final_names=("model.embedding_norm.", "lm_head."),
     table_attr="embed_tokens",
@@ -233,7 +247,7 @@ def _falcon_embed(model: Any, ids: torch.Tensor, ctx: StepContext) -> torch.Tens
 
 
 FALCON_H1 = Family(
-    layers_name="model.layers.",
+    layers_names=("model.layers.",),
     table_names=("model.embed_tokens.",),
     final_names=("model.final_layernorm.", "lm_head."),
     table_attr="embed_tokens",
@@ -247,35 +261,106 @@ FALCON_H1 = Family(
 )
 
 
-# -- Qwen3.5 vision-language checkpoints: the same layers one level down -------------------
+# -- vision- and audio-language checkpoints: a language model nested next to an encoder ----
 
 
-def _qwen3_5_vl_text(hf: dict[str, Any]) -> dict[str, Any]:
-    from tokenmill.models.qwen3_5_vl import vl_text_config
+def nested_text(hf: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config (``text_config``, or config.json itself when flat), the
+    top-level tie flag winning as transformers ties."""
+    text = dict(hf.get("text_config") or hf)
+    if "tie_word_embeddings" in hf:
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text
 
-    return vl_text_config(hf)  # the top-level tie flag wins
+
+def _nest(hf: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
+    """config.json with a rank's edited language config in place (the encoder's config,
+    ``vision_config`` / ``audio_config``, untouched: the driver builds the whole encoder)."""
+    return {**hf, "text_config": text} if hf.get("text_config") else text
 
 
-QWEN3_5_VL = dataclasses.replace(
-    QWEN3_5,
-    # "model.language_model.layers.N." etc.: the built model's attributes stay model.*
-    layers_name="model.language_model.layers.",
-    table_names=("model.language_model.embed_tokens.",),
-    final_names=("model.language_model.norm.", "lm_head."),
-    text=_qwen3_5_vl_text,
-    # without vision_config: the ranks (the driver too) build the language model only
-    nest=lambda hf, text: {
-        **{k: v for k, v in hf.items() if k != "vision_config"},
-        "text_config": text,
-    },
-    drops=("model.visual.",),
-    text_only=True,
+def with_encoder(base: Family, language: tuple[str, ...], heads: tuple[str, ...],
+                 encoder: tuple[str, ...], attrs: tuple[str, ...], **changes: Any) -> Family:  # fmt: skip
+    """``base``'s layers behind ``language`` (the checkpoint prefixes of its ``model.``, one
+    per layout), output ``heads``, and an encoder at ``encoder`` (checkpoint) / ``attrs``
+    (built model)."""
+    return dataclasses.replace(
+        base,
+        layers_names=tuple(p + "layers." for p in language),
+        table_names=tuple(p + "embed_tokens." for p in language),
+        final_names=tuple(p + "norm." for p in language) + heads,
+        text=nested_text,
+        nest=_nest,
+        encoder_prefixes=encoder,
+        encoder_attrs=attrs,
+        **changes,
+    )
+
+
+def _deepstack_layers(model: Any, carry: Carry, positions: torch.Tensor, ctx: StepContext) -> Carry:
+    """Qwen3-VL's layers: the DeepStack features of the media rows added to the stream
+    after each of the first L layers (the first stage's: only it gets ``input_embeds``)."""
+    embeds = ctx.input_embeds
+    stack = None if embeds is None else embeds.deepstack  # [N, L, hidden]
+    if stack is None:
+        return _decoder_layers(model, carry, positions, ctx)
+    assert embeds is not None
+    hidden, residual = carry
+    rope = model.model.rope_tables(positions)
+    for i, layer in enumerate(model.model.layers):
+        hidden, residual = layer(rope, hidden, residual, ctx)
+        if i < stack.shape[1]:  # the stream as HF sums it (residual + output), + the features
+            hidden = residual + hidden
+            hidden[embeds.rows] += stack[:, i].to(hidden.dtype)
+            residual = torch.zeros_like(hidden)
+    return hidden, residual
+
+
+def _deepstack_count(raw: dict[str, Any]) -> int:
+    vision = raw.get("vision_config") or {}
+    return len(vision.get("deepstack_visual_indexes", (8, 16, 24)))
+
+
+QWEN_VL_LANGUAGE = ("model.language_model.", "model.")  # transformers 5's layout, the flat one
+QWEN_VL_ENCODER = ("model.visual.", "visual.")
+QWEN_VL = with_encoder(DECODER, QWEN_VL_LANGUAGE, ("lm_head.",), QWEN_VL_ENCODER, ("visual",))
+QWEN3_VL = with_encoder(
+    DECODER, QWEN_VL_LANGUAGE, ("lm_head.",), QWEN_VL_ENCODER, ("visual",),
+    layers=_deepstack_layers, first_stage_layers=_deepstack_count,
+)  # fmt: skip
+GEMMA3_VL = with_encoder(
+    DECODER,
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+    ("model.vision_tower.", "vision_tower.", "model.multi_modal_projector.",
+     "multi_modal_projector."),
+    ("vision",),
+)  # fmt: skip
+SMOLVLM = with_encoder(
+    DECODER, ("model.text_model.",), ("lm_head.",), ("model.vision_model.", "model.connector."),
+    ("vision",),
+)  # fmt: skip
+QWEN2_AUDIO = with_encoder(
+    DECODER, ("language_model.model.",), ("language_model.lm_head.",),
+    ("audio_tower.", "multi_modal_projector."), ("audio_tower", "multi_modal_projector"),
+)  # fmt: skip
+QWEN3_5_VL = with_encoder(
+    QWEN3_5, ("model.language_model.",), ("lm_head.",), ("model.visual.",), ("visual",)
 )
+"""Qwen3.5's checkpoints: the hybrid language model under ``model.language_model.*`` (the
+built model's attributes stay ``model.*``), Qwen3-VL's tower without DeepStack."""
 
 
 FAMILIES: dict[str, Family] = {
     "Qwen3_5ForCausalLM": QWEN3_5,
     "Qwen3_5ForConditionalGeneration": QWEN3_5_VL,
+    "Qwen2VLForConditionalGeneration": QWEN_VL,
+    "Qwen2_5_VLForConditionalGeneration": QWEN_VL,
+    "Qwen3VLForConditionalGeneration": QWEN3_VL,
+    "Gemma3ForConditionalGeneration": GEMMA3_VL,
+    "SmolVLMForConditionalGeneration": SMOLVLM,
+    "Idefics3ForConditionalGeneration": SMOLVLM,
+    "Qwen2AudioForConditionalGeneration": QWEN2_AUDIO,
     "Qwen3NextForCausalLM": QWEN3_5,
     "Mamba2ForCausalLM": MAMBA2,
     "Lfm2ForCausalLM": LFM2,
@@ -288,13 +373,13 @@ def family_of(model_cls: type[CausalLM]) -> Family:
     """The family of a model class; UnsupportedModelError for one that does not split."""
     from tokenmill.models.decoder import DecoderForCausalLM
 
+    family = FAMILIES.get(model_cls.__name__)
+    if family is not None:
+        return family
     if issubclass(model_cls, DecoderForCausalLM):
         return DECODER
-    family = FAMILIES.get(model_cls.__name__)
-    if family is None:
-        raise UnsupportedModelError(
-            f"{model_cls.__name__} can not be split over processes yet (tensor and pipeline "
-            "parallelism cover the decoder families Llama, Qwen2, Qwen3, Mistral, Gemma3 and "
-            f"the hybrid {', '.join(sorted(FAMILIES))})"
-        )
-    return family
+    raise UnsupportedModelError(
+        f"{model_cls.__name__} can not be split over processes yet (tensor and pipeline "
+        "parallelism cover the decoder families Llama, Qwen2, Qwen3, Mistral, Gemma3 and "
+        f"{', '.join(sorted(FAMILIES))})"
+    )

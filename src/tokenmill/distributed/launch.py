@@ -25,7 +25,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.config import check_devices, check_shapes
-from tokenmill.distributed.families import FAMILIES, STATE, family_of
+from tokenmill.distributed.families import STATE, Family, family_of
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks
 from tokenmill.distributed.hybrid_split import split_of
 from tokenmill.distributed.messages import Ready, Stop
@@ -33,7 +33,7 @@ from tokenmill.distributed.part import ModelPart
 from tokenmill.distributed.stages import split_layers
 from tokenmill.distributed.worker import WorkerArgs, model_part, worker_main
 from tokenmill.engine.loading import LoadedModel
-from tokenmill.errors import EngineDeadError, UnsupportedModelError
+from tokenmill.errors import EngineDeadError, InvalidRequestError, UnsupportedModelError
 from tokenmill.loader import load_checkpoint
 from tokenmill.models import resolve_model_class
 from tokenmill.threads import configure_threads
@@ -157,7 +157,6 @@ def check_parallel_model(config: EngineConfig) -> None:
     parallel = config.parallel
     ckpt = load_checkpoint(config.model)
     model_cls = resolve_model_class(ckpt.hf_config.get("architectures"))
-    check_media(config, model_cls)
     family = family_of(model_cls)
     hf = family.text(ckpt.hf_config)  # the language model's (a vision checkpoint nests it)
     name = model_cls.__name__
@@ -174,28 +173,21 @@ def check_parallel_model(config: EngineConfig) -> None:
         check_shapes(hf, parallel.tensor_parallel_size, name, problems)
     stages = split_layers(family.arch(hf).num_layers, parallel.pipeline_parallel_size)
     check_stage_caches(kinds, stages, name)
+    check_first_stage(family, ckpt.hf_config, stages, name)
     if config.torch_device().type == "cuda" and parallel.distributed_executor_backend == "mp":
         check_devices(parallel, torch.cuda.device_count())
 
 
-def check_media(config: EngineConfig, model_cls: type) -> None:
-    """The ranks split a language model only: a model whose vision / audio encoder
-    tokenmill runs (``SupportsMultiModal.encode``: Qwen2/2.5/3-VL, Gemma3, SmolVLM,
-    Qwen2-Audio) is refused under TP / PP, before its nested config is read (its encoder
-    and the placeholder embeddings it hands the first stage are one process's). A family
-    whose ranks build without the encoder (``Family.text_only``: Qwen3.5's vision
-    checkpoints) runs text prompts; its media requests are refused at the boundary (the
-    driver's model has no encoder)."""
-    family = FAMILIES.get(model_cls.__name__)
-    if not callable(getattr(model_cls, "encode", None)) or (family and family.text_only):
-        return
-    p = config.parallel
-    raise UnsupportedModelError(
-        f"{model_cls.__name__} has a vision / audio encoder, which does not run under "
-        f"tensor_parallel_size={p.tensor_parallel_size} x pipeline_parallel_size="
-        f"{p.pipeline_parallel_size} (the ranks split the language model only); use "
-        "tensor_parallel_size=pipeline_parallel_size=1 for this model"
-    )
+def check_first_stage(family: Family, raw: dict[str, Any], stages: list[range], name: str) -> None:
+    """The first stage holds at least the layers its family needs there (Qwen3-VL: one per
+    DeepStack feature, which the stage that embeds adds after each of its first layers)."""
+    need = family.first_stage_layers(raw)
+    if len(stages[0]) < need:
+        raise InvalidRequestError(
+            f"the first pipeline stage of {name} holds {len(stages[0])} layers, but its "
+            f"vision features are added after each of the first {need}: use a smaller "
+            "pipeline_parallel_size"
+        )
 
 
 def check_stage_caches(kinds: list[frozenset[str]], stages: list[range], name: str) -> None:

@@ -1,14 +1,13 @@
-"""A rank's part of a vision-language checkpoint whose language model is nested: config.json
-keeps it under ``text_config`` and its weights under ``model.language_model.*`` next to a
-vision tower's ``model.visual.*`` (Qwen3.5's checkpoints, ``Qwen3_5ForConditionalGeneration``).
+"""A rank's part of a vision- or audio-language checkpoint whose language model is nested:
+config.json keeps it under ``text_config`` (Qwen2/2.5/3-VL, Qwen3.5, Gemma 3, SmolVLM,
+Qwen2-Audio as transformers 5 saves them).
 
 The shard and stage code edits a flat language config; ``NestedPart`` hands it the
 language config (``Family.text``) and puts the edited one back where the model reads it
 (``Family.nest``), so a stage's layer count, a shard's head counts and a middle stage's
-tiny vocabulary reach the language model. The weight stream loses the family's ``drops``
-(the vision tower, which the text-only model drops on one process too) before the part
-renames and narrows the rest; the language names themselves are the family's own
-(``families.QWEN3_5_VL``: ``model.language_model.layers.N.``).
+tiny vocabulary reach the language model. The language tensors' names are the family's
+own (``families.QWEN3_5_VL``: ``model.language_model.layers.N.``); the encoder's never
+reach the part (``encoder_part``).
 """
 
 from __future__ import annotations
@@ -38,22 +37,19 @@ class NestedPart:
         return self.family.nest(hf_config, text)
 
     def stored_types(self, types: Mapping[str, Any]) -> Mapping[str, Any]:
-        return self.part.stored_types({n: t for n, t in types.items() if self._keeps(n)})
+        return self.part.stored_types(types)
 
     def adopt(self, model: nn.Module) -> None:
         self.part.adopt(model)
 
     def weights(self, stream: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
-        return self.part.weights((n, t) for n, t in stream if self._keeps(n))
+        return self.part.weights(stream)
 
     def driver(self, local: CausalLM) -> CausalLM:
         return self.part.driver(local)
 
     def handlers(self, model: CausalLM, caches: list) -> dict[type, Callable[[Any], object]]:
         return self.part.handlers(model, caches)
-
-    def _keeps(self, name: str) -> bool:
-        return not name.startswith(self.family.drops) if self.family.drops else True
 
 
 def nested(part: ModelPart, family: Family) -> ModelPart:

@@ -143,10 +143,11 @@ class PPStage:
     def rename(self, name: str) -> str | None:
         """A checkpoint name in this stage's numbering; None: not this stage's."""
         family = self.family
-        if name.startswith(family.layers_name):
-            index, _, rest = name[len(family.layers_name) :].partition(".")
-            i = int(index)
-            return None if i not in self.layers else f"{family.layers_name}{i - self.layers.start}.{rest}"  # fmt: skip
+        for prefix in family.layers_names:
+            if name.startswith(prefix):
+                index, _, rest = name[len(prefix) :].partition(".")
+                i = int(index)
+                return None if i not in self.layers else f"{prefix}{i - self.layers.start}.{rest}"
         if name.startswith(family.table_names):
             return name if self.keeps_table else None
         if name.startswith(family.final_names):
@@ -201,7 +202,9 @@ class PPStage:
         caches: Sequence[torch.Tensor | None],
         sends: Sends,
     ) -> torch.Tensor | None:
-        ctx = StepContext(m.attn, caches, None, m.state, m.adapter_ids, m.input_embeds)
+        # media embeddings merge where the table lookup is: the first stage's
+        embeds = m.input_embeds if self.first else None
+        ctx = StepContext(m.attn, caches, None, m.state, m.adapter_ids, embeds)
         family, tokens = self.family, m.input_ids.shape[0]
         carry: Carry
         if self.first:

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.encoder_part import with_encoder_part
 from tokenmill.distributed.families import family_of
 from tokenmill.distributed.grid import Grid
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks, stage_group
@@ -59,7 +60,8 @@ def device_of(config: EngineConfig, index: int) -> torch.device:
 
 def model_part(config: EngineConfig, group: RankGroup) -> ModelPart:
     """This rank's part of the checkpoint's model: a tensor-parallel shard, a stage, or a
-    shard of a stage. Collective with TP and PP together (the stages' groups are made)."""
+    shard of a stage (of the language model; a media encoder is the driver's whole).
+    Collective with TP and PP together (the stages' groups are made)."""
     raw = load_checkpoint(config.model).hf_config
     model_cls = resolve_model_class(raw.get("architectures"))
     family = family_of(model_cls)
@@ -76,7 +78,7 @@ def model_part(config: EngineConfig, group: RankGroup) -> ModelPart:
     else:
         stage = PPStage(cfg, group, grid, family, hf)
         part = TPStage(TPShard(cfg, stage_group(group, grid), split), stage)
-    return nested(part, family)
+    return with_encoder_part(nested(part, family), family, group.rank)
 
 
 class Reports(Protocol):

@@ -130,11 +130,6 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             start_token_id=int(hf_config.get("boi_token_index", 255999)),
             end_token_id=int(hf_config.get("eoi_token_index", 256000)),
         )
-        if self.multimodal.image_token_id >= self.vocab_size:
-            raise ModelLoadError(
-                f"image_token_index={self.multimodal.image_token_id} is outside the "
-                f"vocabulary ({self.vocab_size} tokens)"
-            )
 
     @torch.inference_mode()
     def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
@@ -147,6 +142,12 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Tower and projector tensors load into ``vision`` as they stream by; the rest are
         the decoder's (``lm_head`` is tied to the embedding: skipped)."""
+        # checked here, not when built: a parallel rank is built at its shard's vocabulary
+        if self.multimodal.image_token_id >= self.vocab_size:
+            raise ModelLoadError(
+                f"image_token_index={self.multimodal.image_token_id} is outside the "
+                f"vocabulary ({self.vocab_size} tokens)"
+            )
         vision: set[str] = set()
 
         def text_only() -> Iterator[tuple[str, torch.Tensor]]:
@@ -168,6 +169,8 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         text = nn.Module()  # the decoder's parameters only
         text.model = self.model
         loaded = load_weights(text, text_only())
+        if self.vision is None:  # a parallel rank that never encodes
+            return loaded
         missing = sorted(dict(self.vision.named_parameters()).keys() - vision)
         if missing:
             raise ModelLoadError(f"checkpoint is missing vision weights: {', '.join(missing)}")

@@ -120,8 +120,11 @@ class Qwen2AudioForConditionalGeneration(DecoderForCausalLM):
         return [o[: it.num_tokens] for o, it in zip(out, items)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        audio = dict(self.audio_tower.named_parameters(prefix="audio_tower"))
-        audio.update(self.multi_modal_projector.named_parameters(prefix="multi_modal_projector"))
+        audio: dict[str, nn.Parameter] = {}
+        if self.audio_tower is not None:  # None: a parallel rank that never encodes
+            audio.update(self.audio_tower.named_parameters(prefix="audio_tower"))
+            projector = self.multi_modal_projector.named_parameters(prefix="multi_modal_projector")
+            audio.update(projector)
         seen: set[str] = set()
 
         def text_only() -> Iterator[tuple[str, torch.Tensor]]:

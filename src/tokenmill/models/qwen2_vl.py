@@ -138,7 +138,8 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
             text.lm_head = self.lm_head
         skip = ("lm_head.weight",) if self.lm_head is None else ()
         loaded = load_weights(text, text_only(), skip=skip)
-        self.visual.check_loaded(vision)
+        if self.visual is not None:  # None: a parallel rank that never encodes
+            self.visual.check_loaded(vision)
         return loaded | {f"visual.{n}" for n in vision}
 
 

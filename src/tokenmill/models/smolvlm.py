@@ -45,6 +45,9 @@ class _Vision(nn.Module):
 
 
 class SmolVLMForConditionalGeneration(DecoderForCausalLM):
+    processor = "smolvlm"
+    """The boundary processor (``multimodal/prompt.py``): SmolVLM's image processor."""
+
     def __init__(
         self,
         hf_config: dict[str, Any],
@@ -62,7 +65,7 @@ class SmolVLMForConditionalGeneration(DecoderForCausalLM):
             image_token_id=int(hf_config.get("image_token_id", 49190)),
             video_token_id=-1,
             merge_size=spec.scale_factor,
-            processor="idefics3",
+            processor=self.processor,
             tile_tokens=spec.tokens_per_tile,
         )
 
@@ -96,6 +99,8 @@ class SmolVLMForConditionalGeneration(DecoderForCausalLM):
             text.lm_head = self.lm_head
         skip = ("lm_head.weight",) if self.lm_head is None else ()
         loaded = load_weights(text, text_only(), skip=skip)
+        if self.vision is None:  # a parallel rank that never encodes
+            return loaded
         missing = sorted(dict(self.vision.named_parameters()).keys() - vision)
         if missing:
             from tokenmill.errors import ModelLoadError
@@ -106,3 +111,5 @@ class SmolVLMForConditionalGeneration(DecoderForCausalLM):
 
 class Idefics3ForConditionalGeneration(SmolVLMForConditionalGeneration):
     """Idefics3: SmolVLM's layout and weights (SmolVLM is its successor)."""
+
+    processor = "idefics3"

@@ -35,7 +35,9 @@ _PROCESSOR_KEYS = (
 )  # fmt: skip
 
 
-def load_idefics3_image_processor(folder: Path | None, architecture: str) -> Any:
+def load_idefics3_image_processor(folder: Path | None, kind: str) -> Any:
+    """transformers' PIL image processor of ``kind`` ("smolvlm" or "idefics3") with the
+    folder's preprocessor_config.json."""
     from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil
 
     config: dict[str, Any] = {}
@@ -43,7 +45,7 @@ def load_idefics3_image_processor(folder: Path | None, architecture: str) -> Any
     if path is not None and path.is_file():
         config = json.loads(path.read_text())
     cls: Any = SmolVLMImageProcessorPil
-    if architecture.startswith("Idefics3"):
+    if kind == "idefics3":
         from transformers.models.idefics3.image_processing_pil_idefics3 import (
             Idefics3ImageProcessorPil,
         )

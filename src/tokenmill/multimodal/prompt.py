@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Protocol
 
 from tokenmill.config import EngineConfig
@@ -44,10 +42,10 @@ def build_processor(
             info, load_gemma3_image_processor(folder), tokenizer, limits,
             config.media_max_pixels, max_prefill_chunk(config),
         )  # fmt: skip
-    if info.processor == "idefics3":
+    if info.processor in ("smolvlm", "idefics3"):
         from tokenmill.multimodal.idefics3 import Idefics3Processor, load_idefics3_image_processor
 
-        image_processor = load_idefics3_image_processor(folder, type(model).__name__)
+        image_processor = load_idefics3_image_processor(folder, info.processor)
         return Idefics3Processor(
             info, image_processor, tokenizer, limits, config.media_max_pixels,
             parse_processor_kwargs(config.mm_processor_kwargs),
@@ -96,26 +94,7 @@ def model_name(config: EngineConfig) -> str:
     return config.served_model_name or str(config.model)
 
 
-def _has_encoder_config(config: EngineConfig) -> bool:
-    """The checkpoint folder's config.json describes a vision or audio tower."""
-    if config.model is None:
-        return False
-    try:
-        hf = json.loads((Path(config.model) / "config.json").read_text())
-    except (OSError, ValueError, TypeError):
-        return False
-    return isinstance(hf, dict) and any(k in hf for k in ("vision_config", "audio_config"))
-
-
 def no_encoder_error(config: EngineConfig) -> InvalidRequestError:
-    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
-    if tp * pp > 1 and _has_encoder_config(config):  # ranks split the language model only
-        return InvalidRequestError(
-            f"model {model_name(config)!r} runs text only under tensor_parallel_size={tp} x "
-            f"pipeline_parallel_size={pp} (the ranks split its language model, not its "
-            "vision encoder): send text only, or serve it with "
-            "tensor_parallel_size=pipeline_parallel_size=1 for images and video"
-        )
     return InvalidRequestError(
         f"model {model_name(config)!r} has no vision or audio encoder: it takes text only, "
         "so multi_modal_data and media content parts can not be used with it"
