@@ -18,12 +18,13 @@ import torch
 
 from tokenmill.attention import StepContext
 from tokenmill.distributed.group import RankGroup
-from tokenmill.distributed.messages import Forward, Logits, forward_of
+from tokenmill.distributed.messages import Forward, Logits, RollBack, forward_of
 from tokenmill.kv_cache.snapshots import StateStep
 from tokenmill.kv_cache.spec import CacheSpec
 from tokenmill.models.base import CausalLM
 from tokenmill.multimodal.inputs import MediaItem
 from tokenmill.multimodal.model import SupportsMultiModal, multimodal_info
+from tokenmill.worker.state_rollback import RollbackCopies
 
 if TYPE_CHECKING:
     from tokenmill.distributed.stages import PPStage
@@ -68,6 +69,11 @@ class _Driver(CausalLM):
     def _step(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> Forward:
         snapshot, self._snapshot = self._snapshot, None
         return forward_of(input_ids, positions, ctx, snapshot)
+
+    def rolled_back(self, copies: RollbackCopies) -> None:
+        """A verify step's rollback copies (the runner made them on this rank's slots):
+        the workers make them on theirs (``worker.StepRollback``)."""
+        self.group.broadcast(RollBack(copies))
 
     def cache_specs(self) -> list[CacheSpec]:
         return self.local.cache_specs()

@@ -25,7 +25,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.config import check_devices, check_shapes
-from tokenmill.distributed.families import STATE, Family, family_of
+from tokenmill.distributed.families import Family, family_of
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks
 from tokenmill.distributed.hybrid_split import split_of
 from tokenmill.distributed.messages import Ready, Stop
@@ -161,12 +161,6 @@ def check_parallel_model(config: EngineConfig) -> None:
     hf = family.text(ckpt.hf_config)  # the language model's (a vision checkpoint nests it)
     name = model_cls.__name__
     kinds = family.kinds(hf)
-    if STATE in frozenset().union(*kinds) and config.speculative is not None:
-        raise UnsupportedModelError(
-            f"speculative decoding on {name} (recurrent state layers) is not built for "
-            "tensor / pipeline parallelism (its rollback rows are the driver's only); drop "
-            "the speculative config or use tensor_parallel_size=pipeline_parallel_size=1"
-        )
     if parallel.tensor_parallel_size > 1:
         split = split_of(model_cls, hf)
         problems = None if split is None else split.problems(parallel.tensor_parallel_size)

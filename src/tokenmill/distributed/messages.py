@@ -2,7 +2,9 @@
 
 Per step: one ``Forward`` (the step's model inputs; each worker adds its own KV caches),
 then one ``Logits`` per scoring call (the final hidden rows that sample, or prompt rows
-for prompt logprobs), so the vocabulary-parallel head gathers logits of those rows only.
+for prompt logprobs), so the vocabulary-parallel head gathers logits of those rows only;
+with speculative decoding on recurrent layers, one ``RollBack`` when a verify step is
+collected (the state of each sequence's accepted drafts copied into its slot).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from tokenmill.attention import AttentionMetadata, StateMetadata
 from tokenmill.attention.context import InputEmbeds
 from tokenmill.kv_cache.snapshots import StateStep
+from tokenmill.worker.state_rollback import RollbackCopies
 
 M = TypeVar("M")
 
@@ -49,7 +52,8 @@ class Forward:
     state: StateMetadata | None = None
     """Each sequence's state slot (the driver's scheduler chose it: the same slot id on
     every rank, each holding that rank's part of the state); its ``snapshots`` and
-    ``rollback`` rows are left out (each rank has its own: ``worker.StepState``)."""
+    ``rollback`` rows are left out (each rank has its own: ``worker.StepState``,
+    ``worker.StepRollback``)."""
     snapshot: StateStep | None = None
     """The step's snapshot copies (restores before the forward, saves after), which each
     rank makes on its own caches; None: no snapshot pool, or nothing to copy."""
@@ -73,6 +77,14 @@ def forward_of(input_ids: torch.Tensor, positions: torch.Tensor, ctx: object,
 class Logits:
     hidden: torch.Tensor
     """[N, hidden]: the rows to score (the same on every rank after the last all-reduce)."""
+
+
+@dataclass(frozen=True)
+class RollBack:
+    """A collected verify step's copies (``state_rollback.RollbackCopies``), which each
+    worker makes from its oldest step's rollback rows into its own state slots."""
+
+    copies: RollbackCopies
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import traceback
+from collections import deque
 from collections.abc import Callable, Mapping
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
@@ -24,7 +25,7 @@ from tokenmill.distributed.families import family_of
 from tokenmill.distributed.grid import Grid
 from tokenmill.distributed.group import RankGroup, init_ranks, leave_ranks, stage_group
 from tokenmill.distributed.hybrid_split import split_of
-from tokenmill.distributed.messages import Forward, Ready, Stop, moved
+from tokenmill.distributed.messages import Forward, Ready, RollBack, Stop, moved
 from tokenmill.distributed.nested import nested
 from tokenmill.distributed.part import ModelPart
 from tokenmill.distributed.shard import TPShard
@@ -35,6 +36,7 @@ from tokenmill.kv_cache.snapshot_copies import SnapshotTensors
 from tokenmill.loader import load_checkpoint
 from tokenmill.models import resolve_model_class
 from tokenmill.worker.model_runner import allocate_kv_caches
+from tokenmill.worker.state_rollback import RollbackRows, copy_rows
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +116,10 @@ def worker_main(args: WorkerArgs, conn: Connection | Reports) -> None:
     if rows:  # the hybrid prefix cache: this rank's own snapshot rows
         snapshots = SnapshotTensors(loaded.model.cache_specs(), caches, rows)
         handlers[Forward] = StepState(snapshots, caches).around(handlers[Forward])
+    if num_slots and config.speculative is not None:  # drafts on recurrent layers
+        rollback = StepRollback(RollbackRows(loaded.model.cache_specs(), caches), caches)
+        handlers[Forward] = rollback.around(handlers[Forward])
+        handlers[RollBack] = rollback.roll_back
     try:
         serve_steps(handlers, group, device)
     finally:
@@ -144,6 +150,34 @@ class StepState:
             return out
 
         return run
+
+
+class StepRollback:
+    """A worker's rollback rows for speculative decoding on recurrent layers: a verify
+    step keeps each draft position's state in rows of its own (``Forward.state.run_keeps``
+    names them, as on the driver), and the driver's ``RollBack`` at the step's collect
+    says which row goes into which slot. Steps are collected in the order they were
+    sent (two may be in flight with asynchronous scheduling): a queue of their rows."""
+
+    def __init__(self, rows: RollbackRows, caches: list) -> None:
+        self.rows, self.caches = rows, caches
+        self.pending: deque[list[torch.Tensor | None]] = deque()
+
+    def around(self, forward: Callable[[Forward], object]) -> Callable[[Forward], object]:
+        def run(m: Forward) -> object:
+            count = 0 if m.state is None else sum(len(k) for k in m.state.run_keeps)
+            if count and m.state is not None:
+                kept = self.rows.take(count)
+                self.pending.append(kept)
+                m = dataclasses.replace(m, state=dataclasses.replace(m.state, rollback=kept))
+            return forward(m)
+
+        return run
+
+    def roll_back(self, m: RollBack) -> None:
+        kept = self.pending.popleft()
+        copy_rows(kept, self.caches, m.copies)
+        self.rows.give(kept)
 
 
 def serve_steps(

@@ -65,9 +65,11 @@ class MultiprocExecutor(Executor):
     def __init__(self, runner: ModelRunner, ranks: Ranks) -> None:
         self.runner = runner
         self.ranks = ranks
+        driver: Any = runner.model  # a distributed/driver_model driver
         if runner.state_step is not None:  # snapshot copies: the workers make them too
-            driver: Any = runner.model  # a distributed/driver_model driver
             runner.state_step = driver.recording(runner.state_step)
+        if runner.rollback_rows is not None:  # rolled-back drafts: the workers' states too
+            runner.mirror_rollback = driver.rolled_back
         self._dead: str | None = None
         self._stopped = False
         self._watchdog = Watchdog(ranks.workers)

@@ -20,9 +20,9 @@ How transformers 5.x's ``Qwen3_5ForConditionalGeneration`` differs from Qwen3-VL
   248057, vision start / end 248053 / 248054), read from config.json.
 
 Weights: ``model.language_model.*`` and ``lm_head`` (or tied at the top level) for the
-language model, ``model.visual.*`` for the tower. A rank of a tensor / pipeline parallel
-run builds from a config without ``vision_config`` (``distributed/families.QWEN3_5_VL``):
-the language model only, text prompts only.
+language model, ``model.visual.*`` for the tower. Under tensor / pipeline parallelism the
+driver holds the whole tower (``distributed/encoder_part.py``), the other ranks drop it.
+A config without ``vision_config`` builds the language model alone.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         self.model.mrope_section = tuple(int(n) for n in rope.get("mrope_section", (11, 11, 10)))
         self.visual: Qwen3VisionTower | None = None
         self.multimodal: MultiModalInfo | None = None
-        """None without ``vision_config`` (a parallel rank): a text-only language model."""
+        """None without ``vision_config``: a text-only language model."""
         v = hf_config.get("vision_config")
         if v is None:
             return

@@ -42,7 +42,7 @@ from tokenmill.worker.inputs import (
     build_step_inputs,
     record_event,
 )
-from tokenmill.worker.state_rollback import RollbackRows, StateRollback
+from tokenmill.worker.state_rollback import RollbackCopies, RollbackRows, StateRollback
 
 
 class FeatureSink(Protocol):
@@ -190,6 +190,9 @@ class ModelRunner:
         per-position states (``state_rollback.py``); None: no rollback (attention only)."""
         self._rollback: StateRollback | None = None
         """The step being launched's rollback rows, handed to its ``LaunchedStep``."""
+        self.mirror_rollback: Callable[[RollbackCopies], None] | None = None
+        """Set by a parallel executor: each verify step's rollback copies, which the
+        workers make on their own shards of the state (``distributed/worker.py``)."""
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> LaunchedStep:
@@ -319,8 +322,10 @@ class ModelRunner:
             len(new) - 1 if r.status is RequestStatus.RUNNING and new else None
             for r, new in zip(requests, tokens)
         ]  # fmt: skip
-        rollback.apply(slots, accepted, self.kv_caches)
-        self.rollback_rows.give(rollback)
+        copies = rollback.apply(slots, accepted, self.kv_caches)
+        if self.mirror_rollback is not None:
+            self.mirror_rollback(copies)
+        self.rollback_rows.give(rollback.tensors)
 
     def _pending_tokens(self, sched: SchedulerOutput, cols: StepColumns) -> PendingTokens | None:
         """The step's input tokens that the previous step is still sampling (each the

@@ -52,10 +52,11 @@ class StateRollback:
         slots: Sequence[int],
         accepted: Sequence[int | None],
         caches: Sequence[torch.Tensor | None],
-    ) -> None:
+    ) -> RollbackCopies:
         """Copy, per layer in one ``index_copy_``, the row of each sequence's accepted
         drafts into its slot. ``slots[i]``, ``accepted[i]`` (None: leave it, the request
-        was preempted or ended while the step was in flight) per sequence of the step."""
+        was preempted or ended while the step was in flight) per sequence of the step.
+        Returns the copies made (a parallel run's workers make them on their shards)."""
         rows: list[int] = []
         dest: list[int] = []
         for i, first, k in zip(self.seqs, self.first_rows, self.num_drafts):
@@ -63,14 +64,33 @@ class StateRollback:
             if n is not None and n < k:
                 rows.append(first + n)
                 dest.append(slots[i])
-        if not rows:
-            return
-        device = next(t.device for t in self.tensors if t is not None)
-        row_t = torch.tensor(rows, dtype=torch.int64, device=device)
-        slot_t = torch.tensor(dest, dtype=torch.int64, device=device)
-        for kept, cache in zip(self.tensors, caches):
-            if kept is not None and cache is not None:
-                cache.index_copy_(0, slot_t, kept.index_select(0, row_t))
+        copies = RollbackCopies(tuple(rows), tuple(dest))
+        copy_rows(self.tensors, caches, copies)
+        return copies
+
+
+@dataclass(frozen=True)
+class RollbackCopies:
+    """One verify step's copies: rollback row ``rows[j]`` into state slot ``slots[j]``."""
+
+    rows: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
+def copy_rows(
+    kept: Sequence[torch.Tensor | None],
+    caches: Sequence[torch.Tensor | None],
+    copies: RollbackCopies,
+) -> None:
+    """Each layer's kept rows into its slots, one ``index_copy_`` per layer."""
+    if not copies.rows:
+        return
+    device = next(t.device for t in kept if t is not None)
+    row_t = torch.tensor(copies.rows, dtype=torch.int64, device=device)
+    slot_t = torch.tensor(copies.slots, dtype=torch.int64, device=device)
+    for rows, cache in zip(kept, caches):
+        if rows is not None and cache is not None:
+            cache.index_copy_(0, slot_t, rows.index_select(0, row_t))
 
 
 class RollbackRows:
@@ -104,15 +124,16 @@ class RollbackRows:
             total += k
         if not total:
             return None
-        return StateRollback(tuple(seqs), tuple(firsts), tuple(counts), self._take(total),
+        return StateRollback(tuple(seqs), tuple(firsts), tuple(counts), self.take(total),
                              tuple(keeps))  # fmt: skip
 
-    def give(self, rollback: StateRollback) -> None:
+    def give(self, tensors: list[torch.Tensor | None]) -> None:
         """The step was collected: its rows may serve a later step."""
         if len(self._free) < 2:  # the step in flight and the one just launched
-            self._free.append(rollback.tensors)
+            self._free.append(tensors)
 
-    def _take(self, rows: int) -> list[torch.Tensor | None]:
+    def take(self, rows: int) -> list[torch.Tensor | None]:
+        """Per layer [>= rows, *slot shape] (None for layers without a recurrent state)."""
         for j, held in enumerate(self._free):
             if _capacity(held) >= rows:
                 return self._free.pop(j)
