@@ -267,10 +267,9 @@ FALCON_H1 = Family(
 def nested_text(hf: dict[str, Any]) -> dict[str, Any]:
     """The language model's config (``text_config``, or config.json itself when flat), the
     top-level tie flag winning as transformers ties."""
-    text = dict(hf.get("text_config") or hf)
-    if "tie_word_embeddings" in hf:
-        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-    return text
+    from tokenmill.models.qwen3_5_vl import vl_text_config
+
+    return vl_text_config(hf)
 
 
 def _nest(hf: dict[str, Any], text: dict[str, Any]) -> dict[str, Any]:
