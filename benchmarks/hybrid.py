@@ -9,8 +9,9 @@ random weights, saved once under ``--cache``. Reported: prefill tokens/s (one pr
 ``--prompt`` tokens, one output token) and single-stream decode tokens/s (a 16-token
 prompt: the time of ``--tokens`` output tokens minus that of one, over ``--tokens - 1``),
 each for both engines in float32 and as a ratio (medians of 3 runs, the engines taking
-turns run by run). The scans are the PyTorch reference (chunked for prefill, one
-step for decode) in both.
+turns run by run). transformers runs its PyTorch fallbacks (no flash-linear-attention on
+CPU); tokenmill the scan kernels chosen at load (on CPU the native decode step and the
+PyTorch chunked prefill; ``TOKENMILL_SCAN_KERNEL=torch``: the PyTorch reference for both).
 
 Then the time to first token of a second request that shares a ``--shared-prefix``-token
 prefix (default 1,000) with a first one: restored from the first request's state snapshot
@@ -22,12 +23,19 @@ before each round's first request; wall and process CPU time (medians of ``--rou
 
 (On a loaded shared machine, spinning OpenMP threads slow small forwards most: the
 restored request's 64 tokens more than the recomputed 1,024.)
+
+``--scan-ab N``: instead, tokenmill alone with its recurrent scans native vs the PyTorch
+reference (``TOKENMILL_SCAN_KERNEL``, two engines in one process taking turns run by run):
+decode tokens/s of 1 and of N concurrent 16-token prompts, medians of 3 runs.
+
+    python benchmarks/hybrid.py --layers 24 --tokens 16 --scan-ab 16
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -68,18 +76,48 @@ def prompt_ids(n: int) -> list[int]:
     return torch.randint(3, 40000, (n,), generator=gen).tolist()
 
 
-def tokenmill_runner(path: Path, longest: int) -> Callable[[list[int], int], object]:
-    from tokenmill import LLM, SamplingParams
-    from tokenmill.inputs import TokensPrompt
+def tokenmill_llm(path: Path, longest: int, **options):
+    from tokenmill import LLM
 
-    llm = LLM(str(path), dtype="float32", device="cpu", max_model_len=longest,
-              max_num_batched_tokens=max(2048, longest), enable_prefix_caching=False)  # fmt: skip
+    return LLM(str(path), dtype="float32", device="cpu", max_model_len=longest,
+               max_num_batched_tokens=max(2048, longest), enable_prefix_caching=False,
+               **options)  # fmt: skip
+
+
+def tokenmill_runner(llm, prompts: int = 1) -> Callable[[list[int], int], object]:
+    """run(ids, n): ``prompts`` copies of ids (each one token apart), n output tokens each."""
+    from tokenmill import SamplingParams
+    from tokenmill.inputs import TokensPrompt
 
     def run(ids: list[int], n: int) -> object:
         params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-        return llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        batch = [TokensPrompt(prompt_token_ids=[3 + i, *ids[1:]]) for i in range(prompts)]
+        return llm.generate(batch, params, use_tqdm=False)
 
     return run
+
+
+def scan_ab(path: Path, args: argparse.Namespace) -> None:
+    """Decode tokens/s with the native scans vs the PyTorch reference, 1 and N sequences."""
+    start = time.perf_counter()
+    prompt = prompt_ids(16)
+    llms = {}
+    for kernel in ("torch", "native"):
+        os.environ["TOKENMILL_SCAN_KERNEL"] = kernel  # read when the engine loads
+        llms[kernel] = tokenmill_llm(path, 16 + args.tokens + 8, max_num_seqs=args.scan_ab,
+                                     ssm_state_cache_size=args.scan_ab)  # fmt: skip
+    os.environ.pop("TOKENMILL_SCAN_KERNEL")
+    rows = [["scans", "sequences", "decode tok/s"]]
+    for n in sorted({1, args.scan_ab}):
+        runners = {kernel: tokenmill_runner(llm, n) for kernel, llm in llms.items()}
+        got = {}
+        for kernel, (_, one, many) in measure(runners, prompt, args.tokens).items():
+            got[kernel] = n * (args.tokens - 1) / (many - one)
+            rows.append([kernel, str(n), f"{got[kernel]:.2f}"])
+        rows.append(["ratio", str(n), f"{got['native'] / got['torch']:.2f}x"])
+    print(f"Qwen3.5-0.8B shapes, {args.layers} layers, float32, {torch.get_num_threads()} "
+          f"threads, tokenmill's scans, decode {args.tokens} ({time.perf_counter() - start:.0f} s)")  # fmt: skip
+    print(table(rows))
 
 
 def transformers_runner(path: Path, longest: int) -> Callable[[list[int], int], object]:
@@ -155,9 +193,14 @@ def main() -> None:
     ap.add_argument("--shared-prefix", type=int, default=1000, help="tokens the two share")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of the TTFT comparison")
     ap.add_argument("--only-ttft", action="store_true", help="skip prefill / decode")
+    ap.add_argument("--scan-ab", type=int, default=0, metavar="N",
+                    help="only: native vs reference scans, 1 and N sequences")  # fmt: skip
     args = ap.parse_args()
     start = time.perf_counter()
     path = make_checkpoint(args.cache, args.layers)
+    if args.scan_ab:
+        scan_ab(path, args)
+        return
     if not args.only_ttft:
         throughput(path, args)
     rows = [["second request", "TTFT s (wall)", "TTFT s (CPU)"]]
@@ -175,7 +218,7 @@ def throughput(path: Path, args: argparse.Namespace) -> None:
     start = time.perf_counter()
     prompt = prompt_ids(args.prompt)
     longest = len(prompt) + args.tokens + 8
-    runners = {"tokenmill": tokenmill_runner(path, longest),
+    runners = {"tokenmill": tokenmill_runner(tokenmill_llm(path, longest)),
                "transformers": transformers_runner(path, longest)}  # fmt: skip
     rows = [["engine", "prefill tok/s", "decode tok/s"]]
     results = {}
