@@ -30,7 +30,11 @@ def test_cpu_takes_native_where_it_builds(native_isa):
 
 
 def test_cuda_without_triton_takes_the_reference(monkeypatch):
+    import tokenmill.layers.recurrent as package
+
     monkeypatch.setitem(sys.modules, "triton", None)  # import triton now raises ImportError
+    monkeypatch.delitem(sys.modules, "tokenmill.layers.recurrent.triton_scan", raising=False)
+    monkeypatch.delattr(package, "triton_scan", raising=False)  # as if never imported
     monkeypatch.delenv("TOKENMILL_SCAN_KERNEL", raising=False)
     assert select_scan(torch.device("cuda")).name == "torch"
 
