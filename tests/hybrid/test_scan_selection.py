@@ -97,7 +97,9 @@ def test_every_kernel_gives_the_reference_tokens(
     except ImportError:
         pass
     for kernel in kernels:
-        with caplog.at_level(logging.INFO, logger="tokenmill"):
+        # the load log's own logger: `tokenmill serve` (run in-process by earlier tests)
+        # raises tokenmill.engine's level to WARNING
+        with caplog.at_level(logging.INFO, logger="tokenmill.engine.loading"):
             got = _greedy(path, monkeypatch, kernel)
         assert f"recurrent scans {kernel}" in caplog.text
         for (tokens, logprobs), (want_tokens, want_logprobs) in zip(got, want):
