@@ -45,7 +45,7 @@ class Forward:
     input_ids: torch.Tensor
     """[T] int64."""
     positions: torch.Tensor
-    """[T] int64."""
+    """[T] int64, or [3, T] (M-RoPE: a step with media on a Qwen-VL family)."""
     attn: AttentionMetadata
     adapter_ids: torch.Tensor | None = None
     input_embeds: InputEmbeds | None = None
