@@ -95,13 +95,6 @@ def _plan(ctx: StepContext) -> StatePlan | None:
     return StatePlan.of(ctx) if ctx.state is not None else None
 
 
-def merged(hidden: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-    """hidden [T, hidden] with the step's media embeddings put over their rows."""
-    if ctx.input_embeds is not None:
-        hidden[ctx.input_embeds.rows] = ctx.input_embeds.values.to(hidden.dtype)
-    return hidden
-
-
 # -- the decoder families ------------------------------------------------------------------
 
 
@@ -162,7 +155,7 @@ QWEN3_5 = Family(
     kinds=lambda hf: [
         frozenset({STATE if t == "linear_attention" else PAGED}) for t in _qwen3_5_types(hf)
     ],  # fmt: skip
-    embed=lambda model, ids, ctx: merged(model.model.embed_tokens(ids), ctx),
+    embed=lambda model, ids, ctx: model.model.embed(ids, ctx),
     layers=_qwen3_5_layers,
     finish=lambda model, c: model.model.norm.forward_residual(c[0], c[1])[0],
     types_key="layer_types",

@@ -168,12 +168,17 @@ class HybridModel(nn.Module):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps, True, dtype, ops=ops)
         self.has_state = LINEAR in cfg.layer_types
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
-    ) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]: the table rows, the step's media rows put over them."""
         hidden = self.embed_tokens(input_ids)
         if ctx.input_embeds is not None:
             hidden[ctx.input_embeds.rows] = ctx.input_embeds.values.to(hidden.dtype)
+        return hidden
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext
+    ) -> torch.Tensor:
+        hidden = self.embed(input_ids, ctx)
         rope = self.rope_tables(positions)
         plan = StatePlan.of(ctx) if self.has_state else None  # once per step, for every layer
         residual: torch.Tensor | None = None
