@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,23 @@ from tiny_models import make_tiny_llama
 # any test module can import it; with CUDA the kernels compile and the ``gpu`` variants run.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Prepared bundles are on by default: every model a test loads writes one at its first load
+# and maps it at the next. They go to a cache folder of this run (subprocesses inherit it),
+# not the user's, removed at exit; only the compiled native kernels stay shared (a link).
+def _test_cache() -> str:
+    from tokenmill import env
+
+    kernels = env.cache_dir() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="tokenmill-tests-")
+    (Path(root) / "kernels").symlink_to(kernels, target_is_directory=True)
+    atexit.register(shutil.rmtree, root, True)
+    return root
+
+
+os.environ["TOKENMILL_CACHE_DIR"] = _test_cache()
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

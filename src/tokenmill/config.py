@@ -166,11 +166,14 @@ class EngineConfig:
     """Overrides of the checkpoint's pooling metadata: pooling_type (CLS, MEAN, LAST,
     MAX), normalize, activation / use_activation, dimensions (a Matryoshka default)."""
     # -- prepared-model bundles (``bundles/``) ---------------------------------------------
-    prepare_bundle: bool = False
+    prepare_bundle: bool = True
     """Keep a prepared bundle of the loaded model (final weights mapped from one file, the
     tokenizer, the resolved config) in ``cache_dir`` and start from it next time: a warm
     start maps the weights instead of reading, converting and repacking them, with the same
-    logits bit for bit. CPU only (on CUDA the load is cold). Off by default for now."""
+    logits bit for bit. CPU only (on CUDA the load is cold). False: every start is cold and
+    nothing is written. No bundle is written for a model larger than
+    ``engine_cache_max_size_gb``, one that would leave under 1 GiB of free disk, or a
+    model with state a bundle can not restore; an unwritable ``cache_dir`` starts cold."""
     cache_dir: str | None = None
     """Folder of the prepared bundles; default ``$TOKENMILL_CACHE_DIR/bundles``
     (~/.cache/tokenmill/bundles)."""

@@ -4,6 +4,7 @@ eviction under a cap that spares bundles in use, two processes building once."""
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import logging
 import os
@@ -21,9 +22,8 @@ from tokenmill.engine.loading import load_model
 
 
 def _config(model, root, **options) -> EngineConfig:
-    options.setdefault("max_model_len", 64)
-    return EngineConfig(model=str(model), dtype="float32", prepare_bundle=True,
-                        cache_dir=str(root), **options)  # fmt: skip
+    options = {"max_model_len": 64, "prepare_bundle": True, **options}
+    return EngineConfig(model=str(model), dtype="float32", cache_dir=str(root), **options)
 
 
 def _key(config: EngineConfig) -> str:
@@ -47,6 +47,9 @@ def test_cold_then_warm(tiny_llama_dir, tmp_path, caplog):
     assert info.key == _key(config)
     assert info.manifest.model == str(tiny_llama_dir)
     assert set(info.manifest.files) >= {WEIGHTS, "config.json", "tokenizer/tokenizer.json"}
+    for rel, entry in info.manifest.files.items():  # the weights' hashed as they were written
+        data = (info.path / rel).read_bytes()
+        assert (entry["size"], entry["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
@@ -200,3 +203,78 @@ def test_leftovers_of_dead_processes_are_swept(tmp_path):
         (tmp_path / name / WEIGHTS).write_bytes(b"x")
     assert sorted(cache.sweep()) == [f".tmp-abc-{dead}", f".trash-abc-{dead}"]
     assert (tmp_path / f".tmp-def-{os.getpid()}").is_dir()  # a live writer's
+
+
+def test_on_by_default(tiny_llama_dir, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    caplog.set_level(logging.INFO, "tokenmill.bundles.cache")
+    config = EngineConfig(model=str(tiny_llama_dir), dtype="float32", max_model_len=64)
+    assert config.prepare_bundle and config.cache_dir is None
+    load_model(config)
+    load_model(config)
+    assert _events(caplog) == ["written", "mapped"]
+    assert (tmp_path / "bundles" / _key(config) / WEIGHTS).is_file()
+
+
+def test_opt_out_writes_nothing(tiny_llama_dir, tmp_path, caplog):
+    caplog.set_level(logging.INFO, "tokenmill.bundles.cache")
+    for _ in range(2):
+        load_model(_config(tiny_llama_dir, tmp_path / "cache", prepare_bundle=False))
+    assert _events(caplog) == [] and not (tmp_path / "cache").exists()
+
+
+def _not_written(caplog) -> str:
+    [message] = [r.getMessage() for r in caplog.records if "no prepared bundle" in r.getMessage()]
+    assert _events(caplog) == []
+    return message
+
+
+def test_bundle_larger_than_the_cap_is_not_written(tiny_llama_dir, tmp_path, caplog):
+    caplog.set_level(logging.INFO, "tokenmill.bundles.cache")
+    config = _config(tiny_llama_dir, tmp_path, engine_cache_max_size_gb=1e-6)
+    for _ in range(2):  # cold both times
+        assert load_model(config).model is not None
+    [first, second] = [r.getMessage() for r in caplog.records if "no prepared" in r.getMessage()]
+    assert "exceed engine_cache_max_size_gb" in first and first == second
+    assert _events(caplog) == []
+    assert BundleCache.for_config(config).bundles() == []
+
+
+def test_bundle_is_not_written_onto_a_full_disk(tiny_llama_dir, tmp_path, caplog, monkeypatch):
+    import shutil
+
+    from tokenmill.bundles import cache as cache_module
+
+    usage = shutil.disk_usage(tmp_path)
+    full = usage._replace(free=cache_module.MIN_FREE_BYTES + 1000)  # less than a bundle's
+    monkeypatch.setattr(cache_module.shutil, "disk_usage", lambda path: full)
+    caplog.set_level(logging.INFO, "tokenmill.bundles.cache")
+    config = _config(tiny_llama_dir, tmp_path)
+    load_model(config)
+    assert "GiB free on the disk of" in _not_written(caplog)
+    assert BundleCache.for_config(config).bundles() == []
+
+
+def test_model_with_uncapturable_state_is_not_written(tiny_llama_dir, tmp_path, caplog):
+    import torch
+
+    from tokenmill.engine.loading import _build_model
+
+    def cold(config):
+        loaded = _build_model(config)
+        loaded.model.extra = torch.zeros(3)  # state outside the parameters and buffers
+        return loaded
+
+    caplog.set_level(logging.INFO, "tokenmill.bundles.cache")
+    config = _config(tiny_llama_dir, tmp_path)
+    BundleCache.for_config(config).load_or_build(config, cold)
+    assert "model.extra is a tensor outside the parameters" in _not_written(caplog)
+
+
+def test_unwritable_cache_dir_starts_cold(tiny_llama_dir, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    caplog.set_level(logging.WARNING, "tokenmill.engine.loading")
+    loaded = load_model(_config(tiny_llama_dir, blocker / "bundles"))
+    assert loaded.model is not None
+    assert "prepared bundles are off for this start" in caplog.text

@@ -105,6 +105,19 @@ def test_other_options_keep_the_key(tiny_llama_dir, option):
     assert _key(tiny_llama_dir, **{option: KEPT_OPTIONS[option]}) == _key(tiny_llama_dir)
 
 
+@pytest.mark.parametrize(
+    ("var", "value", "changes"),
+    [("TOKENMILL_FP32_GEMM", "native", True), ("TOKENMILL_BF16_KERNEL", "fma", True),
+     ("TOKENMILL_SCAN_KERNEL", "torch", False), ("TOKENMILL_NUM_THREADS", "1", False)],
+)  # fmt: skip
+def test_kernel_env_vars(tiny_llama_dir, monkeypatch, var, value, changes):
+    """A kernel choice that changes the stored tensors changes the key; one a warm load
+    makes again (the scans) or that changes no tensor (threads) keeps it."""
+    before = _key(tiny_llama_dir)
+    monkeypatch.setenv(var, value)
+    assert (_key(tiny_llama_dir) != before) is changes
+
+
 def test_tokenizer_override_changes_the_key(tiny_llama_dir):
     assert _key(tiny_llama_dir, tokenizer=str(tiny_llama_dir)) != _key(tiny_llama_dir)
 

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
+from tokenmill.bundles.capture import check_capturable, model_tensors
 from tokenmill.bundles.fingerprint import bundle_inputs, fingerprint
 from tokenmill.bundles.phases import Phases
 from tokenmill.bundles.store import (
@@ -53,6 +56,9 @@ if TYPE_CHECKING:
     from tokenmill.engine.loading import LoadedModel
 
 logger = logging.getLogger(__name__)
+
+MIN_FREE_BYTES = 1 << 30
+"""A bundle is not written when it would leave less free disk than this."""
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,10 @@ class BundleCache:
             if warm is not None:
                 return warm
             loaded = cold(config)
+            skip = self._skip_reason(loaded.model)
+            if skip is not None:
+                logger.info("no prepared bundle of %s: %s", loaded.checkpoint.path, skip)
+                return loaded
             start = time.perf_counter()
             try:
                 self._write(key, loaded, config)
@@ -162,6 +172,26 @@ class BundleCache:
         logger.info("prepared bundle %s mapped in %.2f s (%s)", key, time.perf_counter() - start,
                     folder)  # fmt: skip
         return warm
+
+    def _skip_reason(self, model: torch.nn.Module) -> str | None:
+        """Why the bundle of ``model`` (a cold load) is not written, or None: state a
+        bundle can not restore, a bundle larger than the cap, or too little free disk
+        (the write would leave under ``MIN_FREE_BYTES``: other programs need the disk
+        more than this start-up cache)."""
+        try:
+            check_capturable(model)
+        except ModelLoadError as e:
+            return str(e)
+        tensors, _ = model_tensors(model)
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        if size > self.max_bytes:
+            return (f"its {size / (1 << 30):.1f} GiB exceed engine_cache_max_size_gb "
+                    f"({self.max_bytes / (1 << 30):.1f})")  # fmt: skip
+        free = shutil.disk_usage(self.root).free
+        if size + MIN_FREE_BYTES > free:
+            return (f"{size / (1 << 30):.1f} GiB would leave less than "
+                    f"{MIN_FREE_BYTES >> 30} GiB free on the disk of {self.root}")  # fmt: skip
+        return None
 
     def _write(self, key: str, loaded: LoadedModel, config: EngineConfig) -> None:
         tmp = self.root / f".tmp-{key}-{os.getpid()}"

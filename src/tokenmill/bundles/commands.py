@@ -16,8 +16,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     cache = sub.add_parser(
         "cache",
         help="list and manage the prepared-model bundles",
-        description="Prepared-model bundles (LLM(..., prepare_bundle=True), tokenmill serve "
-        "--prepare-bundle): list them, show one, remove one or all. A KEY may be shortened "
+        description="Prepared-model bundles (written by every CPU load unless "
+        "prepare_bundle=False / --no-prepare-bundle): list them, show one, remove one or all. A KEY may be shortened "
         "to any unique prefix. Bundles open in a running process are never removed.",
     )
     cache.add_argument("--cache-dir", help="bundle folder (default: $TOKENMILL_CACHE_DIR/bundles)")

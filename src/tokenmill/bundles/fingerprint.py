@@ -23,6 +23,7 @@ import torch
 import transformers
 
 import tokenmill
+from tokenmill.env import TOKENMILL_BF16_KERNEL, TOKENMILL_FP32_GEMM
 from tokenmill.loader.resolve import default_model_path, detect_format
 
 if TYPE_CHECKING:
@@ -87,7 +88,10 @@ class BundleInputs:
     format_version: int
     layout: str
     """Load options that change tensors: max_model_len (rotary tables), attention_backend
-    (the kernels and norms chosen), tokenizer override path; canonical JSON."""
+    (the kernels and norms chosen), tokenizer override path, and the kernel choices of
+    ``TOKENMILL_FP32_GEMM`` / ``TOKENMILL_BF16_KERNEL``; canonical JSON.
+    (``TOKENMILL_SCAN_KERNEL`` is not: the scans hold no tensors and a warm load selects
+    them again.)"""
 
 
 def fingerprint(inputs: BundleInputs) -> str:
@@ -110,6 +114,10 @@ def bundle_inputs(config: EngineConfig) -> BundleInputs:
         if config.tokenizer
         else None,
         "format": fmt,
+        # kernel choices made at load that change the stored tensors: float32 weights
+        # repacked into the native kernel's tiles, the bfloat16 kernel's layout
+        "fp32_gemm": TOKENMILL_FP32_GEMM.get(),
+        "bf16_kernel": TOKENMILL_BF16_KERNEL.get(),
     }
     return BundleInputs(
         architecture=",".join(hf.get("architectures") or []),

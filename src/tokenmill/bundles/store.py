@@ -113,7 +113,7 @@ def write_bundle(folder: Path, key: str, loaded: Prepared, config: EngineConfig)
     """Write ``loaded`` (a cold load of ``config``) into the empty ``folder``."""
     check_capturable(loaded.model)
     tensors, aliases = model_tensors(loaded.model)
-    write_tensors(folder / WEIGHTS, {n: t.cpu() for n, t in tensors.items()}, {"key": key})
+    digests = {WEIGHTS: write_tensors(folder / WEIGHTS, tensors, {"key": key})}
     ckpt = loaded.checkpoint
     resolved = {
         "path": ckpt.path, "format": ckpt.format, "hf_config": ckpt.hf_config,
@@ -128,7 +128,7 @@ def write_bundle(folder: Path, key: str, loaded: Prepared, config: EngineConfig)
     manifest = Manifest(key=key, model=ckpt.path)
     for path in sorted(p for p in folder.rglob("*") if p.is_file()):
         rel = str(path.relative_to(folder))
-        digest = _sha256(path)
+        digest = digests.get(rel) or _sha256(path)
         manifest.files[rel] = {"size": path.stat().st_size, "sha256": digest, "stat": _stamp(path)}
     manifest.save(folder)
     return manifest

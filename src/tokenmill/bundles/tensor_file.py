@@ -10,6 +10,7 @@ Reading maps the file (``safe_open``: one private mapping, no copy) and returns 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from collections.abc import Mapping
@@ -27,8 +28,11 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> int:
-    """Write ``tensors`` (CPU) to ``path``, each 64-byte aligned; return the file size."""
+def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Write ``tensors`` to ``path``, each 64-byte aligned; return the file's sha256 (hex),
+    hashed as it is written: the manifest needs it, and reading a model's weights back to
+    hash them was as long as writing them. A tensor on another device is copied to the CPU
+    one at a time."""
     entries, offset, pads = {}, 0, 0
     order: list[tuple[str, torch.Tensor | int]] = []
     for name, t in tensors.items():
@@ -45,15 +49,21 @@ def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dic
             offset, pads = offset + gap, pads + 1
     header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
     header += b" " * (-(8 + len(header)) % ALIGN)  # the data starts 64-byte aligned
+    digest = hashlib.sha256()
     with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(header)))
-        f.write(header)
+
+        def put(data) -> None:
+            digest.update(data)
+            f.write(data)
+
+        put(struct.pack("<Q", len(header)))
+        put(header)
         for _, item in order:
             if isinstance(item, int):
-                f.write(bytes(item))
+                put(bytes(item))
             else:  # a byte view of the tensor's memory: no copy of the weights
-                f.write(item.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
-    return 8 + len(header) + offset
+                put(item.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
 
 
 def map_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

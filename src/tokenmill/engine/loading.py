@@ -12,7 +12,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.errors import InvalidRequestError
 from tokenmill.kv_cache.spec import FullAttention, bytes_per_block
-from tokenmill.layers.ops import select_ops
+from tokenmill.layers.ops import Ops, select_ops
 from tokenmill.loader import Checkpoint, load_checkpoint
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
@@ -81,11 +81,29 @@ def load_model(config: EngineConfig, shard: ModelPart | None = None) -> LoadedMo
         return _build_model(config, shard)
 
     if is_bundle(config.model):
-        return LoadedModel(*BundleCache.for_config(config).load_pinned(config))
+        return _warm(BundleCache.for_config(config).load_pinned(config))
     if config.prepare_bundle and config.torch_device().type == "cpu":
-        loaded = BundleCache.for_config(config).load_or_build(config, _build_model)
-        return loaded if isinstance(loaded, LoadedModel) else LoadedModel(*loaded)
+        try:
+            cache = BundleCache.for_config(config)
+        except OSError as e:  # a read-only home, a cache_dir that is a file: start cold
+            logger.warning("prepared bundles are off for this start: %s", e)
+            return _build_model(config)
+        loaded = cache.load_or_build(config, _build_model)
+        return loaded if isinstance(loaded, LoadedModel) else _warm(loaded)
     return _build_model(config)
+
+
+def _warm(prepared: tuple) -> LoadedModel:
+    """A model mapped from its bundle (``bundles.store.Prepared``), its kernels logged as a
+    cold load logs them."""
+    loaded = LoadedModel(*prepared)
+    _log_kernels(loaded.model.ops)
+    return loaded
+
+
+def _log_kernels(ops: Ops) -> None:
+    logger.info("attention backend %s, layer kernels %s, recurrent scans %s",
+                ops.backend.name, ops.kernels.name, ops.scan.name)  # fmt: skip
 
 
 def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> LoadedModel:
@@ -125,8 +143,7 @@ def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> Loaded
     )
     with phases("kernels"):
         ops = select_ops(device, dtype, plan, config.attention_backend)  # every layer's kernels
-    logger.info("attention backend %s, layer kernels %s, recurrent scans %s",
-                ops.backend.name, ops.kernels.name, ops.scan.name)  # fmt: skip
+    _log_kernels(ops)
     with phases("weights"):
         with torch.device(device):  # parameters are created in place: no second copy
             kwargs = {"quant": plan} if plan else {}

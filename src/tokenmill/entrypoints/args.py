@@ -315,8 +315,8 @@ ENGINE_FLAGS = (
         "--prepare-bundle",
         "prepare_bundle",
         None,
-        "start from a prepared bundle of the model in --cache-dir (mapped weights, same logits), written on the first start (CPU; --no-prepare-bundle: off)",
-        False,
+        "start from a prepared bundle of the model in --cache-dir (mapped weights, same logits), written on the first start (CPU; on by default; --no-prepare-bundle: every start cold, nothing written)",
+        True,
         action=argparse.BooleanOptionalAction,
     ),
     Flag(
