@@ -278,3 +278,20 @@ def test_unwritable_cache_dir_starts_cold(tiny_llama_dir, tmp_path, caplog):
     loaded = load_model(_config(tiny_llama_dir, blocker / "bundles"))
     assert loaded.model is not None
     assert "prepared bundles are off for this start" in caplog.text
+
+
+def test_gguf_bundle_copies_the_converted_tokenizer(smollm2_gguf, tmp_path):
+    """A GGUF's tokenizer, converted and cached in the fast form, is copied into the bundle
+    as it is (not saved and checked again), and the warm load's tokenizer encodes alike."""
+    from tokenmill.tokenizer.gguf_tokenizer import cache_path
+
+    config = _config(smollm2_gguf, tmp_path)
+    cold = load_model(config)
+    saved = tmp_path / _key(config) / "tokenizer"
+    cached = cache_path(smollm2_gguf)
+    assert sorted(p.name for p in saved.iterdir()) == sorted(p.name for p in cached.iterdir())
+    for path in cached.iterdir():
+        assert (saved / path.name).read_bytes() == path.read_bytes()
+    warm = load_model(config)
+    text = "Hello 日本語 <|im_start|>user\n  x"
+    assert warm.tokenizer.encode(text) == cold.tokenizer.encode(text)

@@ -41,6 +41,14 @@ def cache_path(gguf_path: Path) -> Path:
     return cache_dir() / "tokenizers" / f"{gguf_path.stem}-{digest}"
 
 
+def cached_folder(tokenizer: PreTrainedTokenizerBase) -> Path | None:
+    """The cache folder ``tokenizer`` was loaded from (a GGUF's converted tokenizer, saved
+    in the fast form), or None: a copy of its files loads the same tokenizer."""
+    folder = Path(tokenizer.name_or_path)
+    cached = folder.parent == cache_dir() / "tokenizers" and (folder / _COMPLETE_MARK).is_file()
+    return folder if cached else None
+
+
 def load_gguf_tokenizer(gguf_path: Path) -> PreTrainedTokenizerBase:
     """The tokenizer of a GGUF file, from the cache when it is there."""
     cached = cache_path(gguf_path)
