@@ -295,3 +295,21 @@ def test_gguf_bundle_copies_the_converted_tokenizer(smollm2_gguf, tmp_path):
     warm = load_model(config)
     text = "Hello 日本語 <|im_start|>user\n  x"
     assert warm.tokenizer.encode(text) == cold.tokenizer.encode(text)
+
+
+def test_warm_start_skips_the_tokenizer_auto_classes(smollm2_gguf, tmp_path):
+    """A warm start loads the bundle's generic fast tokenizer: transformers' auto classes
+    (0.6 s of imports, several times the rest of a warm start) are never imported."""
+    script = textwrap.dedent(f"""
+        import sys
+        from tokenmill.config import EngineConfig
+        from tokenmill.engine.loading import load_model
+        config = EngineConfig(model={str(smollm2_gguf)!r}, cache_dir={str(tmp_path)!r})
+        load_model(config)
+        if sys.argv[1] == "warm":
+            print("transformers.models.auto.tokenization_auto" in sys.modules)
+    """)
+    subprocess.run([sys.executable, "-c", script, "cold"], check=True)
+    out = subprocess.run([sys.executable, "-c", script, "warm"], check=True,
+                         capture_output=True, text=True).stdout  # fmt: skip
+    assert out.split() == ["False"]

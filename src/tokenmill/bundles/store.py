@@ -44,7 +44,6 @@ from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
 from tokenmill.quant.plan import build_plan
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
-from tokenmill.tokenizer.gguf_tokenizer import cached_folder
 from tokenmill.tokenizer.hf_folder import save_fast
 
 if TYPE_CHECKING:
@@ -214,6 +213,9 @@ def _save_tokenizer(tokenizer, target: Path) -> None:
     """The tokenizer in the form that loads fastest: a GGUF's converted tokenizer loaded
     from its cache is already in it and is copied (saving and checking Gemma3's 262k-token
     vocabulary again took 4 s of its first start); any other is saved by ``save_fast``."""
+    # imported here: it imports transformers' auto classes (0.6 s a warm start never needs)
+    from tokenmill.tokenizer.gguf_tokenizer import cached_folder
+
     cached = cached_folder(tokenizer)
     if cached is not None:
         shutil.copytree(cached, target)
