@@ -14,12 +14,14 @@ import hashlib
 import json
 import struct
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 ALIGN = 64
 PAD_PREFIX = "__pad__."
+_SLICE = 16 << 20  # bytes hashed / written per call
 
 _DTYPES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -50,11 +52,16 @@ def write_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dic
     header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
     header += b" " * (-(8 + len(header)) % ALIGN)  # the data starts 64-byte aligned
     digest = hashlib.sha256()
-    with path.open("wb") as f:
+    # the hash runs on a second thread, in order, while this one writes: both release the
+    # GIL, so hashing a 1.7 GB bundle (~0.9 s) hides behind its write
+    with path.open("wb") as f, ThreadPoolExecutor(1) as hasher:
 
         def put(data) -> None:
-            digest.update(data)
-            f.write(data)
+            view = memoryview(data).cast("B")
+            for start in range(0, max(len(view), 1), _SLICE):
+                piece = view[start : start + _SLICE]
+                hasher.submit(digest.update, piece)
+                f.write(piece)
 
         put(struct.pack("<Q", len(header)))
         put(header)
