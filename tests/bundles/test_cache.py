@@ -313,3 +313,14 @@ def test_warm_start_skips_the_tokenizer_auto_classes(smollm2_gguf, tmp_path):
     out = subprocess.run([sys.executable, "-c", script, "warm"], check=True,
                          capture_output=True, text=True).stdout  # fmt: skip
     assert out.split() == ["False"]
+
+
+@pytest.mark.parametrize("model", ["missing-folder", "org/hub-id"])
+@pytest.mark.parametrize("prepare", [True, False])
+def test_missing_model_error_is_the_same_with_bundles(tmp_path, model, prepare):
+    """The key is computed before the load: a path that does not exist still gets the
+    loader's message (no model hub), not a complaint about a missing config.json."""
+    from tokenmill.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="does not exist; pass a local Hugging Face"):
+        load_model(_config(tmp_path / model, tmp_path / "cache", prepare_bundle=prepare))

@@ -49,7 +49,7 @@ from tokenmill.bundles.store import (
 )
 from tokenmill.env import cache_dir
 from tokenmill.errors import ModelLoadError
-from tokenmill.loader.resolve import default_model_path, detect_format
+from tokenmill.loader.resolve import resolve_model
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -285,7 +285,7 @@ class BundleCache:
 
 def _model_path(config: EngineConfig) -> str:
     """The checkpoint path ``load_checkpoint`` would report for ``config.model``."""
-    return str(detect_format(Path(config.model or default_model_path()).expanduser())[0])
+    return str(resolve_model(config.model)[0])
 
 
 def _alive(pid: int) -> bool:

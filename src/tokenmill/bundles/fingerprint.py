@@ -24,7 +24,7 @@ import transformers
 
 import tokenmill
 from tokenmill.env import TOKENMILL_BF16_KERNEL, TOKENMILL_FP32_GEMM
-from tokenmill.loader.resolve import default_model_path, detect_format
+from tokenmill.loader.resolve import resolve_model
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -102,7 +102,7 @@ def fingerprint(inputs: BundleInputs) -> str:
 
 def bundle_inputs(config: EngineConfig) -> BundleInputs:
     """The key inputs of loading ``config`` (reads file stats and small files only)."""
-    path, fmt = detect_format(Path(config.model or default_model_path()).expanduser())
+    path, fmt = resolve_model(config.model)
     hf = _json(path / "config.json") if fmt == "hf" else {}
     files = _identities(path)
     if config.tokenizer:

@@ -48,14 +48,20 @@ def default_model_path() -> str:
 def load_checkpoint(model: str | None) -> Checkpoint:
     """Resolve ``model`` (a local HF folder, a .gguf file, or a folder holding one .gguf;
     None for the default model) into a Checkpoint. No network access is ever attempted."""
+    path, fmt = resolve_model(model)
+    return LOADERS[fmt](path)
+
+
+def resolve_model(model: str | None) -> tuple[Path, str]:
+    """(the file or folder ``model`` loads from, its format name); ModelLoadError when it
+    does not exist or is neither format."""
     path = Path(default_model_path() if model is None else model).expanduser()
     if not path.exists():
         raise ModelLoadError(
             f"model path {str(path)!r} does not exist; pass a local Hugging Face folder "
             "(config.json + *.safetensors) or a .gguf file (there is no model hub access)"
         )
-    path, fmt = detect_format(path)
-    return LOADERS[fmt](path)
+    return detect_format(path)
 
 
 def detect_format(path: Path) -> tuple[Path, str]:
