@@ -113,6 +113,8 @@ class BundleCache:
             if skip is not None:
                 logger.info("no prepared bundle of %s: %s", loaded.checkpoint.path, skip)
                 return loaded
+            logger.info("writing the prepared bundle %s to %s: later starts map it "
+                        "(prepare_bundle=False / --no-prepare-bundle: skip)", key, self.root)  # fmt: skip
             start = time.perf_counter()
             try:
                 self._write(key, loaded, config)
