@@ -101,11 +101,10 @@ TOKENMILL_FP32_GEMM: EnvVar[str] = _declare(
         "TOKENMILL_FP32_GEMM",
         default="auto",
         parse=_one_of("auto", "native", "torch"),
-        doc="Who multiplies float32 weights on CPU: 'native' (the native kernels' float32 "
-        "GEMM), 'torch' (PyTorch's BLAS), or 'auto' (the default): for Whisper's linears, "
-        "native on an AVX-512 CPU that is not Intel's, where the BLAS PyTorch ships (MKL) "
-        "runs float32 at its AVX2 rate, else torch; for the text engine's float32 models "
-        "(HF folders, hybrids included), torch (native only when set to native).",
+        doc="Who multiplies float32 weights on CPU (float32 HF folders, hybrids, media "
+        "towers, Whisper): 'native' (the native kernels' float32 GEMM), 'torch' (PyTorch's "
+        "BLAS), or 'auto' (the default): native on an AVX-512 CPU that is not Intel's, "
+        "where the BLAS PyTorch ships (MKL) runs float32 at its AVX2 rate, else torch.",
     )
 )
 

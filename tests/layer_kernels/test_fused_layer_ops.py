@@ -57,7 +57,7 @@ def test_rms_norm(device, shape, unit_offset):
     torch.manual_seed(0)
     norm = _norm(shape[-1], unit_offset, device)
     x = torch.randn(shape, device=device).to(_dtype(device)) * 3
-    x[0, ..., :] = 0  # a zero row stays zero (min_norm guard)
+    x[0, ..., :] = 0  # a zero row stays zero (eps in the root)
     want, got = _both(lambda ops: _with(norm, ops)(x))
     torch.testing.assert_close(got.float(), want.float(), **_tol(device))
     assert got.dtype == x.dtype and not got[0].any()

@@ -200,3 +200,22 @@ def test_native_float32_kernel_when_asked(ckpt, images, monkeypatch):
     (emb_n, tokens_n), (emb_t, tokens_t) = out["native"], out["torch"]
     torch.testing.assert_close(emb_n, emb_t, rtol=1e-4, atol=1e-4)
     assert tokens_n == tokens_t
+
+
+def test_logprobs_name_rows_past_the_tokenizer(ckpt):
+    """This checkpoint's output rows (384) outrun its tokenizer (a padded vocabulary, as
+    Qwen's 151936 rows over 151665 tokens): a logprob of such a row has no text and no
+    bytes, instead of failing the step; the engine serves the next request."""
+    llm = _llm(ckpt)
+    vocab = llm.tokenizer.vocab_size
+    assert vocab < 384
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=5, ignore_eos=True)
+    (out,) = llm.generate(USER.format("only text here"), params, use_tqdm=False)
+    positions = out.outputs[0].logprobs
+    past = [lp for pos in positions for t, lp in pos.items() if t >= vocab]
+    assert past  # the case happens here: random rows rank past the tokenizer's
+    assert all(lp.decoded_token == "" and lp.bytes == b"" for lp in past)
+    inside = [lp for pos in positions for t, lp in pos.items() if t < vocab]
+    assert inside and all(lp.bytes for lp in inside)
+    (again,) = llm.generate(USER.format("more"), _greedy(), use_tqdm=False)
+    assert len(again.outputs[0].token_ids) == STEPS

@@ -55,8 +55,9 @@ def test_a_dead_worker_fails_requests_with_a_clear_error(llama_dir, split):
     assert isinstance(executor, MultiprocExecutor)
     local = llm.engine.loaded.model.local
     if split == "tensor_parallel_size":  # half the vocabulary (the tied table), half the heads
-        assert local.model.embed_tokens.weight.shape == (256, 64)
-        assert local.model.layers[0].self_attn.qkv_proj.weight.shape == (2 * 16 + 2 * 16, 64)
+        table, qkv = local.model.embed_tokens, local.model.layers[0].self_attn.qkv_proj
+        assert (table.num_embeddings, table.embedding_dim) == (256, 64)
+        assert (qkv.out_features, qkv.in_features) == (2 * 16 + 2 * 16, 64)
     else:  # the driver is the last stage: layer 1 only (renumbered 0), with the table
         assert len(local.model.layers) == 1 and local.model.embed_tokens is not None
     sp = SamplingParams(temperature=0, max_tokens=4)

@@ -66,7 +66,7 @@ def test_tp2_pp2_greedy_equals_one_process(family, tmp_path, smollm2_hf_tokenize
         assert len(local.model.layers) == 1  # layer 1 of 2, renumbered 0
         attn = local.model.layers[0].self_attn
         kv_rows = 2 * 16 if family.startswith("llama") else 2 * 32  # 1 of 2 KV heads / replicated
-        assert attn.qkv_proj.weight.shape[0] == 2 * local.head_dim + kv_rows  # 2 of 4 heads
+        assert attn.qkv_proj.out_features == 2 * local.head_dim + kv_rows  # 2 of 4 heads
         batched = _outputs(llm, PROMPTS, GREEDY)
         single = [_outputs(llm, [p], GREEDY)[0] for p in PROMPTS]
         scored = llm.generate(PROMPTS[:1], SCORED, use_tqdm=False)[0]

@@ -29,7 +29,7 @@ from tokenmill.loader.resolve import resolve_model
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Layout of a bundle on disk (``store.py``); bump it when that layout changes."""
 
 SMALL_FILE_BYTES = 1 << 20

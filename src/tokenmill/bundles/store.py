@@ -42,6 +42,7 @@ from tokenmill.layers.ops import select_ops
 from tokenmill.loader.checkpoint import Checkpoint
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
+from tokenmill.quant.dense16 import move_float32_to_native, moved_to_native
 from tokenmill.quant.plan import build_plan
 from tokenmill.tokenizer import Tokenizer, load_tokenizer
 from tokenmill.tokenizer.hf_folder import save_fast
@@ -123,6 +124,7 @@ def write_bundle(folder: Path, key: str, loaded: Prepared, config: EngineConfig)
         "dtype": str(loaded.dtype).removeprefix("torch."), "quantization": loaded.quantization,
         "attention_backend": config.attention_backend, "aliases": aliases,
         "stored_types": {k: int(v) for k, v in _tensor_types(ckpt).items()},
+        "native_float32": moved_to_native(loaded.model),  # layers moved after the load
     }  # fmt: skip
     (folder / CONFIG).write_text(json.dumps(resolved, indent=1))
     _save_tokenizer(loaded.tokenizer.hf, folder / TOKENIZER)
@@ -187,6 +189,8 @@ def read_bundle(
     with phases("weights"):
         kwargs = {"quant": plan} if plan else {}
         model = _build_unfilled(model_cls, hf_config, dtype, resolved["max_model_len"], ops, kwargs)
+        if resolved.get("native_float32"):  # as the cold load moved them, tiles unfilled
+            move_float32_to_native(model, planned=bool(plan), fill=False)
         tensors, _ = map_tensors(folder / WEIGHTS)
         assign_tensors(model, tensors, resolved["aliases"])
         model.eval()

@@ -17,7 +17,7 @@ from tokenmill.loader import Checkpoint, load_checkpoint
 from tokenmill.models import resolve_model_class
 from tokenmill.models.base import CausalLM
 from tokenmill.native.dense16 import fp32_native
-from tokenmill.quant.dense16 import repack_dense_float32, swap_float32_linears
+from tokenmill.quant.dense16 import move_float32_to_native
 from tokenmill.quant.plan import (
     FLOAT_FORMATS,
     NATIVE_FP32,
@@ -126,8 +126,6 @@ def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> Loaded
             and not getattr(model_cls, "takes_quant_plan", True)
         ):
             quantization = "none"  # its layers are dense only: weights in the model dtype
-        if quantization == NATIVE_FP32 and shard is not None:
-            quantization = "none"  # TP / PP shards: float32 stays PyTorch's (opt-in, one process)
         types = _stored_types(ckpt) if quantization == "gguf" else {}
         plan = build_plan(quantization, types if shard is None else shard.stored_types(types))
         dtype = auto_dtype() if plan and config.dtype == "auto" else config.torch_dtype()
@@ -156,8 +154,7 @@ def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> Loaded
         weights = ckpt.weights(dtype, keep_quantized=plan is not None)
         model.load_weights(weights if shard is None else shard.weights(weights))
         if _native_float32_after_load(quantization, device, ckpt.format, shard):
-            moved = 0 if plan else repack_dense_float32(model)  # a plan made its own
-            moved += swap_float32_linears(model)  # the towers' nn.Linear layers
+            moved = move_float32_to_native(model, planned=bool(plan))
             logger.info("%d float32 layers moved to the native float32 kernel", moved)
         model.eval()
     phases.log(f"model ready (cold load of {ckpt.path})")
@@ -169,18 +166,19 @@ def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> Loaded
 def _native_float32_after_load(
     quantization: str, device: torch.device, fmt: str, shard: ModelPart | None
 ) -> bool:
-    """``TOKENMILL_FP32_GEMM=native`` asks for the native float32 kernel on CPU, for an HF
-    folder loaded whole in this process, and the weights are float32: either dense
-    (``none``: the models that build no quantization plan, the hybrids) or in its plan
-    (``fp32``, ``quant/plan.py: NATIVE_FP32``), whose towers are still ``nn.Linear``
-    layers. Dense weights of other dtypes are skipped. Not for TP / PP shards (their
-    parallel layers own their weights) nor dequantized GGUF files (kept as PyTorch loads
-    them, the reference the bundles and parity tests hold them to)."""
+    """The native float32 kernel runs float32 weights on this CPU (``fp32_native``,
+    ``TOKENMILL_FP32_GEMM``), for an HF folder loaded whole in this process, and the
+    weights are float32: either dense (``none``: the models that build no quantization
+    plan, the hybrids) or in its plan (``fp32``, ``quant/plan.py: NATIVE_FP32``), whose
+    towers are still ``nn.Linear`` layers. Dense weights of other dtypes are skipped. Not
+    for TP / PP shards (their parallel layers own their weights; their plan's linears
+    take the kernel) nor dequantized GGUF files (kept as PyTorch loads them, the
+    reference the bundles and parity tests hold them to)."""
     if device.type != "cpu" or quantization not in ("none", NATIVE_FP32):
         return False
     if fmt != "hf" or shard is not None:
         return False
-    return fp32_native(auto=False)
+    return fp32_native()
 
 
 def _stored_types(ckpt: Checkpoint) -> dict:

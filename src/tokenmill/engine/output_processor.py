@@ -242,6 +242,8 @@ class OutputProcessor:
 
     def _logprob(self, token_id: int, value: float, rank: int) -> Logprob:
         tok = self.tokenizer
+        if token_id >= tok.vocab_size:  # a model row past the tokenizer's (padded vocab)
+            return Logprob(logprob=value, rank=rank, decoded_token="", bytes=b"")
         return Logprob(
             logprob=value,
             rank=rank,

@@ -36,8 +36,8 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self.exact = exact
         self.weight = nn.Parameter(torch.empty(dim, dtype=dtype), requires_grad=False)
-        self.min_norm = (dim * eps) ** 0.5
-        """sqrt(dim * eps): the smallest norm a row is divided by (``_fast``)."""
+        self.eps_sum = dim * eps
+        """dim * eps: what ``_fast`` adds to a row's sum of squares (HF's eps on the mean)."""
         self._scaled: tuple[tuple[int, int], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,15 +51,15 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
     def _fast(self, x: torch.Tensor) -> torch.Tensor:
-        """x / max(||x||, sqrt(dim * eps)) * (w * sqrt(dim)): HF's x * rsqrt(mean(x^2) + eps)
-        * w except that eps only guards tiny rows (far below bfloat16 resolution for real
-        hidden states, and 0 stays 0); the norm accumulates in float32, one rounding."""
+        """x / sqrt(||x||^2 + dim * eps) * (w * sqrt(dim)): HF's x * rsqrt(mean(x^2) + eps)
+        * w with the mean's division folded into the weight (a few roundings apart, and 0
+        stays 0); the sum of squares accumulates in float32."""
         if self._kernel is not None:  # None back: a layout the kernel does not take
-            out = self._kernel(x, self.scaled_weight(), self.min_norm)
+            out = self._kernel(x, self.scaled_weight(), self.eps_sum)
             if out is not None:
                 return out
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True).clamp_min_(self.min_norm)
-        return torch.div(x, norm).mul_(self.scaled_weight())
+        squares = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()
+        return torch.div(x, squares.add_(self.eps_sum).sqrt_()).mul_(self.scaled_weight())
 
     def _takes_fast(self, x: torch.Tensor) -> bool:
         """Not HF's exact rounding: ``exact=False``, or a Llama norm below float32."""
@@ -78,7 +78,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Add ``x`` to the residual stream (in place), then normalize: (normed, residual)."""
         if self._add_kernel is not None and self._takes_fast(residual):  # add + norm, one kernel
-            fused = self._add_kernel(x, residual, self.scaled_weight(), self.min_norm)
+            fused = self._add_kernel(x, residual, self.scaled_weight(), self.eps_sum)
             if fused is not None:
                 return fused
         residual.add_(x)

@@ -31,11 +31,11 @@ from tokenmill.layers.recurrent.scan import REFERENCE_SCAN, ScanKernels, select_
 from tokenmill.quant.plan import QuantPlan
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], "torch.Tensor | None"]
-"""(x [..., D], scaled weight [D] float32, min_norm) -> normalized x, or None."""
+"""(x [..., D], scaled weight [D] float32, eps_sum) -> normalized x, or None."""
 AddNormKernel = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, float], "tuple[torch.Tensor, torch.Tensor] | None"
 ]
-"""(x, residual, scaled weight, min_norm) -> (normed, residual += x), or None."""
+"""(x, residual, scaled weight, eps_sum) -> (normed, residual += x), or None."""
 
 
 @dataclass(frozen=True)
@@ -53,18 +53,18 @@ class Kernels:
 TORCH_KERNELS = Kernels("torch")
 
 
-def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, min_norm: float) -> torch.Tensor | None:
+def _native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps_sum: float) -> torch.Tensor | None:
     if x.dim() != 2 or not x.is_contiguous():
         return None  # q/k norms over strided heads: PyTorch
-    return native.add_rms_norm(None, x, weight, min_norm)
+    return native.add_rms_norm(None, x, weight, eps_sum)
 
 
 def _native_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, min_norm: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps_sum: float
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     if residual.dim() != 2 or not residual.is_contiguous() or x.shape != residual.shape:
         return None
-    return native.add_rms_norm(x.contiguous(), residual, weight, min_norm), residual
+    return native.add_rms_norm(x.contiguous(), residual, weight, eps_sum), residual
 
 
 def _native_silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:

@@ -18,12 +18,12 @@ import triton.language as tl
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr,
-    inner, stride_x0, stride_x1, stride_res, min_norm,
+    inner, stride_x0, stride_x1, stride_res, eps_sum,
     DIM: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):  # fmt: skip
     """Program r: one row of DIM. x row r sits at (r // inner) * stride_x0 + (r % inner) *
     stride_x1 ([T, H, D] views of a packed qkv). With HAS_RESIDUAL: res[r] += x[r] (in res's
-    dtype, stored) and res[r] is the row normalized. out[r] = v / max(||v||, min_norm) * w,
+    dtype, stored) and res[r] is the row normalized. out[r] = v / sqrt(||v||^2 + eps_sum) * w,
     w = (w or 1 + w) * sqrt(DIM) in float32."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -35,7 +35,7 @@ def _rms_norm_kernel(
         v = (r + v).to(res_ptr.dtype.element_ty)  # rounded as residual.add_(x) rounds
         tl.store(res_ptr + row * stride_res + cols, v, mask=ok)
         v = v.to(tl.float32)
-    norm = tl.maximum(tl.sqrt(tl.sum(v * v, axis=0)), min_norm)
+    norm = tl.sqrt(tl.sum(v * v, axis=0) + eps_sum)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0)
     tl.store(out_ptr + row * DIM + cols, (v / norm * w).to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -44,7 +44,7 @@ def _norm_warps(block: int) -> int:
     return 4 if block <= 2048 else 8 if block <= 8192 else 16
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, min_norm: float) -> torch.Tensor | None:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps_sum: float) -> torch.Tensor | None:
     """x [..., D] (last dim contiguous; rows may be strided, e.g. q heads of a packed qkv)
     -> [..., D] new, x's dtype. weight [D] float32, already (w or 1 + w) * sqrt(D).
     None when the layout is not handled (the caller falls back to PyTorch)."""
@@ -58,14 +58,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, min_norm: float) -> torch.Te
         return out
     block = triton.next_power_of_2(dim)
     _rms_norm_kernel[(rows,)](
-        x3, x3, weight, out, x3.shape[1], x3.stride(0), x3.stride(1), 0, min_norm,
+        x3, x3, weight, out, x3.shape[1], x3.stride(0), x3.stride(1), 0, eps_sum,
         DIM=dim, BLOCK=block, HAS_RESIDUAL=False, num_warps=_norm_warps(block),
     )  # fmt: skip
     return out
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, min_norm: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps_sum: float
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """residual [T, D] += x [T, D] in place, then (rms_norm(residual), residual); None when
     the layout is not handled (2-D, same shape, last dims contiguous)."""
@@ -77,7 +77,7 @@ def add_rms_norm(
         return out, residual
     block = triton.next_power_of_2(dim)
     _rms_norm_kernel[(rows,)](
-        x, residual, weight, out, 1, x.stride(0), 0, residual.stride(0), min_norm,
+        x, residual, weight, out, 1, x.stride(0), 0, residual.stride(0), eps_sum,
         DIM=dim, BLOCK=block, HAS_RESIDUAL=True, num_warps=_norm_warps(block),
     )  # fmt: skip
     return out, residual

@@ -129,7 +129,7 @@ class NativeDecode:
             qkv=self._proj(attn.qkv_proj), o=self._proj(attn.o_proj),
             gate_up=self._proj(mlp.gate_up_proj), down=self._proj(mlp.down_proj),
             input_norm=norms[0].data_ptr(), post_norm=norms[1].data_ptr(),
-            min_norm=layer.input_layernorm.min_norm, scale=spec.scale,
+            eps_sum=layer.input_layernorm.eps_sum, scale=spec.scale,
             hidden=spec.hidden_size, q_heads=spec.num_heads, kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim, intermediate=mlp.down_proj.in_features,
             window=spec.sliding_window or 0, activation=_ACTIVATIONS[mlp.act.name],

@@ -267,7 +267,7 @@ class LayerDesc(ctypes.Structure):
 
     _fields_ = [
         ("qkv", Proj), ("o", Proj), ("gate_up", Proj), ("down", Proj),
-        ("input_norm", _ptr), ("post_norm", _ptr), ("min_norm", _f32), ("scale", _f32),
+        ("input_norm", _ptr), ("post_norm", _ptr), ("eps_sum", _f32), ("scale", _f32),
         ("hidden", _i64), ("q_heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("intermediate", _i64), ("window", _i64), ("activation", _i64),
         ("kv_cache", _ptr), ("cache_slots", _i64), ("block_size", _i64),
@@ -335,14 +335,14 @@ def affine_gemm(x: torch.Tensor, tiles: torch.Tensor, bits: int, n: int) -> torc
 
 # -- float32 per-layer steps ---------------------------------------------------------------
 def add_rms_norm(
-    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, min_norm: float
+    x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps_sum: float
 ) -> torch.Tensor:
-    """residual += x (in place, unless x is None); returns residual / max(|residual|,
-    min_norm) * weight per row. float32 [T, D] contiguous; weight float32 [D]."""
+    """residual += x (in place, unless x is None); returns residual / sqrt(|residual|^2 +
+    eps_sum) * weight per row. float32 [T, D] contiguous; weight float32 [D]."""
     out = torch.empty_like(residual)
     add = x is not None
     _need().add_rms_norm(x.data_ptr() if add else 0, residual.data_ptr(), weight.data_ptr(),
-                            out.data_ptr(), residual.shape[0], residual.shape[1], min_norm, add)  # fmt: skip
+                            out.data_ptr(), residual.shape[0], residual.shape[1], eps_sum, add)  # fmt: skip
     return out
 
 

@@ -77,15 +77,14 @@ def best_kernel(dtype: torch.dtype) -> str:
 FP32_KERNEL = "fp32-fma"
 
 
-def fp32_native(auto: bool = True) -> bool:
+def fp32_native() -> bool:
     """Whether float32 weights go through the native ``fp32-fma`` kernel here, rather than
     PyTorch's BLAS: ``$TOKENMILL_FP32_GEMM``. ``auto`` (the variable's default) is yes on an
     AVX-512 CPU that is not Intel's, where the MKL that PyTorch ships runs float32 at its
     AVX2 rate (two Zen 5 cores: ~95 GMAC/s at 1500 rows against this kernel's ~230; on
-    Intel it runs AVX-512); a caller passing ``auto=False`` (the text engine: opt-in, see
-    ``quant/plan.py: NATIVE_FP32``) takes the kernel only when the variable says native."""
+    Intel it runs AVX-512); at one to a few rows (decode) it is 2-4x MKL on two Zen 4 cores."""
     choice = TOKENMILL_FP32_GEMM.get()
-    if choice == "torch" or (choice == "auto" and not auto):
+    if choice == "torch":
         return False
     isa = native.active_isa()
     if choice == "native":

@@ -89,11 +89,30 @@ def _method(name: str, isa: str | None) -> Dense16Method:
     return Dense16Method(kernel)
 
 
-def repack_dense_float32(model: torch.nn.Module) -> int:
+def move_float32_to_native(model: torch.nn.Module, planned: bool, fill: bool = True) -> int:
+    """After a float32 load: the dense layers (``planned``: a plan made its own) and the
+    towers' ``nn.Linear`` layers into the native float32 kernel's tiles; the layers moved.
+    ``fill=False`` (a bundle's unfilled model, ``bundles/store.py``) gives the same modules
+    with empty tiles, for the mapped tensors to replace."""
+    moved = 0 if planned else repack_dense_float32(model, fill)
+    return moved + swap_float32_linears(model, fill)
+
+
+def moved_to_native(model: torch.nn.Module) -> bool:
+    """Whether ``move_float32_to_native`` changed ``model`` (a bundle records it)."""
+    fp32 = FORMATS["fp32"]
+    return any(
+        isinstance(m, NativeLinear) or getattr(getattr(m, "method", None), "dtype", None) == fp32
+        for m in model.modules()
+    )
+
+
+def repack_dense_float32(model: torch.nn.Module, fill: bool = True) -> int:
     """Move every dense float32 CPU weight of ``model``'s linears and tables (the layers
-    whose method is ``methods.DenseMethod``, named "dense") into the native float32 kernel's tiles, once the weights have
-    loaded; each dense weight is freed as its tiles fill. For the models that build no
-    quantization plan (the hybrids, ``CausalLM.takes_quant_plan``). Returns the layers moved."""
+    whose method is ``methods.DenseMethod``, named "dense") into the native float32 kernel's
+    tiles, once the weights have loaded; each dense weight is freed as its tiles fill. For
+    the models that build no quantization plan (the hybrids, ``CausalLM.takes_quant_plan``).
+    ``fill=False``: empty tiles. Returns the layers moved."""
     method = dense16_method("fp32")
     moved = 0
     for layer in model.modules():
@@ -106,7 +125,8 @@ def repack_dense_float32(model: torch.nn.Module) -> int:
         w = weight.detach()
         del layer.weight
         method.create_weights(layer, w.shape[0], w.shape[1], torch.float32)
-        method.load_rows(layer, 0, w)
+        if fill:
+            method.load_rows(layer, 0, w)
         layer.method = method
         moved += 1
     return moved
@@ -116,11 +136,14 @@ class NativeLinear(torch.nn.Module):
     """A float32 weight [out, in] (an ``nn.Linear``'s, ``swap_float32_linears``, or a tied
     output table's) in the native float32 kernel's tiles; y = x W^T + b for x [..., in]."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, fill: bool = True
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         tiles = dense16.empty_tiles(self.out_features, self.in_features, torch.float32)
-        dense16.write_rows(tiles, 0, weight.detach())
+        if fill:  # else empty tiles of the right shape (a bundle's unfilled model)
+            dense16.write_rows(tiles, 0, weight.detach())
         self.register_buffer("wtiles", tiles)
         self.bias = bias
         self.kernel_id = dense16.KERNELS[dense16.FP32_KERNEL][0]
@@ -133,10 +156,10 @@ class NativeLinear(torch.nn.Module):
         return y.view(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
-def swap_float32_linears(model: torch.nn.Module) -> int:
+def swap_float32_linears(model: torch.nn.Module, fill: bool = True) -> int:
     """Replace every plain float32 CPU ``nn.Linear`` in ``model`` (the vision and audio
     towers' layers; subclasses, whose owners may read ``.weight``, stay) by a
-    ``NativeLinear``; the number replaced."""
+    ``NativeLinear`` (``fill=False``: empty tiles); the number replaced."""
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -144,6 +167,6 @@ def swap_float32_linears(model: torch.nn.Module) -> int:
                 continue
             if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
                 continue
-            setattr(parent, name, NativeLinear(child.weight, child.bias))
+            setattr(parent, name, NativeLinear(child.weight, child.bias, fill))
             swapped += 1
     return swapped

@@ -22,7 +22,8 @@ from tokenmill.quant.methods import LinearMethod, method_for
 QUANTIZATIONS: Mapping[str, str] = {
     "auto": "gguf on CPU for a GGUF checkpoint unless dtype is float32/float16; on CPU with "
     "dtype=auto a bf16/fp16 HF checkpoint keeps its 16-bit weights (KEPT_16BIT), and with "
-    "TOKENMILL_FP32_GEMM=native a float32 one takes the native float32 kernel (NATIVE_FP32); "
+    "a float32 one takes the native float32 kernel where it beats PyTorch's BLAS (NATIVE_FP32, "
+    "TOKENMILL_FP32_GEMM); "
     "else none",
     "none": "dense weights in the model dtype (GGUF tensors are dequantized)",
     "gguf": "keep a GGUF's precision: 4-bit block types as int4 groups of 32 (exact), other "
@@ -37,11 +38,9 @@ native kernels and dtype=auto: the weights stay as stored (``quant/dense16.py``)
 activations. Not a user choice: a resolved name only."""
 NATIVE_FP32 = "fp32"
 """What auto resolves to for an HF checkpoint stored in float32 (dtype=auto), or in any
-float dtype at dtype=float32, on CPU with ``TOKENMILL_FP32_GEMM=native``: float32 weights
-in the native float32 kernel's tiles. A resolved name only. Opt-in for the text engine
-(Whisper takes the kernel on ``auto``): its float32 sums round differently from MKL's,
-and on random-weight test models, whose logits hold near-ties, greedy tokens then part
-from transformers' (a Qwen2.5-VL test's text request at its 13th token)."""
+float dtype at dtype=float32, on CPU where ``native.dense16.fp32_native`` says the native
+float32 kernel beats PyTorch's BLAS (``TOKENMILL_FP32_GEMM``; by default an AVX-512 CPU
+not Intel's): float32 weights in that kernel's tiles. A resolved name only."""
 FLOAT32_NAMES = ("float32", "float", "fp32")
 """The ``dtype`` names of float32 (``config.DTYPES``; not imported: config imports this)."""
 FLOAT_FORMATS = ("bf16", "fp16", NATIVE_FP32)
@@ -69,8 +68,8 @@ def resolve_quantization(
             return KEPT_16BIT[stored]
         # float32 weights: stored so (dtype auto), or any float folder at dtype=float32
         float32 = stored == torch.float32 if dtype == "auto" else dtype in FLOAT32_NAMES
-        opt_in = fp32_native(auto=False)  # see NATIVE_FP32
-        if cpu and fmt == "hf" and stored is not None and float32 and opt_in:
+        wins = fp32_native()  # see NATIVE_FP32
+        if cpu and fmt == "hf" and stored is not None and float32 and wins:
             return NATIVE_FP32
         return "none"
     if name != "none" and device.type != "cpu":

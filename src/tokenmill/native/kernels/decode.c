@@ -1,7 +1,8 @@
 /* The small per-layer steps of a float32 forward, one call each instead of 4-10 PyTorch ops
  * (at one token per sequence, per-op overhead, not arithmetic, is what they cost).
  *
- *   add_rms_norm:  residual += x (optional); out = residual / max(|residual|, min_norm) * w
+ *   add_rms_norm:  residual += x (optional); out = residual / sqrt(|residual|^2 + eps_sum) * w
+ *                  (eps_sum = dim * eps, w = weight * sqrt(dim): HF's x * rsqrt(mean(x^2) + eps) * weight)
  *   rope_store_kv: rotate q and k heads in place (rotate-half layout), store k and v rows
  *   decode_attention: one query per sequence against its paged K/V, grouped-query heads
  *
@@ -27,7 +28,7 @@ SIMD_INLINE vf16 add_square(float *res, const float *x, int n, _Bool add, vf16 a
 }
 
 void add_rms_norm(float *x, float *residual, const float *w, float *out, int64_t rows, int64_t dim,
-                  float min_norm, _Bool add) {
+                  float eps_sum, _Bool add) {
 #pragma omp parallel for schedule(static) if (rows * dim > 65536)
     for (int64_t r = 0; r < rows; r++) {
         float *res = residual + r * dim;
@@ -36,8 +37,7 @@ void add_rms_norm(float *x, float *residual, const float *w, float *out, int64_t
         int64_t i = 0;
         for (; i + 16 <= dim; i += 16) acc = add_square(res + i, xr + i, 16, add, acc);
         if (i < dim) acc = add_square(res + i, xr + i, (int)(dim - i), add, acc);
-        float norm = sqrtf(vf16_sum_lanes(acc));
-        float inv = 1.f / (norm > min_norm ? norm : min_norm);
+        float inv = 1.f / sqrtf(vf16_sum_lanes(acc) + eps_sum);
         float *o = out + r * dim;
 #pragma omp simd
         for (int64_t i = 0; i < dim; i++) o[i] = res[i] * inv * w[i];

@@ -13,7 +13,7 @@ void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int k
                   float *y);
 void silu_and_mul(const float *x, int64_t rows, int64_t inter, float *out);
 void add_rms_norm(float *x, float *residual, const float *w, float *out, int64_t rows, int64_t dim,
-                  float min_norm, _Bool add);
+                  float eps_sum, _Bool add);
 void rope_store_kv(float *qkv, int64_t tokens, int64_t row_stride, int64_t q_heads,
                    int64_t kv_heads, int64_t d, const float *cos, const float *sin, float *cache,
                    int64_t cache_slots, const int64_t *slots);
@@ -33,7 +33,7 @@ typedef struct {
 typedef struct {
     Proj qkv, o, gate_up, down;
     const float *input_norm, *post_norm; /* (w or 1 + w) * sqrt(hidden), float32 */
-    float min_norm, scale;
+    float eps_sum, scale; /* eps_sum: hidden * the norms' eps */
     int64_t hidden, q_heads, kv_heads, head_dim, intermediate, window, activation; /* 0 silu, 1 gelu tanh */
     float *kv_cache;
     int64_t cache_slots, block_size;
@@ -73,9 +73,9 @@ void decode_layer(const LayerDesc *L, const StepArgs *s) {
     const int64_t B = s->tokens, H = L->hidden, I = L->intermediate, D = L->head_dim;
     if (s->first_layer) { /* the residual stream starts as the embeddings */
         memcpy(s->residual, s->hidden, B * H * sizeof(float));
-        add_rms_norm(0, s->residual, L->input_norm, s->normed, B, H, L->min_norm, 0);
+        add_rms_norm(0, s->residual, L->input_norm, s->normed, B, H, L->eps_sum, 0);
     } else {
-        add_rms_norm(s->hidden, s->residual, L->input_norm, s->normed, B, H, L->min_norm, 1);
+        add_rms_norm(s->hidden, s->residual, L->input_norm, s->normed, B, H, L->eps_sum, 1);
     }
     project(&L->qkv, s->normed, s->qkv, s);
     rope_store_kv(s->qkv, B, L->qkv.out, L->q_heads, L->kv_heads, D, s->cos, s->sin, L->kv_cache,
@@ -85,7 +85,7 @@ void decode_layer(const LayerDesc *L, const StepArgs *s) {
                      L->scale, L->window, s->attn, s->scores, s->max_len, s->extra_slots,
                      s->max_extra);
     project(&L->o, s->attn, s->hidden, s);
-    add_rms_norm(s->hidden, s->residual, L->post_norm, s->normed, B, H, L->min_norm, 1);
+    add_rms_norm(s->hidden, s->residual, L->post_norm, s->normed, B, H, L->eps_sum, 1);
     project(&L->gate_up, s->normed, s->gate_up, s);
     if (L->activation == 0) {
         silu_and_mul(s->gate_up, B, I, s->act); /* the prefill's kernel: the same bits */
