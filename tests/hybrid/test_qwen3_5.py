@@ -198,3 +198,30 @@ def test_native_float32_kernel_when_asked(qwen35_dir, hf_model, monkeypatch):
     assert layers and all(m.method.name == "fp32" and not hasattr(m, "weight") for m in layers)
     prompts = _prompts(4, seed=3)
     _assert_matches_hf(hf_model, prompts, tokenmill_greedy(llm, prompts, STEPS))
+
+
+def test_bundle_keeps_the_native_float32_layers(qwen35_dir, tmp_path, monkeypatch):
+    """The hybrid's dense float32 layers move into the native kernel's tiles after the
+    load; the bundle written then maps into the same tiles at the next start (warm, no
+    rebuild) and gives the same tokens."""
+    from tokenmill import native
+    from tokenmill.layers.linear import Linear
+
+    if native.active_isa() is None:
+        pytest.skip("no native kernels here")
+    monkeypatch.setenv("TOKENMILL_FP32_GEMM", "native")
+    prompts = _prompts(2, seed=5)
+    runs = []
+    for _ in range(2):
+        llm = _llm(qwen35_dir, prepare_bundle=True, cache_dir=str(tmp_path))
+        loaded = llm.engine.loaded
+        moved = all(
+            m.method.name == "fp32" for m in loaded.model.modules() if isinstance(m, Linear)
+        )
+        runs.append(("bundle write" in loaded.phases, moved, tokenmill_greedy(llm, prompts, 6)))
+        llm.close()
+    (wrote, cold_moved, cold), (rewrote, warm_moved, warm) = runs
+    assert (wrote, rewrote) == (True, False)
+    assert cold_moved and warm_moved
+    for (tokens, logprobs), (want, want_logprobs) in zip(warm, cold, strict=True):
+        assert tokens == want and torch.equal(logprobs, want_logprobs)

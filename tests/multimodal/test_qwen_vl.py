@@ -219,3 +219,26 @@ def test_logprobs_name_rows_past_the_tokenizer(ckpt):
     assert inside and all(lp.bytes for lp in inside)
     (again,) = llm.generate(USER.format("more"), _greedy(), use_tqdm=False)
     assert len(again.outputs[0].token_ids) == STEPS
+
+
+def test_bundle_keeps_the_native_float32_layers(ckpt, images, tmp_path, monkeypatch):
+    """With the native float32 kernel the towers' linears become ``NativeLinear`` after the
+    load; the bundle written then maps into the same modules at the next start (warm, no
+    rebuild) and gives the same tokens."""
+    from tokenmill import native
+    from tokenmill.quant.dense16 import NativeLinear
+
+    if native.active_isa() is None:
+        pytest.skip("no native kernels here")
+    monkeypatch.setenv("TOKENMILL_FP32_GEMM", "native")
+    prompt = {"prompt": USER.format(IMG + "one"), "multi_modal_data": {"image": [images[0]]}}
+    runs = []
+    for _ in range(2):
+        with _llm(ckpt, prepare_bundle=True, cache_dir=str(tmp_path)) as llm:
+            loaded = llm.engine.loaded
+            towers = any(isinstance(m, NativeLinear) for m in loaded.model.visual.modules())
+            (out,) = llm.generate([prompt], _greedy(), use_tqdm=False)
+            runs.append(("bundle write" in loaded.phases, towers, out.outputs[0].token_ids))
+    (wrote, cold_towers, cold), (rewrote, warm_towers, warm) = runs
+    assert (wrote, rewrote) == (True, False)
+    assert cold_towers and warm_towers and list(warm) == list(cold)
