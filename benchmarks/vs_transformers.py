@@ -8,9 +8,10 @@ for concurrent requests of 128 output tokens, each as a ratio to transformers (t
 first of ``--hf-dtypes``) and to the memory-bandwidth limit (weight bytes read per
 decode step vs a copy bandwidth measured in this run). Default model: the embedded
 SmolLM2-135M (GGUF Q4_1), dequantized to float32 for both engines. ``--hf16 bf16``
-(or fp16) runs an HF folder of the same model saved in that dtype (made once from the
-GGUF with transformers, cached under ``--cache``): tokenmill's ``dtype=auto`` keeps its
-16-bit weights; transformers' ``auto`` runs them as stored, ``float32`` upcast.
+(or fp16, fp32) runs an HF folder of the same model saved in that dtype (made once from
+the GGUF with transformers, cached under ``--cache``): tokenmill's ``dtype=auto`` keeps its
+16-bit weights (float32 ones: the native float32 kernel where it beats MKL,
+``TOKENMILL_FP32_GEMM``); transformers' ``auto`` runs them as stored, ``float32`` upcast.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def make_hf16(gguf: str, dtype: str, cache: Path) -> str:
     target = cache / f"{Path(gguf).stem}-{dtype}"
     if (target / "model.safetensors").is_file():
         return str(target)
-    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype]
     g = Path(gguf)
     model = AutoModelForCausalLM.from_pretrained(str(g.parent), gguf_file=g.name)
     if hasattr(model.config, "quantization_config"):  # GGUF-loaded models refuse to save
@@ -157,7 +158,9 @@ def main() -> None:
         help="transformers dtypes (comma list; auto = as stored); the first is the ratios' base",
     )
     ap.add_argument(
-        "--hf16", choices=("bf16", "fp16"), help="run an HF folder of --model saved in this dtype"
+        "--hf16",
+        choices=("bf16", "fp16", "fp32"),
+        help="run an HF folder of --model saved in this dtype (fp32: float32 weights)",
     )
     ap.add_argument(
         "--cache",
