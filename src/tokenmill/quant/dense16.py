@@ -100,9 +100,12 @@ def move_float32_to_native(model: torch.nn.Module, planned: bool, fill: bool = T
 
 def moved_to_native(model: torch.nn.Module) -> bool:
     """Whether ``move_float32_to_native`` changed ``model`` (a bundle records it)."""
-    fp32 = FORMATS["fp32"]
     return any(
-        isinstance(m, NativeLinear) or getattr(getattr(m, "method", None), "dtype", None) == fp32
+        isinstance(m, NativeLinear)
+        or (
+            isinstance(method := getattr(m, "method", None), Dense16Method)
+            and method.name == "fp32"
+        )
         for m in model.modules()
     )
 
