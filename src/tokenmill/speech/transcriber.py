@@ -15,6 +15,7 @@ from tokenmill.speech.audio import load_audio
 from tokenmill.speech.engine import SpeechEngine
 from tokenmill.speech.loader import load_whisper
 from tokenmill.speech.transcribe import Segment, TranscribeOptions, Transcription, TranscriptionJob
+from tokenmill.threads import release_openmp_threads
 
 AudioInput = bytes | np.ndarray | tuple[np.ndarray, int]
 """File bytes, (samples, rate), or 16 kHz samples."""
@@ -40,12 +41,17 @@ class Transcriber:
         options: TranscribeOptions | None = None,
         on_segment: Callable[[Segment], None] | None = None,
     ) -> TranscriptionJob:
-        """Start one transcription; ``job.future`` resolves when its last window is decoded."""
-        samples = load_audio(audio)
-        opts = options or TranscribeOptions()
-        job = TranscriptionJob(samples, opts, self.engine, on_segment=on_segment)
-        job.start()
-        return job
+        """Start one transcription; ``job.future`` resolves when its last window is decoded.
+        This thread decodes the audio and computes the first windows' features, then lets
+        go of its OpenMP threads: the engine thread computes (``tokenmill.threads``)."""
+        try:
+            samples = load_audio(audio)
+            opts = options or TranscribeOptions()
+            job = TranscriptionJob(samples, opts, self.engine, on_segment=on_segment)
+            job.start()
+            return job
+        finally:
+            release_openmp_threads()
 
     def submit(
         self, audio: AudioInput, options: TranscribeOptions | None = None

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from tokenmill.entrypoints.openai.errors import bad_request
 from tokenmill.entrypoints.openai.template_guard import render_untrusted, template_context
 from tokenmill.errors import ContextLengthError
+from tokenmill.threads import then_release
 
 if TYPE_CHECKING:
     from tokenmill.entrypoints.openai.state import ServerState
@@ -52,10 +53,12 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 
 
 async def off_loop(state: ServerState, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)`` on the preprocessing pool; the event loop stays free."""
+    """``fn(*args, **kwargs)`` on the preprocessing pool; the event loop stays free. The
+    pool's thread lets go of OpenMP threads it started (``tokenmill.threads``): the engine
+    thread computes."""
     loop = asyncio.get_running_loop()
     pool = _pool(state.config.limits.preprocess_workers)
-    return await loop.run_in_executor(pool, functools.partial(fn, *args, **kwargs))
+    return await loop.run_in_executor(pool, functools.partial(then_release, fn, *args, **kwargs))
 
 
 # -- cheap checks ----------------------------------------------------------------------------

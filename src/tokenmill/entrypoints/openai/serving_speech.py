@@ -109,6 +109,7 @@ class TranscriptionHandler:
         from tokenmill.speech.audio import load_audio
         from tokenmill.speech.formats import RESPONSE_FORMATS
         from tokenmill.speech.transcribe import TranscribeOptions
+        from tokenmill.threads import then_release
 
         st = self.state
         if st.transcriber is None:
@@ -136,7 +137,7 @@ class TranscriptionHandler:
         data = await _read_file(form, st.limits)
         started = time.perf_counter()
         with st.admitted():
-            samples = await asyncio.to_thread(load_audio, data)
+            samples = await asyncio.to_thread(then_release, load_audio, data)
             seconds = len(samples) / 16000
             if seconds > st.limits.max_audio_seconds:
                 raise bad_request(f"the audio is {seconds:.0f} s long; the limit is "
