@@ -239,6 +239,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.dense16_amx_enable.restype = ctypes.c_int
     lib.delta_rule_step.argtypes = [ptr] * 6 + [i64, ptr, ptr] + [i64] * 5 + [ptr]
     lib.ssd_step.argtypes = [ptr] * 7 + [i64, ptr, ptr] + [i64] * 5 + [ptr]
+    lib.whisper_decode_layer.argtypes = [ptr, ptr]  # (WhisperLayer *, WhisperStep *)
     for fn in (
         lib.add_rms_norm,
         lib.rope_store_kv,
@@ -247,6 +248,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
         lib.dense16_gemm,
         lib.delta_rule_step,
         lib.ssd_step,
+        lib.whisper_decode_layer,
     ):
         fn.restype = None
     return lib
@@ -290,6 +292,12 @@ class StepArgs(ctypes.Structure):
 def decode_layer(desc: ctypes.Structure, step: ctypes.Structure) -> None:
     """Run one decoder layer (see kernels/decoder_layer.c) on ``step``'s buffers in place."""
     _need().decode_layer(ctypes.byref(desc), ctypes.byref(step))
+
+
+def whisper_decode_layer(layer: int, step: int) -> None:
+    """One Whisper decoder layer (kernels/whisper_layer.c): the addresses of its
+    ``WhisperLayer`` and the step's ``WhisperStep`` (``speech/native_step.py``)."""
+    _need().whisper_decode_layer(layer, step)
 
 
 def available() -> bool:

@@ -13,6 +13,7 @@ from torch import nn
 from tokenmill.native import dense16
 from tokenmill.quant.dense16 import NativeLinear, swap_float32_linears
 from tokenmill.speech.config import WhisperConfig
+from tokenmill.speech.native_step import NativeDecoder
 
 VOCAB_BLOCKS = 4
 """Row blocks of the output projection, multiplied as one batched matmul (``vocab_logits``)."""
@@ -50,6 +51,7 @@ def pack_native(model: Whisper) -> int:
     if table.dtype == torch.float32:
         model.decoder.head = NativeLinear(table)
         packed += 1
+    model.decoder.native = NativeDecoder.build(model.decoder, model.cfg.heads)
     return packed
 
 
@@ -197,6 +199,8 @@ class Decoder(nn.Module):
         self.layer_norm = nn.LayerNorm(cfg.d_model)
         self.head: NativeLinear | None = None
         """The output projection (the token table, tied) in native tiles (``pack_native``)."""
+        self.native: NativeDecoder | None = None
+        """The layers stepped in native code, one call each, for decode steps (``pack_native``)."""
 
     def set_cross(self, enc: torch.Tensor, cache: DecoderCache, rows: slice) -> None:
         """Store the cross-attention K/V of ``enc`` [B, 1500, D] in ``rows``."""
@@ -217,6 +221,9 @@ class Decoder(nn.Module):
         [B, len(at), V] of the input positions ``at``."""
         t = tokens.shape[1]
         pos = start[:, None] + torch.arange(t)  # [B, T]
+        if self.native is not None and t == 1 and at is None and not rows.start:
+            x = (self.embed_tokens(tokens[:, 0]) + self.embed_positions(start)).contiguous()
+            return self.logits(self.layer_norm(self.native.step(x, start, cache)))
         lk = int(pos.max()) + 1
         mask = (torch.arange(lk)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Lk]
         x = self.embed_tokens(tokens) + self.embed_positions(pos)
