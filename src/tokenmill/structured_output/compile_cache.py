@@ -24,6 +24,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from tokenmill.threads import then_release
+
 T = TypeVar("T")
 
 STACK_BYTES = 256 * 1024 * 1024
@@ -94,7 +96,7 @@ class CompilePool:
             if not future.set_running_or_notify_cancel():
                 continue
             try:
-                future.set_result(fn(*args))
+                future.set_result(then_release(fn, *args))  # the engine thread computes
             except BaseException as exc:  # noqa: BLE001 - delivered through the future
                 future.set_exception(exc)
 

@@ -48,6 +48,7 @@ from tokenmill.structured_output.compile_cache import (
 from tokenmill.structured_output.limits import GrammarLimitError, GrammarLimits, check_grammar
 from tokenmill.structured_output.params import GrammarSpec, StructuredOutputsParams
 from tokenmill.structured_output.state import StepResult, StructuredRequest
+from tokenmill.threads import then_release
 
 if TYPE_CHECKING:
     from tokenmill.config import EngineConfig
@@ -258,7 +259,10 @@ class StructuredOutputManager:
             if self._mask_thread is None:
                 self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-mask")
             rows = [state for state, drafts in tasks for _ in range(len(drafts) + 1)]
-            self._prepared = (rows, self._mask_thread.submit(self._fill_tasks, tasks))
+            # then_release: this helper's OpenMP workers (a parallel fill starts them) would
+            # stop the engine thread's workers spin-waiting for the life of the process
+            fill = self._mask_thread.submit(then_release, self._fill_tasks, tasks)
+            self._prepared = (rows, fill)
 
     def _fill_tasks(self, tasks: list[tuple[StructuredRequest, tuple[int, ...]]]) -> torch.Tensor:
         """The step's bitmask: one row per sequence without drafts (in one parallel fill),
