@@ -64,24 +64,29 @@ OMP_PAUSE_SOFT = 1
 
 @functools.cache
 def _openmp_runtime() -> Callable[[int], int] | None:
-    """PyTorch's OpenMP runtime (the one under its package: other wheels, sentencepiece's
-    for one, map their own copies), when it offers ``omp_pause_resource_all``."""
+    """``omp_pause_resource_all`` of PyTorch's OpenMP runtime: the copy under its package
+    (other wheels, sentencepiece's for one, map their own), else an already loaded system
+    ``libgomp.so.1`` (a distribution's torch links that); None when neither offers it."""
     try:
         maps = Path("/proc/self/maps").read_text()
     except OSError:  # not Linux: nothing to release here
         return None
     root = Path(torch.__file__).parent
     homes = (str(root) + os.sep, str(root.parent / "torch.libs") + os.sep)
-    for line in maps.splitlines():
-        path = line.rsplit(" ", 1)[-1]
-        name = os.path.basename(path)
-        if path.startswith(homes) and name.startswith(("libgomp", "libiomp", "libomp")):
-            pause = getattr(ctypes.CDLL(path), "omp_pause_resource_all", None)
-            if pause is None:
-                return None
-            pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
-            return pause
-    return None
+    paths = [line.rsplit(" ", 1)[-1] for line in maps.splitlines()]
+    ours = [p for p in paths if p.startswith(homes) and _is_openmp(os.path.basename(p))]
+    try:
+        lib = ctypes.CDLL(ours[0]) if ours else ctypes.CDLL("libgomp.so.1", os.RTLD_NOLOAD)
+    except OSError:  # no OpenMP runtime loaded
+        return None
+    pause = getattr(lib, "omp_pause_resource_all", None)
+    if pause is not None:
+        pause.argtypes, pause.restype = [ctypes.c_int], ctypes.c_int
+    return pause
+
+
+def _is_openmp(name: str) -> bool:
+    return name.startswith(("libgomp", "libiomp", "libomp"))
 
 
 def release_openmp_threads() -> None:

@@ -45,6 +45,17 @@ def test_transcription_json_and_text(client, clips):
     assert "lazy" in text
 
 
+def test_mp3_upload(client, clips):
+    """An MP3 file (libsndfile >= 1.1 decodes it; soundfile's wheels ship one) at the clip's
+    rate, resampled to 16 kHz on the way in."""
+    if "MP3" not in sf.available_formats():
+        pytest.skip("this libsndfile has no MP3")
+    text = client.audio.transcriptions.create(
+        model="whisper-1", file=("a.mp3", _wav(clips[1], "MP3")), response_format="text"
+    )
+    assert "call stella and ask her to bring these things" in text.lower()
+
+
 def test_verbose_json_srt_vtt(client, clips):
     v = client.audio.transcriptions.create(
         model="whisper-1", file=("a.ogg", _wav(clips[2], "OGG")), response_format="verbose_json",
