@@ -52,6 +52,37 @@ print(with_pool, released, settle(with_pool))
     assert again == with_pool
 
 
+@on_linux
+def test_an_llm_can_generate_from_another_thread_at_full_speed(tiny_llama_dir):
+    """LLM() leaves its building thread without OpenMP workers (its next parallel op starts
+    one), so a thread that generates later keeps spin-waiting at its ops' barriers."""
+    out = run_probe(f"""
+import threading
+from tokenmill import LLM, SamplingParams
+
+llm = LLM({str(tiny_llama_dir)!r}, dtype="float32", max_model_len=256, num_kv_blocks=64,
+          block_size=4)
+before = settle(tasks())
+x @ x
+started = settle(before + 1) - before
+release_openmp_threads()
+settle(before)
+box = []
+
+def other():
+    llm.generate(["x"], SamplingParams(max_tokens=4), use_tqdm=False)
+    box.append(sleeps_per_op())
+
+t = threading.Thread(target=other)
+t.start()
+t.join()
+print(started, box[0])
+""")
+    started, sleeps = out.split()
+    assert started == "1"
+    assert float(sleeps) < 0.5  # throttled: ~1 or more per op
+
+
 def test_async_llm_releases_the_thread_that_built_the_engine(tiny_llm, monkeypatch):
     from tokenmill.engine import async_llm
 

@@ -23,6 +23,7 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.pooling.offline import PoolingMixin
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams, generation_defaults
 from tokenmill.speech.offline import SpeechMixin
+from tokenmill.threads import release_openmp_threads
 from tokenmill.tokenizer.chat import with_tool_arguments
 from tokenmill.vllm_compat import check_compat_options
 
@@ -59,6 +60,9 @@ class LLM(PoolingMixin, SpeechMixin):
         self.get_default_sampling_params()  # a bad generation_config fails here, not later
         self._counter = 0
         self._server = None  # the OpenAIServer while serve() runs
+        # whichever thread generates next computes: this one keeps no idle OpenMP workers
+        # (they would throttle another thread's; tokenmill.threads). Here again: one start.
+        release_openmp_threads()
 
     # -- lifecycle ----------------------------------------------------------------
     def close(self) -> None:
