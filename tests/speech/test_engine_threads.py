@@ -30,3 +30,20 @@ t.close()
 print(after_load, after_start)
 """)
     assert out.split() == ["1", "1"]
+
+
+@on_linux
+def test_a_voice_leaves_its_loading_thread_without_workers(piper_voice):
+    """A TTS voice loads (and warms up) on the caller's thread and computes on its workers:
+    the caller keeps no OpenMP workers (a speech server loads Whisper and a voice side by
+    side: they would throttle Whisper's engine thread)."""
+    out = run_probe(f"""
+from tokenmill.speech import TTS
+
+tts = TTS({str(piper_voice)!r})
+before = settle(tasks())
+x @ x
+print(settle(before + 1) - before)
+tts.close()
+""")
+    assert out.split() == ["1"]

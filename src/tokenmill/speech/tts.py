@@ -18,6 +18,7 @@ from tokenmill.speech.espeak import phonemize, phonemize_sentences
 from tokenmill.speech.piper import load_piper
 from tokenmill.speech.vits import Piece, pieces
 from tokenmill.speech.workers import TaskPool
+from tokenmill.threads import release_openmp_threads
 
 DEFAULT_VOICE = "default"
 """A single-voice model answers to its own voice name and to this."""
@@ -74,6 +75,9 @@ class TTS:
         self._closed = False
         if warmup:  # the first forward pays oneDNN's setup (seconds): not the first request
             self.generate_speech("Hello.")
+        # the workers compute: loading here must not leave OpenMP workers to throttle them
+        # or a Whisper engine thread beside this voice (tokenmill.threads)
+        release_openmp_threads()
 
     @property
     def sample_rate(self) -> int:
