@@ -221,7 +221,9 @@ def report(results: dict[str, dict[int, Level]], args) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", help="GGUF file (default: the embedded SmolLM2-135M)")
+    parser.add_argument(
+        "--model", help="GGUF file or HF folder (default: the embedded SmolLM2-135M)"
+    )
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -239,7 +241,10 @@ def main() -> int:
     model = args.model or default_model_path()
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(Path(model).parent), gguf_file=Path(model).name)
+    if Path(model).is_dir():  # an HF folder
+        tok = AutoTokenizer.from_pretrained(model)
+    else:
+        tok = AutoTokenizer.from_pretrained(str(Path(model).parent), gguf_file=Path(model).name)
     prompt_sets = {
         c: random_prompts(tok, max(4, 2 * c), args.prompt_len, args.seed + c)
         for c in [1, *args.concurrency]
@@ -264,6 +269,8 @@ def main() -> int:
 
     if args.no_peer:
         pass
+    elif Path(model).is_dir():
+        print("\nllama.cpp: skipped (it takes a GGUF file, not an HF folder)")
     elif importlib.util.find_spec("llama_cpp") is None:
         print(
             "\nllama.cpp: skipped (llama-cpp-python[server] is not installed; "
