@@ -218,21 +218,21 @@ def bench_asr(folder: Path, audio: np.ndarray, threads: int, repeat: int) -> lis
                 vs = f"{wall / res[mine][0]:.2f}x, {cpu / res[mine][1]:.2f}x"
         rows.append([name, f"{wall / dur:.3f}", f"{cpu / dur:.3f}", f"{dur / wall:.1f}", vs])
     mine_w = out["tokenmill fp32, per window"][1]
-    hf_w = out["transformers fp32, per window"]
+    hf_w = out["transformers fp32, per window"][1]
     kept = [(a, b) for a, b in zip(mine_w, hf_w) if a]
     same = sum(a == b for a, b in kept)
     rows.append([f"per window: {same}/{len(kept)} windows with text have transformers' tokens "
                  f"({len(hf_w)} windows; an empty one is Whisper's no-speech skip)",
                  "", "", "", ""])  # fmt: skip
-    counts = {k: len(v[0]) if isinstance(v, tuple) else sum(map(len, v)) for k, v in out.items()}
+    counts = {k: len(v[0]) for k, v in out.items()}
     rows.append([f"tokens kept: {counts}", "", "", "", ""])
     return rows
 
 
 def make_hf(folder: Path, audio: np.ndarray) -> Callable[[], object]:
     """transformers' plain greedy ``generate`` per 30 s window, no timestamps (its long-form
-    path needs a full Whisper generation_config), prompt sot + notimestamps: -> tokens per
-    window."""
+    path needs a full Whisper generation_config), prompt sot + notimestamps: -> (all tokens,
+    tokens per window)."""
     from transformers import WhisperForConditionalGeneration
     from transformers.generation.utils import GenerationMixin
 
@@ -250,7 +250,7 @@ def make_hf(folder: Path, audio: np.ndarray) -> Callable[[], object]:
         *range(tok.timestamp_begin, hf.config.vocab_size),
     ]
 
-    def run() -> list[list[int]]:
+    def run() -> tuple[list[int], list[list[int]]]:
         tokens: list[list[int]] = []
         with torch.inference_mode():
             for i in range(0, len(audio), 480000):
@@ -262,7 +262,7 @@ def make_hf(folder: Path, audio: np.ndarray) -> Callable[[], object]:
                     max_new_tokens=224, do_sample=False, num_beams=1,
                 )  # fmt: skip
                 tokens.append([t for t in ids[0, 2:].tolist() if t != tok.eot])
-        return tokens
+        return [t for w in tokens for t in w], tokens
 
     return run
 

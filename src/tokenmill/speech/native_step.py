@@ -78,14 +78,17 @@ class NativeDecoder:
 
     ``build`` returns None where it does not apply (layers not packed, norms' eps differ).
     ``step`` runs the layers for rows 0..B-1 of a cache; descriptors are made once per
-    cache (they hold its addresses).
+    cache (they hold its addresses). The fused q/k/v tiles are a second copy of those three
+    weights: prompts (T > 1) still run the PyTorch layers on the separate ones.
     """
 
-    def __init__(self, layers: list[_LayerWeights], cfg_heads: int, eps: float) -> None:
+    def __init__(self, layers: list[_LayerWeights], heads: int, eps: float) -> None:
         self.layers = layers
-        self.heads = cfg_heads
+        self.heads = heads
         self.eps = eps
-        self._descs: dict[int, tuple[object, list[WhisperLayer]]] = {}
+        self._cache: object | None = None
+        """The cache ``_descs`` point into (one engine, one cache: the latest is kept)."""
+        self._descs: list[WhisperLayer] = []
 
     @staticmethod
     def build(decoder: torch.nn.Module, heads: int) -> NativeDecoder | None:
@@ -109,10 +112,8 @@ class NativeDecoder:
 
     def _layer_descs(self, cache: object) -> list[WhisperLayer]:
         """The layers' descriptors pointing into ``cache`` (a ``DecoderCache``)."""
-        key = id(cache)
-        held = self._descs.get(key)
-        if held is not None and held[0] is cache:
-            return held[1]
+        if cache is self._cache:
+            return self._descs
         self_k, self_v = cache.self_k, cache.self_v  # type: ignore[attr-defined]
         cross_k, cross_v = cache.cross_k, cache.cross_v  # type: ignore[attr-defined]
         descs = []
@@ -128,7 +129,7 @@ class NativeDecoder:
                 w.fc1.out_features, self_k.shape[3], cross_k.shape[3], self.eps,
             )  # fmt: skip
             descs.append(desc)
-        self._descs = {key: (cache, descs)}  # one engine, one cache: keep the latest
+        self._cache, self._descs = cache, descs
         return descs
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, cache: object) -> torch.Tensor:

@@ -220,10 +220,10 @@ class Decoder(nn.Module):
         """tokens [B, T] at positions start[b] + t -> logits [B, V] of the last position, or
         [B, len(at), V] of the input positions ``at``."""
         t = tokens.shape[1]
-        pos = start[:, None] + torch.arange(t)  # [B, T]
         if self.native is not None and t == 1 and at is None and not rows.start:
             x = (self.embed_tokens(tokens[:, 0]) + self.embed_positions(start)).contiguous()
             return self.logits(self.layer_norm(self.native.step(x, start, cache)))
+        pos = start[:, None] + torch.arange(t)  # [B, T]
         lk = int(pos.max()) + 1
         mask = (torch.arange(lk)[None, None, :] <= pos[:, :, None])[:, None]  # [B, 1, T, Lk]
         x = self.embed_tokens(tokens) + self.embed_positions(pos)
