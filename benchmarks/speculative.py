@@ -1,7 +1,8 @@
 """Speculative decoding, side by side in one run (2 cores: run it on a quiet machine).
 
 1. The verify-cost curve t(k)/t(1), k = 1..8: one sequence verifying k - 1 drafts
-   against a plain decode step, on SmolLM2-135M Q4_1 (goal t(8)/t(1) <= 1.5).
+   against a plain decode step, on SmolLM2-135M Q4_1 (goal t(8)/t(1) <= 1.5), for both
+   activation precisions (high: two int8 terms, the default; low: one, as llama.cpp).
 2. A copy-heavy workload (repeat / quote / edit a given text; SmolLM2 copies exactly at
    temperature 0): tokens/s with prompt lookup and with suffix decoding vs speculation off
    (goal >= 2x) and vs llama.cpp's prompt-lookup decoding on the same GGUF
@@ -15,6 +16,7 @@
 
     python benchmarks/speculative.py [--k 8] [--repeat 3] [--curve-only] [--draft-pair]
     python benchmarks/speculative.py --draft-pair-only [--repeat 1] [--pair-max-tokens 128]
+    ... [--activation-precision low]   # the workloads and the pair with one int8 term
 
 Rates are medians over ``--repeat`` rounds, the configurations alternating within a round.
 """
@@ -29,6 +31,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from common import table
 
 from tokenmill import LLM, SamplingParams
@@ -97,12 +100,6 @@ def llama_cpp_rate(llama, ids: list[int], max_tokens: int, eos: int) -> tuple[fl
     return n / (time.perf_counter() - start), n
 
 
-def cost_curve(llm: LLM, k: int, repeat: int) -> list[float]:
-    engine = llm.engine
-    curves = [measure_cost_curve(engine.runner, engine.kv, k, k + 1, 1) for _ in range(repeat)]
-    return [statistics.median(c.ratio(j) for c in curves) for j in range(1, k + 1)]
-
-
 def run_workload(runners: dict, ids_list: list[list[int]], max_tokens: int, repeat: int):
     rates: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(repeat):
@@ -129,24 +126,40 @@ def main() -> None:
     ap.add_argument("--draft-pair", action="store_true", help="also the Qwen2.5-Coder pair")
     ap.add_argument("--draft-pair-only", action="store_true", help="only the Qwen2.5-Coder pair")
     ap.add_argument("--pair-max-tokens", type=int, default=128, help="new tokens per code task")
-    ap.add_argument("--curve-only", action="store_true", help="only the verify-cost curve")
+    ap.add_argument("--curve-only", action="store_true", help="only the verify-cost curves")
+    ap.add_argument("--activation-precision", default="high", choices=("high", "low"),
+                    help="of every engine past the curves (both precisions there)")  # fmt: skip
     args = ap.parse_args()
     if args.draft_pair_only:
         return draft_pair(args)
     path = smollm2()
     k = args.k
 
-    plain = LLM(path)
-    print("verify cost t(k)/t(1), one sequence, SmolLM2-135M Q4_1:")
-    curve = cost_curve(plain, k, args.repeat)
-    print(table([["k", *map(str, range(1, k + 1))], ["t(k)/t(1)", *(f"{r:.2f}" for r in curve)]]))
+    precision = args.activation_precision
+    engines = {p: LLM(path, activation_precision=p) for p in ("high", "low")}
+    print("verify cost t(k)/t(1), one sequence, SmolLM2-135M Q4_1 (t(1) in ms):")
+    rows = [["activations", *map(str, range(1, k + 1)), "t(1)"]]
+    curves = {p: [] for p in engines}
+    for _ in range(args.repeat):  # alternating, so drift hits both alike
+        for p, llm in engines.items():
+            curves[p].append(measure_cost_curve(llm.engine.runner, llm.engine.kv, k, k + 1, 1))
+    for p, measured in curves.items():
+        ratios = [statistics.median(c.ratio(j) for c in measured) for j in range(1, k + 1)]
+        t1 = statistics.median(float(c(np.array([1]))[0]) for c in measured) * 1e3
+        rows.append([p, *(f"{r:.2f}" for r in ratios), f"{t1:.2f}"])
+    print(table(rows))
     if args.curve_only:
         return
+    plain = engines[precision]
+    engines.pop("low" if precision == "high" else "high").close()
 
-    ngram = LLM(path, speculative_config={"method": "ngram", "num_speculative_tokens": k})
-    suffix = LLM(path, speculative_config={"method": "suffix", "num_speculative_tokens": k})
-    tree = LLM(path, speculative_config={"method": "suffix", "num_speculative_tokens": k,
-                                         "draft_top_k": 2, "verify_tree_size": 2 * k})  # fmt: skip
+    def spec(**config) -> LLM:
+        config = {"num_speculative_tokens": k, **config}
+        return LLM(path, activation_precision=precision, speculative_config=config)
+
+    ngram = spec(method="ngram")
+    suffix = spec(method="suffix")
+    tree = spec(method="suffix", draft_top_k=2, verify_tree_size=2 * k)
     runners = {
         "off": lambda ids, n: tm_rate(plain, ids, n),
         "ngram": lambda ids, n: tm_rate(ngram, ids, n),
@@ -256,9 +269,9 @@ def draft_pair(args) -> None:
     from conftest import qwen_coder_draft_path, qwen_coder_path
 
     target, draft = str(qwen_coder_path()), str(qwen_coder_draft_path())
-    llm = LLM(target, max_model_len=2048, speculative_config={
-        "method": "draft_model", "model": draft, "num_speculative_tokens": max(PAIR_KS),
-    })  # fmt: skip
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": max(PAIR_KS)}
+    llm = LLM(target, max_model_len=2048, activation_precision=args.activation_precision,
+              speculative_config=spec)  # fmt: skip
     (hook,) = [h for h in llm.engine.hooks if isinstance(h, DraftHook)]
     configs = pair_configs(hook)
     ids_list = prompts(llm, CODE_TASKS)

@@ -51,6 +51,11 @@ class EngineConfig:
     types as int8 groups), int8, int4. auto = gguf on CPU for a GGUF checkpoint unless
     dtype is float32 or float16 (exact dequantized math), else none. With quantized
     weights dtype=auto means float32 where the native kernel runs, else bfloat16."""
+    activation_precision: str = "high"
+    """How the CPU int4/int8 kernels (GGUF, quantization=int8/int4) quantize activations
+    (``tokenmill.quant.plan.ACTIVATION_PRECISIONS``): high (two int8 terms per group of 32,
+    ~15 bits) or low (one int8 term, as llama.cpp: faster multi-token steps, a measured
+    quality cost). low on any other weights is an error."""
     max_model_len: int | None = None
     """Longest prompt + output in tokens; may only lower the model's own limit."""
     max_num_seqs: int = 256
@@ -264,9 +269,10 @@ class EngineConfig:
             raise InvalidRequestError(
                 f"dtype={self.dtype!r} is not supported; use auto or one of {', '.join(DTYPES)}"
             )
-        from tokenmill.quant.plan import check_quantization
+        from tokenmill.quant.plan import check_activation_precision, check_quantization
 
         check_quantization(self.quantization)
+        check_activation_precision(self.activation_precision)
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise InvalidRequestError(f"device={self.device!r}: use auto, cpu, cuda or cuda:N")
         if self.device.startswith("cuda") and not torch.cuda.is_available():

@@ -182,7 +182,9 @@ def read_bundle(
         model_cls = resolve_model_class(hf_config.get("architectures"))
         gguf = quantization == "gguf"
         plan = build_plan(
-            quantization, {k: Q(v) for k, v in resolved["stored_types"].items()} if gguf else {}
+            quantization,
+            {k: Q(v) for k, v in resolved["stored_types"].items()} if gguf else {},
+            config.activation_precision,
         )
     with phases("kernels"):
         ops = select_ops(device, dtype, plan, resolved["attention_backend"])  # as built

@@ -127,16 +127,18 @@ def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> Loaded
         ):
             quantization = "none"  # its layers are dense only: weights in the model dtype
         types = _stored_types(ckpt) if quantization == "gguf" else {}
-        plan = build_plan(quantization, types if shard is None else shard.stored_types(types))
+        plan = build_plan(quantization, types if shard is None else shard.stored_types(types),
+                          config.activation_precision)  # fmt: skip
         dtype = auto_dtype() if plan and config.dtype == "auto" else config.torch_dtype()
     with phases("tokenizer"):
         tokenizer = load_tokenizer(ckpt, config.tokenizer)
     logger.info(
-        "building %s (%s, %s, weights %s) from %s",
+        "building %s (%s, %s, weights %s%s) from %s",
         model_cls.__name__,
         dtype,
         device,
         quantization,
+        ", activations in one int8 term" if plan and plan.activation_terms == 1 else "",
         ckpt.path,
     )
     with phases("kernels"):

@@ -98,6 +98,14 @@ ENGINE_FLAGS = (
         choices=("auto", "none", "gguf", "int8", "int4"),
     ),
     Flag(
+        "--activation-precision",
+        "activation_precision",
+        str,
+        "how the CPU int4/int8 kernels (GGUF, --quantization int8/int4) quantize activations: high (two int8 terms per group of 32, ~15 bits; the default) or low (one int8 term, as llama.cpp: faster speculative verification, batches and prefill, at a small quality cost)",
+        "high",
+        choices=("high", "low"),
+    ),
+    Flag(
         "--max-model-len",
         "max_model_len",
         int,

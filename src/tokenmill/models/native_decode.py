@@ -145,4 +145,5 @@ class NativeDecode:
         return native.Proj(
             tiles=tiles, bias=bias.data_ptr() if bias is not None else None,
             bits=code, out=linear.out_features, in_=linear.in_features,
+            terms=linear.method.activation_terms,
         )  # fmt: skip

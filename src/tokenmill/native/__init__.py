@@ -221,8 +221,8 @@ def _load(isa: str) -> ctypes.CDLL | None:
         return None
     logger.info("native CPU kernels: ISA level %s (%s)", isa, path.name)
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_bool
-    lib.affine_gemm.argtypes = [ptr, flag, i64, i64, ptr, ctypes.c_int, i64, ptr, flag,
-                                ptr, ptr, ptr]  # fmt: skip
+    lib.affine_gemm.argtypes = [ptr, flag, i64, i64, ptr, ctypes.c_int, ctypes.c_int, i64, ptr,
+                                flag, ptr, ptr, ptr]  # fmt: skip
     lib.affine_gemm.restype = None
     f32 = ctypes.c_float
     lib.add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, flag]
@@ -259,9 +259,13 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 class Proj(ctypes.Structure):
-    """An affine-group projection: its tiles, optional float32 bias, bits and shape."""
+    """An affine-group projection: its tiles, optional float32 bias, bits, shape and int8
+    activation terms (1 or 2; 16-bit tiles ignore it)."""
 
-    _fields_ = [("tiles", _ptr), ("bias", _ptr), ("bits", _i64), ("out", _i64), ("in_", _i64)]
+    _fields_ = [
+        ("tiles", _ptr), ("bias", _ptr), ("bits", _i64), ("out", _i64), ("in_", _i64),
+        ("terms", _i64),
+    ]  # fmt: skip
 
 
 class LayerDesc(ctypes.Structure):
@@ -331,13 +335,16 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
-def affine_gemm(x: torch.Tensor, tiles: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """x [M, K] float32/bfloat16 contiguous, tiles from ``pack_tiles`` -> y [M, n] in x's dtype."""
+def affine_gemm(
+    x: torch.Tensor, tiles: torch.Tensor, bits: int, n: int, terms: int = 2
+) -> torch.Tensor:
+    """x [M, K] float32/bfloat16 contiguous, tiles from ``pack_tiles`` -> y [M, n] in x's dtype.
+    ``terms``: int8 terms per activation (2: ~15 bits; 1: ~8 bits, half the multiply-adds)."""
     m, k = x.shape
     y = torch.empty(m, n, dtype=x.dtype)
     bf16 = x.dtype == torch.bfloat16
-    _need().affine_gemm(x.data_ptr(), bf16, m, k, tiles.data_ptr(), bits, n, y.data_ptr(),
-                           bf16, *_scratch.pointers(m, k))  # fmt: skip
+    _need().affine_gemm(x.data_ptr(), bf16, m, k, tiles.data_ptr(), bits, terms, n,
+                           y.data_ptr(), bf16, *_scratch.pointers(m, k))  # fmt: skip
     return y
 
 

@@ -21,6 +21,9 @@ class LinearMethod(ABC):
     """Storage and matmul of one [out, in] weight. Stateless: the tensors live on the layer."""
 
     name: str
+    activation_terms: int = 2
+    """int8 terms per activation of the native affine-group kernels (``ACTIVATION_TERMS``);
+    other formats ignore it."""
 
     @abstractmethod
     def create_weights(

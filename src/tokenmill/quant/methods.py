@@ -8,8 +8,8 @@ by row block from the checkpoint (a dense tensor or raw GGUF blocks), and comput
 - ``int4`` / ``int8``: affine groups of 32 inputs, ``w = scale * q + offset`` with ``q``
   of 4 or 8 bits and float16 scale/offset: GGUF Q4_0/Q4_1/Q4_K (4-bit) and Q8_0 (8-bit)
   load exactly, anything else is rounded to nearest. Computed by the native kernel
-  (``native/``: activations quantized per group of 32 to int8, integer dot products;
-  on x86-64 with AVX2+FMA+F16C and a C compiler, AVX512-VNNI where the CPU has it),
+  (``native/``: activations quantized per group of 32 into two int8 terms, or one with
+  ``activation_precision="low"``, integer dot products; on x86-64 with AVX2+FMA+F16C and a C compiler, AVX512-VNNI where the CPU has it),
   float32 or bfloat16 in and out.
 - ``bf16`` / ``fp16``: 16-bit float weights as stored in the checkpoint, float32
   activations and accumulation (``dense16.py``; native kernels only).
@@ -63,8 +63,8 @@ class AffineGroupMethod(LinearMethod):
 
     TILE = native.TILE
 
-    def __init__(self, bits: int) -> None:
-        self.bits = bits
+    def __init__(self, bits: int, terms: int = 2) -> None:
+        self.bits, self.activation_terms = bits, terms
         self.name = f"int{bits}"
 
     def create_weights(self, layer, out_features, in_features, dtype):
@@ -93,11 +93,11 @@ class AffineGroupMethod(LinearMethod):
     def apply(self, layer, x, bias):
         n = layer.qtiles.shape[0] * self.TILE
         if x.dim() == 2 and x.is_contiguous() and x.dtype in _NATIVE_DTYPES:
-            y = native.affine_gemm(x, layer.qtiles, self.bits, n)  # the decode hot path
+            y = native.affine_gemm(x, layer.qtiles, self.bits, n, self.activation_terms)
         else:
             flat = x.reshape(-1, x.shape[-1])
             flat = flat.contiguous() if flat.dtype in _NATIVE_DTYPES else flat.float()
-            y = native.affine_gemm(flat, layer.qtiles, self.bits, n)
+            y = native.affine_gemm(flat, layer.qtiles, self.bits, n, self.activation_terms)
             y = y.view(*x.shape[:-1], n).to(x.dtype)
         return y if bias is None else y + bias
 
@@ -119,12 +119,16 @@ def _in_features(layer: nn.Module) -> int:
 
 
 _DENSE = DenseMethod()
-_NATIVE = {"int4": AffineGroupMethod(4), "int8": AffineGroupMethod(8)}
+_NATIVE = {
+    (f"int{bits}", terms): AffineGroupMethod(bits, terms) for bits in (4, 8) for terms in (1, 2)
+}
 
 
-def method_for(name: str) -> LinearMethod:
+def method_for(name: str, activation_terms: int = 2) -> LinearMethod:
     """The implementation of a weight format here: the native kernel when it runs on this
-    machine, else PyTorch's kernels for int4/int8 (bf16/fp16 need the native kernels)."""
+    machine, else PyTorch's kernels for int4/int8 (bf16/fp16 need the native kernels).
+    ``activation_terms``: the native int4/int8 kernels' activation precision (1 or 2 int8
+    terms; ``plan.ACTIVATION_PRECISIONS``)."""
     if name == "dense":
         return _DENSE
     if name in ("bf16", "fp16", "fp32"):
@@ -132,7 +136,7 @@ def method_for(name: str) -> LinearMethod:
 
         return dense16_method(name)
     if native.available():
-        return _NATIVE[name]
+        return _NATIVE[name, activation_terms]
     from tokenmill.quant.torch_methods import TORCH_METHODS
 
     return TORCH_METHODS[name]

@@ -32,6 +32,15 @@ QUANTIZATIONS: Mapping[str, str] = {
     "int4": "every linear as int4 groups of 32 (round-to-nearest unless stored as 4-bit "
     "GGUF blocks), the embedding table as int8 per row",
 }
+ACTIVATION_PRECISIONS: Mapping[str, str] = {
+    "high": "the default: the native int4/int8 kernels quantize each group of 32 activations "
+    "into two int8 terms (~15 bits, finer than bfloat16; greedy tokens follow the float "
+    "reference's)",
+    "low": "one int8 term per group of 32 (llama.cpp's activation precision): half the "
+    "multiply-adds, so verify steps of speculative decoding, large batches and prefill run "
+    "faster, at a measured quality cost (docs/architecture.md); CPU int4/int8/gguf weights only",
+}
+ACTIVATION_TERMS: Mapping[str, int] = {"high": 2, "low": 1}
 KEPT_16BIT: Mapping[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 """What auto resolves to for an HF checkpoint stored in 16-bit floats, on CPU with the
 native kernels and dtype=auto: the weights stay as stored (``quant/dense16.py``), float32
@@ -92,6 +101,8 @@ class QuantPlan:
     """A resolved ``QUANTIZATIONS`` name other than auto and none."""
     stored_types: Mapping[str, frozenset[Q]] = field(default_factory=dict)
     """Module name -> the GGUF types its checkpoint tensors are stored in (GGUF only)."""
+    activation_terms: int = 2
+    """int8 terms per activation of the int4/int8 layers (``ACTIVATION_TERMS``)."""
 
     def linear_method(
         self, prefix: str, out_sizes: Sequence[int], in_features: int
@@ -104,12 +115,14 @@ class QuantPlan:
             name = "int8"
         if name == "int8" and not _fits(name, out_sizes, in_features):
             name = "dense"  # shards off the packed layout's row blocks, or partial groups
-        return method_for(name)
+        return method_for(name, self.activation_terms)
 
     def embedding_method(self, prefix: str) -> LinearMethod:
         """Tables stay 8-bit at least: a 4-bit output head costs too much quality."""
         choice = self._choice(prefix)
-        return method_for(choice if choice in ("dense", *FLOAT_FORMATS) else "int8")
+        if choice in ("dense", *FLOAT_FORMATS):
+            return method_for(choice)
+        return method_for("int8", self.activation_terms)
 
     def _choice(self, prefix: str) -> str:
         if self.quantization != "gguf":
@@ -164,14 +177,37 @@ def linear_method(
     return None if plan is None else plan.linear_method(prefix, out_sizes, in_features)
 
 
-def build_plan(quantization: str, hf_types: Mapping[str, Q]) -> QuantPlan | None:
+def build_plan(
+    quantization: str, hf_types: Mapping[str, Q], activation_precision: str = "high"
+) -> QuantPlan | None:
     """The plan of a resolved quantization (None for none); ``hf_types`` maps each HF
     tensor name of a GGUF checkpoint to its stored type ({} for other checkpoints)."""
     from tokenmill.models.weights import module_name
 
+    check_activation_precision(activation_precision, quantization)
     if quantization == "none":
         return None
     stored: dict[str, set[Q]] = {}
     for hf_name, qtype in hf_types.items():
         stored.setdefault(module_name(hf_name), set()).add(qtype)
-    return QuantPlan(quantization, {k: frozenset(v) for k, v in stored.items()})
+    terms = ACTIVATION_TERMS[activation_precision]
+    return QuantPlan(quantization, {k: frozenset(v) for k, v in stored.items()}, terms)
+
+
+def check_activation_precision(precision: str, quantization: str | None = None) -> None:
+    """A known name; with a resolved ``quantization``, one whose kernels it changes ("low"
+    needs the native int4/int8 kernels: anything else would silently ignore it)."""
+    if precision not in ACTIVATION_PRECISIONS:
+        raise InvalidRequestError(
+            f"activation_precision={precision!r} is unknown; use one of "
+            f"{', '.join(ACTIVATION_PRECISIONS)}"
+        )
+    if precision == "low" and quantization is not None:
+        if quantization not in ("gguf", "int8", "int4") or not native.available():
+            where = "here" if native.available() else "without the native CPU kernels"
+            raise InvalidRequestError(
+                f"activation_precision='low' changes the native int4/int8 kernels only, and "
+                f"this model's weights resolve to quantization={quantization!r} {where}; use a "
+                "GGUF checkpoint or quantization='int8'/'int4' on CPU, or "
+                "activation_precision='high'"
+            )

@@ -33,7 +33,8 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define MBLOCK 4
+#define MBLOCK 4  /* tokens per register block: two activation terms */
+#define MBLOCK1 8 /* one term */
 #define PREFETCH 2048
 
 static inline __m512 load16(const void *x, int bf16, int64_t k) {
@@ -68,52 +69,45 @@ static void quantize_row(const void *x, int bf16, int64_t K, int8_t *qx, float *
     }
 }
 
-/* mb tokens (mb <= MBLOCK) x one tile of 16 rows. Four accumulators per token (term 1/2 x
- * even/odd step) keep the vpdpbusd dependency chains short. Always inlined with constant
- * bits and mb (see tile_dispatch), so the loops over tokens unroll and the accumulators
- * stay in registers. */
+/* mb tokens x one tile of 16 rows, the activations in ``terms`` int8 terms (qx rows of
+ * terms * K bytes, a group's terms side by side). Two terms: four accumulators per token
+ * (term 1/2 x even/odd step), mb <= MBLOCK; one term: two (even/odd step), mb <= MBLOCK1,
+ * so twice the tokens share each weight load. Short vpdpbusd dependency chains either
+ * way. Always inlined with constant bits, terms and mb (see tile_dispatch), so the loops
+ * over tokens unroll and the accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile_kernel(
-    const uint8_t *w, const int bits, int64_t groups, const int mb, const int8_t *qx,
-    const float *dx, const float *sx, int64_t K, float *out /* [mb][16] */) {
+    const uint8_t *w, const int bits, const int terms, int64_t groups, const int mb,
+    const int8_t *qx, const float *dx, const float *sx, int64_t K, float *out /* [mb][16] */) {
     const int steps = bits == 4 ? 4 : 8;
-    const int64_t group_bytes = (int64_t)steps * 64 + 64;
-    __m512 y[MBLOCK];
-    for (int m = 0; m < MBLOCK; m++) y[m] = _mm512_setzero_ps();
+    const int64_t group_bytes = (int64_t)steps * 64 + 64, qrow = terms * K;
+    __m512 y[MBLOCK1];
+    for (int m = 0; m < mb; m++) y[m] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi8(0x0f);
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gw = w + g * group_bytes;
-        __m512i a[MBLOCK][4];
-        for (int m = 0; m < MBLOCK; m++)
-            a[m][0] = a[m][1] = a[m][2] = a[m][3] = _mm512_setzero_si512();
+        __m512i a[MBLOCK1][4];
+        for (int m = 0; m < mb; m++)
+            for (int u = 0; u < 2 * terms; u++) a[m][u] = _mm512_setzero_si512();
         /* the hardware prefetchers stop at 4 KB pages: keep PREFETCH bytes in flight */
         for (int s = 0; s <= steps; s++) _mm_prefetch((const char *)gw + PREFETCH + s * 64, _MM_HINT_T0);
-        if (bits == 4) {
-            for (int s = 0; s < 4; s++) {
-                __m512i v = _mm512_loadu_si512((const void *)(gw + s * 64));
-                __m512i lo = _mm512_and_si512(v, low4);
-                __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-                for (int m = 0; m < mb; m++) {
-                    const int32_t *q1 = (const int32_t *)(qx + 2 * (m * K + g * GROUP) + s * 8);
-                    const int32_t *q2 = q1 + GROUP / 4;
-                    a[m][0] = _mm512_dpbusd_epi32(a[m][0], lo, _mm512_set1_epi32(q1[0]));
-                    a[m][1] = _mm512_dpbusd_epi32(a[m][1], hi, _mm512_set1_epi32(q1[1]));
-                    a[m][2] = _mm512_dpbusd_epi32(a[m][2], lo, _mm512_set1_epi32(q2[0]));
-                    a[m][3] = _mm512_dpbusd_epi32(a[m][3], hi, _mm512_set1_epi32(q2[1]));
-                }
+        for (int p = 0; p < 4; p++) {
+            /* inputs 8 p .. 8 p + 7 as two 64-byte operands (4 inputs x 16 rows each): 4-bit,
+             * the low and high nibbles of step p; 8-bit, steps 2 p and 2 p + 1 */
+            __m512i v0, v1;
+            if (bits == 4) {
+                __m512i v = _mm512_loadu_si512((const void *)(gw + p * 64));
+                v0 = _mm512_and_si512(v, low4);
+                v1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            } else {
+                v0 = _mm512_loadu_si512((const void *)(gw + p * 128));
+                v1 = _mm512_loadu_si512((const void *)(gw + p * 128 + 64));
             }
-        } else {
-            for (int s = 0; s < 8; s += 2) {
-                __m512i v0 = _mm512_loadu_si512((const void *)(gw + s * 64));
-                __m512i v1 = _mm512_loadu_si512((const void *)(gw + s * 64 + 64));
-                for (int m = 0; m < mb; m++) {
-                    const int32_t *q1 = (const int32_t *)(qx + 2 * (m * K + g * GROUP) + s * 4);
-                    const int32_t *q2 = q1 + GROUP / 4;
-                    a[m][0] = _mm512_dpbusd_epi32(a[m][0], v0, _mm512_set1_epi32(q1[0]));
-                    a[m][1] = _mm512_dpbusd_epi32(a[m][1], v1, _mm512_set1_epi32(q1[1]));
-                    a[m][2] = _mm512_dpbusd_epi32(a[m][2], v0, _mm512_set1_epi32(q2[0]));
-                    a[m][3] = _mm512_dpbusd_epi32(a[m][3], v1, _mm512_set1_epi32(q2[1]));
+            for (int m = 0; m < mb; m++)
+                for (int u = 0; u < terms; u++) {
+                    const int32_t *q = (const int32_t *)(qx + m * qrow + (g * terms + u) * GROUP + p * 8);
+                    a[m][2 * u] = _mm512_dpbusd_epi32(a[m][2 * u], v0, _mm512_set1_epi32(q[0]));
+                    a[m][2 * u + 1] = _mm512_dpbusd_epi32(a[m][2 * u + 1], v1, _mm512_set1_epi32(q[1]));
                 }
-            }
         }
         const uint8_t *sc = gw + steps * 64;
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
@@ -121,9 +115,9 @@ static inline __attribute__((always_inline)) void tile_kernel(
         for (int m = 0; m < mb; m++) {
             int64_t gi = m * (K / GROUP) + g;
             /* 256 term1 + term2 < 2^31: |term1| <= 32 * 255 * 127 */
-            __m512i t1 = _mm512_add_epi32(a[m][0], a[m][1]);
-            __m512i t2 = _mm512_add_epi32(a[m][2], a[m][3]);
-            __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(t1, 8), t2));
+            __m512i i = _mm512_add_epi32(a[m][0], a[m][1]);
+            if (terms == 2) i = _mm512_add_epi32(_mm512_slli_epi32(i, 8), _mm512_add_epi32(a[m][2], a[m][3]));
+            __m512 f = _mm512_cvtepi32_ps(i);
             y[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(scale, _mm512_set1_ps(dx[gi])), y[m]);
             y[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sx[gi]), y[m]);
         }
@@ -131,16 +125,20 @@ static inline __attribute__((always_inline)) void tile_kernel(
     for (int m = 0; m < mb; m++) _mm512_storeu_ps(out + m * TILE, y[m]);
 }
 
-#define TILE_CASE(B, MB)                                                                     \
-    case (B) * 8 + (MB):                                                                     \
-        tile_kernel(w, B, groups, MB, qx, dx, sx, K, out);                                   \
+#define TILE_CASE(B, U, MB)                                                                  \
+    case (B) * 1000 + (U) * 100 + (MB):                                                      \
+        tile_kernel(w, B, U, groups, MB, qx, dx, sx, K, out);                                \
         break;
+#define TILE_MB4(B, U) TILE_CASE(B, U, 1) TILE_CASE(B, U, 2) TILE_CASE(B, U, 3) TILE_CASE(B, U, 4)
+#define TILE_MB8(B) TILE_MB4(B, 1) TILE_CASE(B, 1, 5) TILE_CASE(B, 1, 6) TILE_CASE(B, 1, 7) TILE_CASE(B, 1, 8)
 
-static void tile_dispatch(const uint8_t *w, int bits, int64_t groups, int mb, const int8_t *qx,
-                          const float *dx, const float *sx, int64_t K, float *out) {
-    switch (bits * 8 + mb) {
-        TILE_CASE(4, 1) TILE_CASE(4, 2) TILE_CASE(4, 3) TILE_CASE(4, 4)
-        TILE_CASE(8, 1) TILE_CASE(8, 2) TILE_CASE(8, 3) TILE_CASE(8, 4)
+static inline int tile_mblock(int terms) { return terms == 1 ? MBLOCK1 : MBLOCK; }
+
+static void tile_dispatch(const uint8_t *w, int bits, int terms, int64_t groups, int mb,
+                          const int8_t *qx, const float *dx, const float *sx, int64_t K,
+                          float *out) {
+    switch (bits * 1000 + terms * 100 + mb) {
+        TILE_MB4(4, 2) TILE_MB4(8, 2) TILE_MB8(4) TILE_MB8(8)
     }
 }
 
@@ -189,9 +187,11 @@ static void affine_amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* One tile of 16 rows x 16 tokens (m0 .. m0 + 15) -> out [16 tokens][16] */
-static void amx_tile_block(const uint8_t *w, int bits, int64_t groups, const int8_t *qx,
-                           const float *dx, const float *sx, int64_t K, float *out) {
+/* One tile of 16 rows x 16 tokens (m0 .. m0 + 15) -> out [16 tokens][16]; one or two
+ * activation terms (qx rows of terms * K bytes; one term: C1 only) */
+static void amx_tile_block(const uint8_t *w, int bits, int terms, int64_t groups,
+                           const int8_t *qx, const float *dx, const float *sx, int64_t K,
+                           float *out) {
     const int steps = bits == 4 ? 4 : 8;
     const int64_t group_bytes = (int64_t)steps * 64 + 64;
     uint8_t codes[8 * 64] __attribute__((aligned(64)));
@@ -213,22 +213,25 @@ static void amx_tile_block(const uint8_t *w, int bits, int64_t groups, const int
             b = codes;
         }
         _tile_zero(0);
-        _tile_zero(1);
         _tile_loadd(4, b, 64);
-        _tile_loadd(2, qx + 2 * g * GROUP, 2 * K);
-        _tile_loadd(3, qx + 2 * g * GROUP + GROUP, 2 * K);
+        _tile_loadd(2, qx + terms * g * GROUP, terms * K);
         _tile_dpbsud(0, 2, 4);
-        _tile_dpbsud(1, 3, 4);
         _tile_stored(0, c1, 64);
-        _tile_stored(1, c2, 64);
+        if (terms == 2) {
+            _tile_zero(1);
+            _tile_loadd(3, qx + 2 * g * GROUP + GROUP, 2 * K);
+            _tile_dpbsud(1, 3, 4);
+            _tile_stored(1, c2, 64);
+        }
         const uint8_t *sc = gw + steps * 64;
         __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)sc));
         __m512 offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc + 32)));
         for (int m = 0; m < 16; m++) {
             int64_t gi = m * (K / GROUP) + g;
-            __m512i t1 = _mm512_load_si512((const void *)(c1 + 16 * m));
-            __m512i t2 = _mm512_load_si512((const void *)(c2 + 16 * m));
-            __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(t1, 8), t2));
+            __m512i i = _mm512_load_si512((const void *)(c1 + 16 * m));
+            if (terms == 2)
+                i = _mm512_add_epi32(_mm512_slli_epi32(i, 8), _mm512_load_si512((const void *)(c2 + 16 * m)));
+            __m512 f = _mm512_cvtepi32_ps(i);
             y[m] = _mm512_fmadd_ps(f, _mm512_mul_ps(scale, _mm512_set1_ps(dx[gi])), y[m]);
             y[m] = _mm512_fmadd_ps(offset, _mm512_set1_ps(sx[gi]), y[m]);
         }
@@ -239,22 +242,27 @@ static void amx_tile_block(const uint8_t *w, int bits, int64_t groups, const int
 void affine_set_amx(int on) { (void)on; }
 #endif
 
+static void quantize_row1(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx);
+
 /* x [M, K] (float32 or bfloat16), w tiles [N / 16][K / 32][...], y [M, N] (float32 or bfloat16).
- * work: 2 * M * K int8 + 2 * M * K / 32 floats of scratch. */
+ * terms: 2 (the scheme above) or 1 (one int8 term per activation, d = max|x| / 127 and sx
+ * the quantized group's sum, as affine_gemm_rows: half the dot products, ~8 bits).
+ * work: terms * M * K int8 + 2 * M * K / 32 floats of scratch. */
 void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
-                 int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx) {
+                 int terms, int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx) {
     const int64_t groups = K / GROUP, tiles = N / TILE;
     const int64_t tile_bytes = groups * ((bits == 4 ? 4 : 8) * 64 + 64);
-    const int64_t xsize = x_bf16 ? 2 : 4;
+    const int64_t xsize = x_bf16 ? 2 : 4, qrow = terms * K;
+    const int mbk = tile_mblock(terms);
 #pragma omp parallel for schedule(static) if (M * K > 8192)
     for (int64_t m = 0; m < M; m++)
-        quantize_row((const char *)x + m * K * xsize, x_bf16, K, qx + 2 * m * K, dx + m * groups,
-                     sx + m * groups);
+        (terms == 1 ? quantize_row1 : quantize_row)((const char *)x + m * K * xsize, x_bf16, K,
+                                                    qx + m * qrow, dx + m * groups, sx + m * groups);
     int64_t amx_rows = 0; /* tokens 0 .. amx_rows - 1 go through AMX, 16 at a time */
 #ifdef AFFINE_AMX
     if (M >= amx_min_rows && dense16_amx_enable()) amx_rows = M / 16 * 16;
 #endif
-    const int64_t mblocks = (M - amx_rows + MBLOCK - 1) / MBLOCK;
+    const int64_t mblocks = (M - amx_rows + mbk - 1) / mbk;
     /* tile-major: a tile's weights come from memory once and serve every token from L1 */
 #pragma omp parallel
     {
@@ -266,17 +274,17 @@ void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_
 #ifdef AFFINE_AMX
         for (int64_t m0 = 0; m0 < amx_rows; m0 += 16) {
             float out[16 * TILE];
-            amx_tile_block(w + t * tile_bytes, bits, groups, qx + 2 * m0 * K, dx + m0 * groups,
-                           sx + m0 * groups, K, out);
+            amx_tile_block(w + t * tile_bytes, bits, terms, groups, qx + m0 * qrow,
+                           dx + m0 * groups, sx + m0 * groups, K, out);
             store_tile(out, 16, y, y_bf16, m0, N, t);
         }
 #endif
         for (int64_t mbi = 0; mbi < mblocks; mbi++) {
-            int64_t m0 = amx_rows + mbi * MBLOCK;
-            int mb = (int)(M - m0 < MBLOCK ? M - m0 : MBLOCK);
-            float out[MBLOCK * TILE];
-            tile_dispatch(w + t * tile_bytes, bits, groups, mb, qx + 2 * m0 * K, dx + m0 * groups,
-                          sx + m0 * groups, K, out);
+            int64_t m0 = amx_rows + mbi * mbk;
+            int mb = (int)(M - m0 < mbk ? M - m0 : mbk);
+            float out[MBLOCK1 * TILE];
+            tile_dispatch(w + t * tile_bytes, bits, terms, groups, mb, qx + m0 * qrow,
+                          dx + m0 * groups, sx + m0 * groups, K, out);
             store_tile(out, mb, y, y_bf16, m0, N, t);
         }
     }
@@ -678,7 +686,7 @@ static void unit_dispatch(const uint8_t *w, int h, int bits, int terms, int mb, 
                           const int8_t *qx, int64_t qrow, const float *dx, const float *sx,
                           __m256 *y) {
     switch (bits * 100 + terms * 10 + mb) {
-        UNIT_MB4(4, 2) UNIT_MB4(8, 1) UNIT_CASE(8, 2, 1) UNIT_CASE(8, 2, 2)
+        UNIT_MB4(4, 1) UNIT_MB4(4, 2) UNIT_MB4(8, 1) UNIT_CASE(8, 2, 1) UNIT_CASE(8, 2, 2)
     }
 }
 
@@ -699,18 +707,18 @@ static inline void store8(void *y, int bf16, int64_t i, __m256 v) {
         _mm256_storeu_ps((float *)y + i, v);
 }
 
-/* x [M, K] (float32 or bfloat16), w tiles [N / 16][K / 32][...], y [M, N] (float32 or bfloat16).
- * work: 2 * M * K int8 + 2 * M * K / 32 floats of scratch. */
+/* x [M, K] (float32 or bfloat16), w tiles [N / 16][K / 32][...], y [M, N] (float32 or bfloat16),
+ * terms 1 or 2 (see the AVX-512 version). work: terms * M * K int8 + 2 * M * K / 32 floats. */
 void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
-                 int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx) {
+                 int terms, int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx) {
     const int64_t groups = K / GROUP, tiles = N / TILE;
     const int64_t tile_bytes = groups * ((bits == 4 ? 4 : 8) * 64 + 64);
-    const int64_t xsize = x_bf16 ? 2 : 4;
-    const int mbk = mblock(bits, 2);
+    const int64_t xsize = x_bf16 ? 2 : 4, qrow = terms * K;
+    const int mbk = mblock(bits, terms);
 #pragma omp parallel for schedule(static) if (M * K > 8192)
     for (int64_t m = 0; m < M; m++)
-        quantize_row((const char *)x + m * K * xsize, x_bf16, K, qx + 2 * m * K, dx + m * groups,
-                     sx + m * groups);
+        (terms == 1 ? quantize_row1 : quantize_row)((const char *)x + m * K * xsize, x_bf16, K,
+                                                    qx + m * qrow, dx + m * groups, sx + m * groups);
     /* tile-major: a tile's weights come from memory once and serve every token from L1 */
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++)
@@ -718,7 +726,7 @@ void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_
             for (int64_t m0 = 0; m0 < M; m0 += mbk) {
                 const int mb = (int)(M - m0 < mbk ? M - m0 : mbk);
                 __m256 out[MAX_MB];
-                unit_dispatch(w + t * tile_bytes, h, bits, 2, mb, groups, qx + 2 * m0 * K, 2 * K,
+                unit_dispatch(w + t * tile_bytes, h, bits, terms, mb, groups, qx + m0 * qrow, qrow,
                               dx + m0 * groups, sx + m0 * groups, out);
                 for (int m = 0; m < mb; m++) store8(y, y_bf16, (m0 + m) * N + t * TILE + 8 * h, out[m]);
             }

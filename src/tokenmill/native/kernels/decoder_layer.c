@@ -8,7 +8,7 @@
 #include <string.h>
 
 void affine_gemm(const void *x, _Bool x_bf16, int64_t M, int64_t K, const uint8_t *w, int bits,
-                 int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx);
+                 int terms, int64_t N, void *y, _Bool y_bf16, int8_t *qx, float *dx, float *sx);
 void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int kernel, int64_t N,
                   float *y);
 void silu_and_mul(const float *x, int64_t rows, int64_t inter, float *out);
@@ -28,6 +28,7 @@ typedef struct {
     const uint8_t *tiles;
     const float *bias; /* NULL: none */
     int64_t bits, out, in; /* bits 4, 8: affine groups; DENSE16 + k: 16-bit tiles, kernel k */
+    int64_t terms;         /* affine groups: int8 activation terms (1 or 2) */
 } Proj;
 
 typedef struct {
@@ -58,8 +59,8 @@ static void project(const Proj *p, const float *x, float *y, const StepArgs *s) 
         dense16_gemm(x, s->tokens, p->in, (const uint16_t *)p->tiles, (int)(p->bits - DENSE16),
                      p->out, y);
     else
-        affine_gemm(x, 0, s->tokens, p->in, p->tiles, (int)p->bits, p->out, y, 0, s->qx, s->dx,
-                    s->sx);
+        affine_gemm(x, 0, s->tokens, p->in, p->tiles, (int)p->bits, (int)p->terms, p->out, y, 0,
+                    s->qx, s->dx, s->sx);
     if (p->bias)
         for (int64_t t = 0; t < s->tokens; t++)
             for (int64_t i = 0; i < p->out; i++) y[t * p->out + i] += p->bias[i];
