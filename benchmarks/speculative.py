@@ -17,6 +17,7 @@
     python benchmarks/speculative.py [--k 8] [--repeat 3] [--curve-only] [--draft-pair]
     python benchmarks/speculative.py --draft-pair-only [--repeat 1] [--pair-max-tokens 128]
     ... [--activation-precision low]   # the workloads and the pair with one int8 term
+    ... [--draft-quantization int4]    # the pair's draft requantized at load
 
 Rates are medians over ``--repeat`` rounds, the configurations alternating within a round.
 """
@@ -127,6 +128,8 @@ def main() -> None:
     ap.add_argument("--draft-pair-only", action="store_true", help="only the Qwen2.5-Coder pair")
     ap.add_argument("--pair-max-tokens", type=int, default=128, help="new tokens per code task")
     ap.add_argument("--curve-only", action="store_true", help="only the verify-cost curves")
+    ap.add_argument("--draft-quantization", default=None, choices=("int8", "int4"),
+                    help="the pair's draft weights (default: as stored, Q8_0)")  # fmt: skip
     ap.add_argument("--activation-precision", default="high", choices=("high", "low"),
                     help="of every engine past the curves (both precisions there)")  # fmt: skip
     args = ap.parse_args()
@@ -270,6 +273,8 @@ def draft_pair(args) -> None:
 
     target, draft = str(qwen_coder_path()), str(qwen_coder_draft_path())
     spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": max(PAIR_KS)}
+    if args.draft_quantization:
+        spec["quantization"] = args.draft_quantization
     llm = LLM(target, max_model_len=2048, activation_precision=args.activation_precision,
               speculative_config=spec)  # fmt: skip
     (hook,) = [h for h in llm.engine.hooks if isinstance(h, DraftHook)]

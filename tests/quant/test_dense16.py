@@ -19,6 +19,7 @@ pytestmark = pytest.mark.usefixtures("native_level")  # every ISA level this CPU
 def _kernels() -> list:
     needs = {
         "bf16-avx512bf16": (dense16.has_avx512_bf16, "no AVX512-BF16 here"),
+        "bf16-avx512bf16-1": (dense16.has_avx512_bf16, "no AVX512-BF16 here"),
         "bf16-amx": (dense16.has_amx, "no AMX-BF16 here (or the OS refuses its tile state)"),
     }
     out = []
@@ -32,14 +33,24 @@ def _kernels() -> list:
     return out
 
 
-# The AVX512-BF16 and AMX kernels keep activations to 16 significant bits (hi + lo bfloat16).
+# The AVX512-BF16 and AMX kernels keep activations to 16 significant bits (hi + lo bfloat16);
+# the one-term kernel rounds them to bfloat16, exactly as the reference then does.
 TOLERANCE = {"bf16-avx512bf16": 2e-5, "bf16-amx": 2e-5, "bf16-fma": 2e-6, "fp16-fma": 2e-6,
-             "fp32-fma": 2e-6}  # fmt: skip
+             "fp32-fma": 2e-6, "bf16-avx512bf16-1": 2e-6}  # fmt: skip
 SHAPES = [(1, 576, 576), (4, 192, 576), (5, 49, 33), (3, 37, 19), (7, 17, 1), (1, 1, 2),
           (33, 100, 301), (130, 64, 64)]  # fmt: skip
 
 
-def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _skip_where_not_built(kernel: str) -> None:
+    """The one-term kernel where this ISA level's library lacks AVX512-BF16 (the AVX2 one):
+    the C code would run the FMA kernel, which best_kernel never lets a model choose."""
+    if kernel == dense16.ONE_TERM_KERNEL and not dense16.has_avx512_bf16():
+        pytest.skip("the one-term kernel is not built at this ISA level")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, kernel: str) -> torch.Tensor:
+    if kernel == dense16.ONE_TERM_KERNEL:  # activations rounded to bfloat16 (nearest even)
+        x = x.bfloat16()
     return torch.matmul(x.double(), w.double().T)
 
 
@@ -47,6 +58,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gemm_matches_matmul(kernel: str, shape: tuple[int, int, int]) -> None:
     m, n, k = shape
+    _skip_where_not_built(kernel)
     dtype = dense16.KERNELS[kernel][1]
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     x = torch.randn(m, k, generator=g)
@@ -54,7 +66,7 @@ def test_gemm_matches_matmul(kernel: str, shape: tuple[int, int, int]) -> None:
     layer = Linear(k, n, method=Dense16Method(kernel))
     layer.load_weight(w.float())
     y = layer(x)
-    ref = _reference(x, w)
+    ref = _reference(x, w, kernel)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     err = (y.double() - ref).abs().max() / ref.abs().max()
     assert err < TOLERANCE[kernel], f"{kernel} {shape}: relative error {err:.2e}"
@@ -63,6 +75,7 @@ def test_gemm_matches_matmul(kernel: str, shape: tuple[int, int, int]) -> None:
 @pytest.mark.parametrize("kernel", _kernels())
 def test_kernels_agree_with_the_fallback(kernel: str) -> None:
     """Every kernel against the plain FMA path on a model-sized GEMV and GEMM."""
+    _skip_where_not_built(kernel)
     dtype = dense16.KERNELS[kernel][1]
     fallback = "fp16-fma" if dtype == torch.float16 else "bf16-fma"
     g = torch.Generator().manual_seed(1)
@@ -76,7 +89,8 @@ def test_kernels_agree_with_the_fallback(kernel: str) -> None:
     for m in (1, 32):
         x = torch.randn(m, 576, generator=g)
         # float32 weights: against PyTorch's own float32 product
-        a, b = ours(x), x @ w.T if dtype == torch.float32 else base(x)
+        xb = x.bfloat16().float() if kernel == dense16.ONE_TERM_KERNEL else x
+        a, b = ours(x), x @ w.T if dtype == torch.float32 else base(xb)
         assert (a - b).abs().max() <= TOLERANCE[kernel] * b.abs().max()
 
 
@@ -164,3 +178,25 @@ def test_auto_without_the_kernels_keeps_hf_checkpoints_dense() -> None:
             resolve_quantization("auto", "auto", torch.device("cpu"), "hf", torch.bfloat16)
             == "none"
         )
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_one_term_is_refused_off_bfloat16(dtype) -> None:
+    with pytest.raises(ValueError, match="activation_precision='low'"):
+        dense16.best_kernel(dtype, activation_terms=1)
+
+
+def test_one_term_kernel_differs_from_two_terms() -> None:
+    """activation_precision="low" on bf16 weights really rounds the activations."""
+    if not dense16.has_avx512_bf16():
+        pytest.skip("no AVX512-BF16 here")
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(64, 576, generator=g).bfloat16()
+    x = torch.randn(3, 576, generator=g)
+    layers = [
+        Linear(576, 64, method=Dense16Method(k)) for k in ("bf16-avx512bf16", "bf16-avx512bf16-1")
+    ]
+    for layer in layers:
+        layer.load_weight(w)
+    two, one = (layer(x) for layer in layers)
+    assert (two - one).abs().max() > 1e-4 * two.abs().max()

@@ -76,3 +76,28 @@ def test_a_draft_of_another_vocabulary_is_refused(tiny_llama_dir):
     assert gguf.exists()
     with pytest.raises(InvalidRequestError, match=r"token .* is id \d+ in the target and"):
         LLM(str(tiny_llama_dir), speculative_config=spec(gguf), **OPTS)
+
+
+def test_the_draft_takes_its_own_weight_format(tiny_llm, tiny_llama_dir):
+    """speculative_config["quantization"]: the draft (here an int8 copy of the float32
+    target) is quantized at load, the target is not, and the output stays the target's."""
+    want = run(tiny_llm)
+    config = {**spec(tiny_llama_dir), "quantization": "int8"}
+    with LLM(str(tiny_llama_dir), speculative_config=config, **OPTS) as llm:
+        assert run(llm) == want
+        (hook,) = [h for h in llm.engine.hooks if isinstance(h, DraftHook)]
+        assert any(hasattr(m, "qtiles") for m in hook.proposer.runner.model.modules())
+        assert not any(hasattr(m, "qtiles") for m in llm.engine.loaded.model.modules())
+        assert stats(llm).acceptance_rate > 0.5  # an int8 copy still guesses well
+
+
+@pytest.mark.parametrize(
+    "config, words",
+    [
+        ({"method": "ngram", "quantization": "int4"}, "method 'ngram' loads no draft model"),
+        ({"method": "draft_model", "model": "x", "quantization": "int3"}, "quantization='int3'"),
+    ],
+)
+def test_draft_quantization_is_checked(tiny_llama_dir, config, words):
+    with pytest.raises(InvalidRequestError, match=words):
+        LLM(str(tiny_llama_dir), speculative_config=config, **OPTS)

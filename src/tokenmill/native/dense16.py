@@ -23,6 +23,7 @@ KERNELS: Mapping[str, tuple[int, torch.dtype]] = {
     "fp16-fma": (2, torch.float16),  # vcvtph2ps (F16C), float32 FMAs
     "fp32-fma": (3, torch.float32),  # float32 weights, the fp16 kernel's FMAs
     "bf16-amx": (4, torch.bfloat16),  # AMX-BF16 tiles, activations as two bfloat16 terms
+    "bf16-avx512bf16-1": (5, torch.bfloat16),  # vdpbf16ps, activations as one bfloat16 term
 }
 """Kernel name -> (id in dense16_gemm.c, weight dtype)."""
 NATIVE_CODE_BASE = 16
@@ -47,13 +48,26 @@ def has_amx() -> bool:
     )
 
 
-def best_kernel(dtype: torch.dtype) -> str:
+ONE_TERM_KERNEL = "bf16-avx512bf16-1"
+"""bfloat16 weights with activation_precision="low": activations rounded to bfloat16."""
+
+
+def best_kernel(dtype: torch.dtype, activation_terms: int = 2) -> str:
     """The kernel here for weights of ``dtype`` (bfloat16, float16 or float32).
+    ``activation_terms`` 1: bfloat16 weights only, on AVX512-BF16 (``ONE_TERM_KERNEL``).
 
     bfloat16 (``$TOKENMILL_BF16_KERNEL``, default auto): AMX where the process may use it,
     else the float32 FMAs on widened weights, which beat ``vdpbf16ps`` where it was measured
     (two Sapphire Rapids-class Xeon cores: 42-182 vs 29-59 GMAC/s; its two-term dot products
     cost two instructions per input pair)."""
+    if activation_terms == 1:
+        if dtype != torch.bfloat16 or not has_avx512_bf16():
+            raise ValueError(
+                "activation_precision='low' on 16-bit or float32 weights needs bfloat16 "
+                f"weights and a CPU with AVX512-BF16 (here: {dtype}, AVX512-BF16 "
+                f"{'yes' if has_avx512_bf16() else 'no'}); use activation_precision='high'"
+            )
+        return ONE_TERM_KERNEL
     if dtype == torch.float32:
         return FP32_KERNEL
     if dtype == torch.float16:

@@ -32,6 +32,7 @@ class Dense16Method(LinearMethod):
     def __init__(self, kernel: str) -> None:
         self.kernel = kernel
         self.kernel_id, self.dtype = dense16.KERNELS[kernel]
+        self.activation_terms = 1 if kernel == dense16.ONE_TERM_KERNEL else 2
         self.name = next(k for k, v in FORMATS.items() if v == self.dtype)
         self.native_code = dense16.NATIVE_CODE_BASE + self.kernel_id
 
@@ -76,15 +77,16 @@ def _in_features(layer) -> int:
     return layer.in_features if hasattr(layer, "in_features") else layer.embedding_dim
 
 
-def dense16_method(name: str) -> Dense16Method:
-    """The method of format ``name`` (bf16 / fp16) with the best kernel of the native
-    library in use (chosen once per ISA level, ``native.active_isa()``)."""
-    return _method(name, native.active_isa())
+def dense16_method(name: str, activation_terms: int = 2) -> Dense16Method:
+    """The method of format ``name`` (bf16 / fp16 / fp32) with the best kernel of the native
+    library in use (chosen once per ISA level, ``native.active_isa()``); one activation term
+    (``activation_precision="low"``): bf16 only, see ``dense16.best_kernel``."""
+    return _method(name, native.active_isa(), activation_terms)
 
 
 @functools.cache
-def _method(name: str, isa: str | None) -> Dense16Method:
-    kernel = dense16.best_kernel(FORMATS[name])
+def _method(name: str, isa: str | None, activation_terms: int) -> Dense16Method:
+    kernel = dense16.best_kernel(FORMATS[name], activation_terms)
     logger.info("%s weights: native kernel %s", name, kernel)
     return Dense16Method(kernel)
 

@@ -134,7 +134,7 @@ def method_for(name: str, activation_terms: int = 2) -> LinearMethod:
     if name in ("bf16", "fp16", "fp32"):
         from tokenmill.quant.dense16 import dense16_method
 
-        return dense16_method(name)
+        return dense16_method(name, activation_terms)
     if native.available():
         return _NATIVE[name, activation_terms]
     from tokenmill.quant.torch_methods import TORCH_METHODS

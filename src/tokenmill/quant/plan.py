@@ -36,9 +36,11 @@ ACTIVATION_PRECISIONS: Mapping[str, str] = {
     "high": "the default: the native int4/int8 kernels quantize each group of 32 activations "
     "into two int8 terms (~15 bits, finer than bfloat16; greedy tokens follow the float "
     "reference's)",
-    "low": "one int8 term per group of 32 (llama.cpp's activation precision): half the "
-    "multiply-adds, so verify steps of speculative decoding, large batches and prefill run "
-    "faster, at a measured quality cost (docs/architecture.md); CPU int4/int8/gguf weights only",
+    "low": "one int8 term per group of 32 (llama.cpp's activation precision), or for bf16 "
+    "weights one bfloat16 term (as a bfloat16 model computes): half the multiply-adds, so "
+    "verify steps of speculative decoding, large batches and prefill run faster, at a "
+    "measured quality cost (docs/architecture.md); CPU gguf/int8/int4 weights, and bf16 ones "
+    "on a CPU with AVX512-BF16",
 }
 ACTIVATION_TERMS: Mapping[str, int] = {"high": 2, "low": 1}
 KEPT_16BIT: Mapping[torch.dtype, str] = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -109,8 +111,8 @@ class QuantPlan:
     ) -> LinearMethod:
         """Method of the linear named ``prefix`` with output shards ``out_sizes``."""
         name = self._choice(prefix)
-        if name in FLOAT_FORMATS:
-            return method_for(name)  # any shape: the tiles are padded
+        if name in FLOAT_FORMATS:  # any shape: the tiles are padded
+            return method_for(name, self.activation_terms)
         if name == "int4" and not _fits(name, out_sizes, in_features):
             name = "int8"
         if name == "int8" and not _fits(name, out_sizes, in_features):
@@ -120,9 +122,9 @@ class QuantPlan:
     def embedding_method(self, prefix: str) -> LinearMethod:
         """Tables stay 8-bit at least: a 4-bit output head costs too much quality."""
         choice = self._choice(prefix)
-        if choice in ("dense", *FLOAT_FORMATS):
+        if choice == "dense":
             return method_for(choice)
-        return method_for("int8", self.activation_terms)
+        return method_for(choice if choice in FLOAT_FORMATS else "int8", self.activation_terms)
 
     def _choice(self, prefix: str) -> str:
         if self.quantization != "gguf":
@@ -203,11 +205,14 @@ def check_activation_precision(precision: str, quantization: str | None = None) 
             f"{', '.join(ACTIVATION_PRECISIONS)}"
         )
     if precision == "low" and quantization is not None:
-        if quantization not in ("gguf", "int8", "int4") or not native.available():
+        from tokenmill.native.dense16 import has_avx512_bf16
+
+        bf16 = quantization == "bf16" and has_avx512_bf16()
+        if not (quantization in ("gguf", "int8", "int4") or bf16) or not native.available():
             where = "here" if native.available() else "without the native CPU kernels"
             raise InvalidRequestError(
-                f"activation_precision='low' changes the native int4/int8 kernels only, and "
-                f"this model's weights resolve to quantization={quantization!r} {where}; use a "
-                "GGUF checkpoint or quantization='int8'/'int4' on CPU, or "
-                "activation_precision='high'"
+                "activation_precision='low' changes the native int4/int8 kernels (and the "
+                "bf16 one on an AVX512-BF16 CPU) only, and this model's weights resolve to "
+                f"quantization={quantization!r} {where}; use a GGUF checkpoint or "
+                "quantization='int8'/'int4' on CPU, or activation_precision='high'"
             )

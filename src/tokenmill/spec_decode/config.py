@@ -41,6 +41,11 @@ class SpeculativeConfig:
     """ngram: longest suffix looked up (the longest match wins)."""
     draft_tensor_parallel_size: int = 1
     """Only 1 (the draft runs on the target's device)."""
+    quantization: str | None = None
+    """draft_model: the draft's weight format (the engine's ``quantization`` names: auto,
+    none, gguf, int8, int4; None: the target's setting). A draft's precision changes only
+    how often its guesses are accepted, never the output: int4 halves the bytes a draft
+    step reads from an 8-bit draft (a CPU draft step is bound by them)."""
     suffix_decoding_max_tree_depth: int = 24
     """suffix: longest context (tokens) the shared suffix index keys on."""
     suffix_decoding_max_cached_requests: int = 1000
@@ -113,6 +118,18 @@ class SpeculativeConfig:
             raise InvalidRequestError(
                 "speculative_config: method 'draft_model' needs 'model' (the draft checkpoint)"
             )
+        if self.quantization is not None:
+            if self.method != "draft_model":
+                raise InvalidRequestError(
+                    "speculative_config: quantization is the draft model's weight format; "
+                    f"method {self.method!r} loads no draft model"
+                )
+            from tokenmill.quant.plan import check_quantization
+
+            try:
+                check_quantization(self.quantization)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"speculative_config: {e}") from None
         _check_int("draft_top_k", self.draft_top_k, 1, 16)
         for name in ("verify_tree_size", "max_verify_tree_size"):
             if getattr(self, name) is not None:

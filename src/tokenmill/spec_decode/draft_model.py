@@ -93,6 +93,7 @@ class DraftModelProposer:
             target.config, model=spec.model, tokenizer=None, speculative_config=None,
             speculative_method=None, draft_model_id_or_path=None, num_speculative_tokens=None,
             max_model_len=target.loaded.max_model_len,
+            quantization=spec.quantization or target.config.quantization,
         )  # fmt: skip
         logger.info("speculative decoding: loading the draft model %s", spec.model)
         loaded = load_model(config)

@@ -14,6 +14,9 @@
  *            bfloat16.
  *            Built only where the compiler targets AVX512-BF16; elsewhere BF16_DP runs as
  *            BF16_FMA (the same tiles).
+ *   BF16_DP1 BF16_DP with the activations in one bfloat16 term (hi only: 8 significant
+ *            bits, as a bfloat16 model computes): half the vdpbf16ps, twice the rate of
+ *            the FMA kernels (activation_precision="low"; AVX512-BF16 only).
  *   BF16_FMA bfloat16 on AVX-512F or AVX2: the weights widened to float32 (a shift),
  *            float32 FMAs; the exact products of float32 weights (the fallback everywhere).
  *   FP16_FMA float16 through F16C (vcvtph2ps), float32 FMAs on input pairs, the pair lanes
@@ -55,6 +58,7 @@ enum {
     DENSE16_FP16_FMA = 2,
     DENSE16_FP32_FMA = 3,
     DENSE16_BF16_AMX = 4,
+    DENSE16_BF16_DP1 = 5,
 };
 
 int dense16_has_bf16(void) {
@@ -114,17 +118,18 @@ static inline __attribute__((always_inline)) void block_kernel(
             _mm_prefetch((const char *)p[t] + PREFETCH, _MM_HINT_T0);
             if (kernel == DENSE16_FP32_FMA) _mm_prefetch((const char *)p[t] + PREFETCH + 64, _MM_HINT_T0);
         }
-        if (kernel == DENSE16_BF16_DP) {
+        if (kernel == DENSE16_BF16_DP || kernel == DENSE16_BF16_DP1) {
 #ifdef __AVX512BF16__
             __m512i wv[2];
             for (int t = 0; t < tb; t++) wv[t] = _mm512_loadu_si512((const void *)p[t]);
             for (int m = 0; m < mb; m++) {
                 __m512bh hi = (__m512bh)_mm512_set1_epi32(((const int32_t *)xs)[m * K2 + j]);
-                __m512bh lo = (__m512bh)_mm512_set1_epi32(((const int32_t *)xs_lo)[m * K2 + j]);
-                for (int t = 0; t < tb; t++) {
+                for (int t = 0; t < tb; t++)
                     acc[t][m][0] = _mm512_dpbf16_ps(acc[t][m][0], (__m512bh)wv[t], hi);
+                if (kernel == DENSE16_BF16_DP1) continue; /* acc[..][1] stays 0 */
+                __m512bh lo = (__m512bh)_mm512_set1_epi32(((const int32_t *)xs_lo)[m * K2 + j]);
+                for (int t = 0; t < tb; t++)
                     acc[t][m][1] = _mm512_dpbf16_ps(acc[t][m][1], (__m512bh)wv[t], lo);
-                }
             }
 #endif
         } else if (kernel == DENSE16_BF16_FMA) {
@@ -186,14 +191,15 @@ static void block_dispatch(int kernel, const uint16_t *w, int64_t tile_elems, in
         BLOCK_CASES(DENSE16_BF16_FMA, 1) BLOCK_CASES(DENSE16_BF16_FMA, 2)
         BLOCK_CASES(DENSE16_FP16_FMA, 1) BLOCK_CASES(DENSE16_FP16_FMA, 2)
         BLOCK_CASES(DENSE16_FP32_FMA, 1) BLOCK_CASES(DENSE16_FP32_FMA, 2)
+        BLOCK_CASES(DENSE16_BF16_DP1, 1) BLOCK_CASES(DENSE16_BF16_DP1, 2)
     }
 }
 
-/* Token m's activations into the kernel's form: 2 K2 float32 (zero past K) or, for BF16_DP,
- * 2 K2 bfloat16 hi terms and 2 K2 lo terms. */
+/* Token m's activations into the kernel's form: 2 K2 float32 (zero past K) or, for BF16_DP
+ * (and DP1, which reads the hi terms only), 2 K2 bfloat16 hi terms and 2 K2 lo terms. */
 static void prepare_row(int kernel, const float *x, int64_t K, int64_t row, float *xf, uint16_t *hi,
                         uint16_t *lo) {
-    if (kernel != DENSE16_BF16_DP && kernel != DENSE16_BF16_AMX) {
+    if (kernel != DENSE16_BF16_DP && kernel != DENSE16_BF16_DP1 && kernel != DENSE16_BF16_AMX) {
         memcpy(xf, x, K * sizeof(float));
         if (K < row) xf[K] = 0.f;
         return;
@@ -425,6 +431,7 @@ void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int k
 #endif
 #ifndef __AVX512BF16__
     if (kernel == DENSE16_BF16_DP) kernel = DENSE16_BF16_FMA; /* same tiles; not built here */
+    if (kernel == DENSE16_BF16_DP1) kernel = DENSE16_BF16_FMA; /* (dense16.py refuses it) */
 #endif
 #ifdef HAVE_AMX
     if (kernel == DENSE16_BF16_AMX) {
@@ -444,7 +451,7 @@ void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int k
     const int64_t K2 = (K + 1) / 2, tiles = (N + TILE - 1) / TILE;
     const int64_t tile_elems = K2 * (kernel == DENSE16_FP32_FMA ? 64 : 32); /* 16-bit units */
     const int64_t row = 2 * K2; /* values per token in the scratch */
-    const int dp = kernel == DENSE16_BF16_DP;
+    const int dp = kernel == DENSE16_BF16_DP || kernel == DENSE16_BF16_DP1;
     char *buf = scratch_for((size_t)M * row * 4 + 64); /* 2 x bf16 or 1 x float32 each */
     float *xf = (float *)buf;
     uint16_t *hi = (uint16_t *)buf, *lo = hi + M * row;
