@@ -2,6 +2,7 @@
 
     python benchmarks/vs_transformers.py [--model PATH.gguf|HF_DIR] [--threads 2]
     python benchmarks/vs_transformers.py --hf16 bf16 --dtypes auto --hf-dtypes float32,auto
+    python benchmarks/vs_transformers.py --hf16 bf16 --dtypes auto,auto:low --hf-dtypes auto
 
 Reports single-stream decode tokens/s, prefill tokens/s and aggregate throughput
 for concurrent requests of 128 output tokens, each as a ratio to transformers (the
@@ -12,6 +13,9 @@ SmolLM2-135M (GGUF Q4_1), dequantized to float32 for both engines. ``--hf16 bf16
 the GGUF with transformers, cached under ``--cache``): tokenmill's ``dtype=auto`` keeps its
 16-bit weights (float32 ones: the native float32 kernel where it beats MKL,
 ``TOKENMILL_FP32_GEMM``); transformers' ``auto`` runs them as stored, ``float32`` upcast.
+A tokenmill dtype may carry an activation precision: ``auto:low`` is ``dtype="auto",
+activation_precision="low"`` (one activation term: bfloat16 ones for bf16 weights, as
+transformers' bf16 computes; one int8 term for GGUF weights).
 """
 
 from __future__ import annotations
@@ -127,9 +131,10 @@ def run_transformers(
 def run_tokenmill(
     path: str, dtype: str, args, prompts: list[list[int]], n_out: int, bw: float
 ) -> dict[str, float]:
-    with LLM(
-        path, dtype=dtype, enable_prefix_caching=False
-    ) as llm:  # measure compute, not cache hits
+    dtype, _, precision = dtype.partition(":")
+    options = {"activation_precision": precision} if precision else {}
+    # no prefix caching: measure compute, not cache hits
+    with LLM(path, dtype=dtype, enable_prefix_caching=False, **options) as llm:
         wbytes = decode_weight_bytes(llm.engine.loaded.model)
         res = measure(tm_run, llm, args)
         res["format"] = f"{llm.engine.loaded.quantization}/{str(llm.engine.loaded.dtype)[6:]}"
@@ -150,7 +155,9 @@ def main() -> None:
         "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
     )
     ap.add_argument(
-        "--dtypes", default="float32,bfloat16", help="tokenmill dtypes to run (comma list)"
+        "--dtypes",
+        default="float32,bfloat16",
+        help="tokenmill dtypes to run (comma list; dtype:low adds activation_precision=low)",
     )
     ap.add_argument(
         "--hf-dtypes",
