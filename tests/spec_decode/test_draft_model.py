@@ -101,3 +101,39 @@ def test_the_draft_takes_its_own_weight_format(tiny_llm, tiny_llama_dir):
 def test_draft_quantization_is_checked(tiny_llama_dir, config, words):
     with pytest.raises(InvalidRequestError, match=words):
         LLM(str(tiny_llama_dir), speculative_config=config, **OPTS)
+
+
+def test_draft_catch_up_steps_take_the_native_path(monkeypatch):
+    """A draft's catch-up step (the tokens the target accepted since its last proposal,
+    with no drafts of its own) runs the whole-layer native decode, as its one-token steps
+    do (``NativeDecodePath.short_chunks``), not the eager prefill path; the output stays
+    the target's."""
+    from tokenmill.loader.resolve import default_model_path
+    from tokenmill.worker.fast_path import NativeDecodePath
+
+    path = default_model_path()  # SmolLM2 Q4_1: both runners have the native path
+    config = {"method": "draft_model", "model": path, "num_speculative_tokens": 3,
+              "adaptive": False}  # fmt: skip
+    text = "Repeat: the quick brown fox jumps over the lazy dog. The quick brown fox"
+    params = SamplingParams(temperature=0, max_tokens=24)
+    with LLM(path, max_model_len=256) as plain:
+        want = plain.generate(text, params, use_tqdm=False)[0].outputs[0].token_ids
+    with LLM(path, max_model_len=256, speculative_config=config) as llm:
+        (hook,) = [h for h in llm.engine.hooks if isinstance(h, DraftHook)]
+        draft_path = hook.proposer.runner.decode
+        assert isinstance(draft_path, NativeDecodePath) and draft_path.short_chunks == 4
+        assert llm.engine.runner.decode.short_chunks == 0  # the target's: untouched
+        seen = []
+        takes = NativeDecodePath.takes
+
+        def spy(self, step, cols=None):
+            taken = takes(self, step, cols)
+            if self is draft_path:
+                seen.append((taken, step.seqs[0].num_new_tokens))
+            return taken
+
+        monkeypatch.setattr(NativeDecodePath, "takes", spy)
+        got = llm.generate(text, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == want
+    catch_up = [taken for taken, n in seen if 1 < n <= 4]
+    assert catch_up and all(catch_up), seen

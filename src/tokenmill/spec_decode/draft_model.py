@@ -86,6 +86,7 @@ class DraftModelProposer:
         from tokenmill.engine.loading import kv_cache_blocks, load_model
         from tokenmill.kv_cache import KVCacheManager, make_kv_cache
         from tokenmill.sampling import Sampler
+        from tokenmill.worker.fast_path import NativeDecodePath
         from tokenmill.worker.model_runner import allocate_kv_caches, make_runner
 
         assert spec.model is not None
@@ -115,6 +116,8 @@ class DraftModelProposer:
         runner = make_runner(
             config, loaded.model, caches, loaded.device, sampler, loaded.max_model_len
         )
+        if isinstance(runner.decode, NativeDecodePath):  # catch-up steps: 1 + accepted
+            runner.decode.short_chunks = spec.num_speculative_tokens + 1
         return cls(runner, kv, target.loaded.model.vocab_size, loaded.max_model_len)
 
     # -- Proposer -------------------------------------------------------------------------

@@ -65,14 +65,22 @@ class NativeDecodePath:
         self.block_size = block_size
         self.backend = backend
         self.staging = PinnedStaging(device)
+        self.short_chunks = 0
+        """Also take steps whose sequences all have at most this many new tokens (0: none).
+        A draft model's runner sets it for its catch-up steps (the tokens the target
+        accepted since the last proposal): the rows' attention is the native decode
+        kernel's, not the prefill path's, which only a draft may take (its numbers move
+        acceptance, never the output)."""
 
     def takes(self, step: StepLike, cols: StepColumns | None = None) -> bool:
         """Decode steps, also verifying drafts: each sequence's new tokens are its last
-        known token and its drafts."""
+        known token and its drafts (or any few, ``short_chunks``)."""
         cols = cols or StepColumns.of(step, self.block_size)
         if cols.one_token_each:
             return True
         c = cols.seq
+        if self.short_chunks and max(c.num_new) <= self.short_chunks:
+            return True
         drafts = c.drafts
         return all(n == 1 + len(drafts.get(i, ())) for i, n in enumerate(c.num_new))
 
