@@ -137,3 +137,20 @@ def test_draft_catch_up_steps_take_the_native_path(monkeypatch):
     assert got == want
     catch_up = [taken for taken, n in seen if 1 < n <= 4]
     assert catch_up and all(catch_up), seen
+
+
+def test_a_draft_that_low_precision_does_not_fit_keeps_high(tiny_llama_dir):
+    """activation_precision='low' on a GGUF target, a float32 draft (which "low" would not
+    change): the draft loads with the default precision and the output is the target's."""
+    from tokenmill.loader.resolve import default_model_path
+
+    path = default_model_path()
+    opts = dict(max_model_len=128, activation_precision="low")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(path, **opts) as plain:
+        want = run(plain, params)
+    with LLM(path, speculative_config=spec(tiny_llama_dir), **opts) as llm:
+        assert run(llm, params) == want
+        (hook,) = [h for h in llm.engine.hooks if isinstance(h, DraftHook)]
+        assert hook.proposer.runner.model is not None
+        assert stats(llm).num_draft_tokens > 0

@@ -9,8 +9,8 @@ by row block from the checkpoint (a dense tensor or raw GGUF blocks), and comput
   of 4 or 8 bits and float16 scale/offset: GGUF Q4_0/Q4_1/Q4_K (4-bit) and Q8_0 (8-bit)
   load exactly, anything else is rounded to nearest. Computed by the native kernel
   (``native/``: activations quantized per group of 32 into two int8 terms, or one with
-  ``activation_precision="low"``, integer dot products; on x86-64 with AVX2+FMA+F16C and a C compiler, AVX512-VNNI where the CPU has it),
-  float32 or bfloat16 in and out.
+  ``activation_precision="low"``, integer dot products; on x86-64 with AVX2+FMA+F16C and
+  a C compiler, AVX512-VNNI where the CPU has it), float32 or bfloat16 in and out.
 - ``bf16`` / ``fp16``: 16-bit float weights as stored in the checkpoint, float32
   activations and accumulation (``dense16.py``; native kernels only).
 - Where the native kernel is unavailable, ``int4`` and ``int8`` fall back to PyTorch's

@@ -196,6 +196,10 @@ def build_plan(
     return QuantPlan(quantization, {k: frozenset(v) for k, v in stored.items()}, terms)
 
 
+class ActivationPrecisionError(InvalidRequestError):
+    """activation_precision='low' on weights whose kernels it would not change."""
+
+
 def check_activation_precision(precision: str, quantization: str | None = None) -> None:
     """A known name; with a resolved ``quantization``, one whose kernels it changes ("low"
     needs the native int4/int8 kernels: anything else would silently ignore it)."""
@@ -210,7 +214,7 @@ def check_activation_precision(precision: str, quantization: str | None = None) 
         bf16 = quantization == "bf16" and has_avx512_bf16()
         if not (quantization in ("gguf", "int8", "int4") or bf16) or not native.available():
             where = "here" if native.available() else "without the native CPU kernels"
-            raise InvalidRequestError(
+            raise ActivationPrecisionError(
                 "activation_precision='low' changes the native int4/int8 kernels (and the "
                 "bf16 one on an AVX512-BF16 CPU) only, and this model's weights resolve to "
                 f"quantization={quantization!r} {where}; use a GGUF checkpoint or "

@@ -85,6 +85,7 @@ class DraftModelProposer:
     def build(cls, spec: SpeculativeConfig, target: TargetParts) -> DraftModelProposer:
         from tokenmill.engine.loading import kv_cache_blocks, load_model
         from tokenmill.kv_cache import KVCacheManager, make_kv_cache
+        from tokenmill.quant.plan import ActivationPrecisionError
         from tokenmill.sampling import Sampler
         from tokenmill.worker.fast_path import NativeDecodePath
         from tokenmill.worker.model_runner import allocate_kv_caches, make_runner
@@ -97,7 +98,14 @@ class DraftModelProposer:
             quantization=spec.quantization or target.config.quantization,
         )  # fmt: skip
         logger.info("speculative decoding: loading the draft model %s", spec.model)
-        loaded = load_model(config)
+        try:
+            loaded = load_model(config)
+        except ActivationPrecisionError:  # raised before any weight is read
+            # the target's "low" does not apply to these weights: a draft's precision
+            # moves only its acceptance, so the draft takes the default
+            logger.info("the draft model keeps activation_precision='high'")
+            config = dataclasses.replace(config, activation_precision="high")
+            loaded = load_model(config)
         check_same_vocab(target.loaded.tokenizer, loaded.tokenizer)
         blocks = kv_cache_blocks(config, loaded)
         kv = make_kv_cache(
