@@ -138,7 +138,9 @@ def _build_model(config: EngineConfig, shard: ModelPart | None = None) -> Loaded
         dtype,
         device,
         quantization,
-        ", activations in one int8 term" if plan and plan.activation_terms == 1 else "",
+        ", activation_precision low: one activation term"
+        if plan and plan.activation_terms == 1
+        else "",
         ckpt.path,
     )
     with phases("kernels"):
