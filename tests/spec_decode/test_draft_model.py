@@ -139,6 +139,15 @@ def test_draft_catch_up_steps_take_the_native_path(monkeypatch):
     assert catch_up and all(catch_up), seen
 
 
+def affine_or_16bit(model) -> set[int]:
+    """Activation terms of the layers holding native tiles (affine groups or 16-bit)."""
+    return {
+        m.method.activation_terms
+        for m in model.modules()
+        if hasattr(m, "qtiles") or hasattr(m, "wtiles")
+    }
+
+
 def test_a_draft_that_low_precision_does_not_fit_keeps_high(tiny_llama_dir):
     """activation_precision='low' on a GGUF target, a float32 draft (which "low" would not
     change): the draft loads with the default precision and the output is the target's."""
@@ -152,5 +161,8 @@ def test_a_draft_that_low_precision_does_not_fit_keeps_high(tiny_llama_dir):
     with LLM(path, speculative_config=spec(tiny_llama_dir), **opts) as llm:
         assert run(llm, params) == want
         (hook,) = [h for h in llm.engine.hooks if isinstance(h, DraftHook)]
-        assert hook.proposer.runner.model is not None
+        draft = hook.proposer.runner.model  # every layer at two terms (or no terms at all)
+        assert all(getattr(m, "method", None) is None or m.method.activation_terms == 2
+                   for m in draft.modules())  # fmt: skip
+        assert affine_or_16bit(llm.engine.loaded.model) == {1}  # the target's: one term
         assert stats(llm).num_draft_tokens > 0

@@ -196,7 +196,7 @@ static void block_dispatch(int kernel, const uint16_t *w, int64_t tile_elems, in
 }
 
 /* Token m's activations into the kernel's form: 2 K2 float32 (zero past K) or, for BF16_DP
- * (and DP1, which reads the hi terms only), 2 K2 bfloat16 hi terms and 2 K2 lo terms. */
+ * (and AMX), 2 K2 bfloat16 hi terms and 2 K2 lo terms; BF16_DP1 the hi terms only. */
 static void prepare_row(int kernel, const float *x, int64_t K, int64_t row, float *xf, uint16_t *hi,
                         uint16_t *lo) {
     if (kernel != DENSE16_BF16_DP && kernel != DENSE16_BF16_DP1 && kernel != DENSE16_BF16_AMX) {
@@ -210,10 +210,11 @@ static void prepare_row(int kernel, const float *x, int64_t K, int64_t row, floa
         __mmask16 mask = left >= 16 ? 0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
         __m512 v = _mm512_maskz_loadu_ps(mask, x + k);
         __m256bh h = _mm512_cvtneps_pbh(v);
-        __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
-        __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
         __mmask16 store = row - k >= 16 ? 0xffff : (__mmask16)((1u << (row - k)) - 1);
         _mm256_mask_storeu_epi16(hi + k, store, (__m256i)h);
+        if (kernel == DENSE16_BF16_DP1) continue; /* it never reads the lo terms */
+        __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16));
+        __m256bh l = _mm512_cvtneps_pbh(_mm512_sub_ps(v, back));
         _mm256_mask_storeu_epi16(lo + k, store, (__m256i)l);
     }
 #endif
