@@ -112,6 +112,22 @@ def test_shards_at_unaligned_rows_and_embedding_rows() -> None:
     assert torch.equal(table.logits(x[0]), layer(x[0]))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("k", [45, 64])
+def test_read_rows_widen_exactly(dtype: torch.dtype, k: int) -> None:
+    """Embedding rows read from the tiles (the native reader, and the indexing fallback)
+    are the stored values widened to float32, in the order asked, repeats included."""
+    n = 37
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    tiles = dense16.empty_tiles(n, k, dtype)
+    dense16.write_rows(tiles, 0, w)
+    ids = torch.tensor([0, 36, 17, 16, 15, 5, 17])
+    expected = w[ids].float()
+    assert torch.equal(dense16.read_rows(tiles, ids, k), expected)
+    with native.use(None):
+        assert torch.equal(dense16.read_rows(tiles, ids, k), expected)
+
+
 def test_best_kernel_follows_the_cpu() -> None:
     expected = "bf16-amx" if dense16.has_amx() else "bf16-fma"
     assert dense16.best_kernel(torch.bfloat16) == expected

@@ -7,11 +7,16 @@ native layer takes (affine groups, 16-bit floats: ``LinearMethod.native_weight``
 model runs the native attention backend (float32, native kernels; chosen
 once at load, ``layers/ops.py``), ``NativeDecode.build`` gives an object that runs an
 all-decode step: the same float32 computation as the per-op native path (the native norm
-kernels, ``attention/native_backend.py``), one ``decode_layer`` call per layer. The runner
-owns it as a fast path (``worker/fast_path.py``).
+kernels, ``attention/native_backend.py``), one ``decode_layers`` call for all layers (one
+``decode_layer`` call each where a speculative head taps the stream between them). The
+step's scratch buffers are kept across steps (a decode step is ~10 ms at one row: the
+Python around the layers is worth trimming). The runner owns it as a fast path
+(``worker/fast_path.py``).
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 
@@ -46,8 +51,10 @@ class NativeDecode:
 
     def __init__(self, model: DecoderModel) -> None:
         self.model = model
-        self._descs: tuple[tuple[int, ...], list] | None = None  # (cache addresses, descs)
+        self._descs: tuple[tuple[int, ...], ctypes.Array] | None = None
+        """(KV cache addresses, their ``LayerDesc`` array)"""
         self._keep: list[torch.Tensor] = []  # tensors the descriptors point into
+        self._scratch: dict[str, torch.Tensor] = {}  # the layers' buffers, kept across steps
 
     @classmethod
     def build(cls, model: CausalLM) -> NativeDecode | None:
@@ -71,50 +78,59 @@ class NativeDecode:
         self, hidden: torch.Tensor, tables: RopeTables, ctx: StepContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """hidden [B, hidden] float32 embeddings -> (last layer output, residual stream)."""
-        meta, layers = ctx.attn, self.model.layers
-        attn, mlp = layers[0].self_attn, layers[0].mlp
-        batch, width = hidden.shape
-        heads, inter = attn.spec.num_heads, mlp.down_proj.in_features
-        widest = max(width, inter)
+        meta = ctx.attn
+        batch = hidden.shape[0]
         extra = meta.extra_slots  # a draft tree's ancestors past each row's context
         extras = 0 if extra is None else extra.shape[1]
         residual = torch.empty_like(hidden)
-        buffers = {
-            "normed": torch.empty(batch, width),
-            "qkv": torch.empty(batch, attn.qkv_proj.out_features),
-            "attn": torch.empty(batch, attn.q_size),
-            "gate_up": torch.empty(batch, 2 * inter),
-            "act": torch.empty(batch, inter),
-            "scores": torch.empty(batch * heads * (max(meta.seq_lens) + extras)),
-            "qx": torch.empty(2 * batch * widest, dtype=torch.int8),
-            "dx": torch.empty(batch * widest // 32),
-            "sx": torch.empty(batch * widest // 32),
-        }
+        scratch = self._buffers(batch, max(meta.seq_lens) + extras)
         step = native.StepArgs(
             tokens=batch, table_width=meta.block_tables.stride(0), max_len=max(meta.seq_lens),
             first_layer=1, hidden=hidden.data_ptr(), residual=residual.data_ptr(),
             cos=tables.cos.data_ptr(), sin=tables.sin.data_ptr(),
             slots=meta.slot_mapping.data_ptr(), block_tables=meta.block_tables.data_ptr(),
-            seq_lens=meta.seq_lens_tensor.data_ptr(),
-            **{name: t.data_ptr() for name, t in buffers.items()},
+            seq_lens=meta.seq_lens_tensor.data_ptr(), **scratch,
             extra_slots=None if extra is None else extra.data_ptr(), max_extra=extras,
         )  # fmt: skip
+        descs = self._layer_descs(ctx.kv_caches)
         tap = self.model.aux_tap
-        for i, desc in enumerate(self._layer_descs(ctx.kv_caches)):
-            if tap is not None:  # the stream in front of layer i (after layer 0 has run)
-                tap.capture(i, hidden, None if step.first_layer else residual)
+        if tap is None:
+            native.decode_layers(descs, step)
+            return hidden, residual
+        for i, desc in enumerate(descs):
+            # the stream in front of layer i (after layer 0 has run)
+            tap.capture(i, hidden, None if step.first_layer else residual)
             native.decode_layer(desc, step)
             step.first_layer = 0
         return hidden, residual
 
-    def _layer_descs(self, kv_caches) -> list:
+    def _buffers(self, batch: int, slots: int) -> dict[str, int]:
+        """Addresses of the layers' scratch for ``batch`` rows whose attention scores take
+        ``slots`` per row and head; each buffer grown (to a power of two) and kept."""
+        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
+        hidden, inter = attn.spec.hidden_size, mlp.down_proj.in_features
+        widest = max(hidden, inter)
+        sizes = {  # elements per row (the scores: per row, head and slot)
+            "normed": hidden, "qkv": attn.qkv_proj.out_features, "attn": attn.q_size,
+            "gate_up": 2 * inter, "act": inter, "scores": attn.spec.num_heads * slots,
+            "qx": 2 * widest, "dx": widest // 32, "sx": widest // 32,
+        }  # fmt: skip
+        for name, per_row in sizes.items():
+            need = batch * per_row
+            held = self._scratch.get(name)
+            if held is None or held.numel() < need:
+                dtype = torch.int8 if name == "qx" else torch.float32
+                self._scratch[name] = torch.empty(_pow2(need, 4096), dtype=dtype)
+        return {name: t.data_ptr() for name, t in self._scratch.items()}
+
+    def _layer_descs(self, kv_caches) -> ctypes.Array:
         key = tuple(c.data_ptr() for c in kv_caches)
         if self._descs is None or self._descs[0] != key:
             self._keep = []
             descs = [
                 self._describe(layer, kv_caches[i]) for i, layer in enumerate(self.model.layers)
             ]
-            self._descs = (key, descs)
+            self._descs = (key, (native.LayerDesc * len(descs))(*descs))
         return self._descs[1]
 
     def _describe(self, layer: DecoderLayer, kv_cache: torch.Tensor) -> native.LayerDesc:
@@ -147,3 +163,8 @@ class NativeDecode:
             bits=code, out=linear.out_features, in_=linear.in_features,
             terms=linear.method.activation_terms,
         )  # fmt: skip
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    """The smallest power of two >= max(n, least)."""
+    return 1 << (max(n, least) - 1).bit_length()

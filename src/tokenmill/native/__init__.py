@@ -232,6 +232,9 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.decode_attention.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, i64, i64, ptr, i64,
                                      ptr, f32, i64, ptr, ptr, i64, ptr, i64]  # fmt: skip
     lib.decode_layer.argtypes = [ctypes.POINTER(LayerDesc), ctypes.POINTER(StepArgs)]
+    lib.decode_layers.argtypes = [ctypes.POINTER(LayerDesc), i64, ctypes.POINTER(StepArgs)]
+    lib.dense16_rows.argtypes = [ptr, ctypes.c_int, i64, ptr, i64, ptr]
+    lib.argmax_rows.argtypes = [ptr, i64, i64, ptr]
     lib.dense16_gemm.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, ptr]
     lib.dense16_has_bf16.argtypes = []
     lib.dense16_has_bf16.restype = ctypes.c_int
@@ -245,7 +248,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
         lib.rope_store_kv,
         lib.decode_attention,
         lib.decode_layer,
+        lib.decode_layers,
         lib.dense16_gemm,
+        lib.dense16_rows,
+        lib.argmax_rows,
         lib.delta_rule_step,
         lib.ssd_step,
         lib.whisper_decode_layer,
@@ -296,6 +302,19 @@ class StepArgs(ctypes.Structure):
 def decode_layer(desc: ctypes.Structure, step: ctypes.Structure) -> None:
     """Run one decoder layer (see kernels/decoder_layer.c) on ``step``'s buffers in place."""
     _need().decode_layer(ctypes.byref(desc), ctypes.byref(step))
+
+
+def decode_layers(descs: ctypes.Array, step: ctypes.Structure) -> None:
+    """Run every layer of ``descs`` (a ``LayerDesc`` array) in order in one call."""
+    _need().decode_layers(descs, len(descs), ctypes.byref(step))
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [R, V] float32 contiguous (CPU) -> [R] int64, exactly ``x.argmax(dim=-1)``."""
+    rows, vocab = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    _need().argmax_rows(x.data_ptr(), rows, vocab, out.data_ptr())
+    return out
 
 
 def whisper_decode_layer(layer: int, step: int) -> None:

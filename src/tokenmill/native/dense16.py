@@ -146,10 +146,22 @@ def write_rows(tiles: torch.Tensor, start: int, w: torch.Tensor) -> None:
             r += n
 
 
+_ROW_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+"""``dense16_rows``' code for each tile dtype."""
+
+
 def read_rows(tiles: torch.Tensor, rows: torch.Tensor, k: int) -> torch.Tensor:
-    """Rows [len(rows), k] in the tiles' dtype (an embedding lookup)."""
+    """Rows [len(rows), k] float32 (an embedding lookup; widening is exact): one native call
+    where the kernels run (a decode step's one row: ~2 us against ~0.15 ms of indexing)."""
+    if native.available() and rows.dtype == torch.int64 and rows.is_contiguous():
+        out = torch.empty(len(rows), k, dtype=torch.float32)
+        code = _ROW_DTYPES[tiles.dtype]
+        native._need().dense16_rows(
+            tiles.data_ptr(), code, k, rows.data_ptr(), len(rows), out.data_ptr()
+        )
+        return out
     picked = tiles[rows // TILE, :, rows % TILE]  # [R, K2, 2]
-    return picked.reshape(len(rows), -1)[:, :k]
+    return picked.reshape(len(rows), -1)[:, :k].float()
 
 
 def gemm(x: torch.Tensor, tiles: torch.Tensor, kernel: int, n: int) -> torch.Tensor:

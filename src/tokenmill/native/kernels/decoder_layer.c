@@ -100,3 +100,12 @@ void decode_layer(const LayerDesc *L, const StepArgs *s) {
     }
     project(&L->down, s->act, s->hidden, s);
 }
+
+/* Layers descs[0 .. n) in order, one call for a whole step (no Python between layers):
+ * the first starts the residual stream when s->first_layer says so. */
+void decode_layers(const LayerDesc *descs, int64_t n, StepArgs *s) {
+    for (int64_t i = 0; i < n; i++) {
+        decode_layer(descs + i, s);
+        s->first_layer = 0;
+    }
+}

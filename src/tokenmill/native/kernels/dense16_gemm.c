@@ -115,6 +115,7 @@ static inline __attribute__((always_inline)) void block_kernel(
         const uint16_t *p[2];
         for (int t = 0; t < tb; t++) {
             p[t] = w + t * tile_elems + j * (kernel == DENSE16_FP32_FMA ? 64 : 32);
+            if (mb == 1) continue; /* one token: the hardware prefetchers alone stream faster */
             _mm_prefetch((const char *)p[t] + PREFETCH, _MM_HINT_T0);
             if (kernel == DENSE16_FP32_FMA) _mm_prefetch((const char *)p[t] + PREFETCH + 64, _MM_HINT_T0);
         }
@@ -478,7 +479,11 @@ void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int k
             const void *xm = dp ? (const void *)((const int32_t *)xs + xoff)
                                 : (const void *)((const float *)xs + xoff);
             const void *xm_lo = (const void *)((const int32_t *)xs_lo + m0 * K2);
-            if (VF16_REGS < 32 && tb == 2 && mb > 1) { /* one tile at a time */
+            /* one tile at a time: on AVX2 (registers), and at one token, where each thread
+             * then reads its weights as one sequential stream instead of two interleaved
+             * ones (3-7% more bandwidth measured on Zen 4; a tile's sums do not depend on
+             * its neighbour, so the bits are the same) */
+            if (tb == 2 && ((VF16_REGS < 32 && mb > 1) || M == 1)) {
                 block_dispatch(kernel, wp, tile_elems, 1, mb, xm, xm_lo, K2, out);
                 block_dispatch(kernel, wp + tile_elems, tile_elems, 1, mb, xm, xm_lo, K2,
                                out + MBLOCK * TILE);
@@ -490,6 +495,29 @@ void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int k
                 const int64_t cols = N - n0 < TILE ? N - n0 : TILE;
                 for (int m = 0; m < mb; m++)
                     memcpy(y + (m0 + m) * N + n0, out + (t * MBLOCK + m) * TILE, cols * sizeof(float));
+            }
+        }
+    }
+}
+
+/* Rows ``rows[0 .. R)`` of the weight as float32 out [R, K] (an embedding lookup): element
+ * (r, k) lies at ((r / 16 * K2 + k / 2) * 16 + r % 16) * 2 + k % 2 of the tiles, in units of
+ * their dtype (0 bfloat16, 1 float16, 2 float32); widening is exact. */
+void dense16_rows(const void *w, int dtype, int64_t K, const int64_t *rows, int64_t R,
+                  float *out) {
+    const int64_t K2 = (K + 1) / 2;
+    for (int64_t i = 0; i < R; i++) {
+        const int64_t r = rows[i], base = (r / TILE * K2 * TILE + r % TILE) * 2;
+        float *o = out + i * K;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t at = base + (k / 2) * TILE * 2 + k % 2;
+            if (dtype == 2) {
+                o[k] = ((const float *)w)[at];
+            } else if (dtype == 1) {
+                o[k] = _cvtsh_ss(((const uint16_t *)w)[at]);
+            } else {
+                const uint32_t bits = (uint32_t)((const uint16_t *)w)[at] << 16;
+                memcpy(o + k, &bits, sizeof bits);
             }
         }
     }
