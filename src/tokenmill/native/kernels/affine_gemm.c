@@ -88,8 +88,10 @@ static inline __attribute__((always_inline)) void tile_kernel(
         __m512i a[MBLOCK1][4];
         for (int m = 0; m < mb; m++)
             for (int u = 0; u < 2 * terms; u++) a[m][u] = _mm512_setzero_si512();
-        /* the hardware prefetchers stop at 4 KB pages: keep PREFETCH bytes in flight */
-        for (int s = 0; s <= steps; s++) _mm_prefetch((const char *)gw + PREFETCH + s * 64, _MM_HINT_T0);
+        /* the hardware prefetchers stop at 4 KB pages: keep PREFETCH bytes in flight (at
+         * one token they alone stream 8-10% faster: each thread reads one sequential run) */
+        if (mb > 1)
+            for (int s = 0; s <= steps; s++) _mm_prefetch((const char *)gw + PREFETCH + s * 64, _MM_HINT_T0);
         for (int p = 0; p < 4; p++) {
             /* inputs 8 p .. 8 p + 7 as two 64-byte operands (4 inputs x 16 rows each): 4-bit,
              * the low and high nibbles of step p; 8-bit, steps 2 p and 2 p + 1 */
@@ -632,7 +634,7 @@ static inline __attribute__((always_inline)) void unit_kernel(
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gw = w + g * group_bytes;
         /* the hardware prefetchers stop at 4 KB pages: keep PREFETCH bytes in flight */
-        if (h == 0)
+        if (h == 0 && mb > 1)
             for (int s = 0; s <= steps; s++) _mm_prefetch((const char *)gw + PREFETCH + s * 64, _MM_HINT_T0);
         __m256i a[MAX_MB][2][2]; /* int16 sums [token][term][low / high nibble of 8-bit codes] */
         for (int m = 0; m < mb; m++)
