@@ -51,6 +51,13 @@
  * where 8 x 2 halves are the 16 ymm registers */
 #define MBLOCK (VF16_REGS >= 32 ? 4 : 2)
 #define PREFETCH 1024
+/* Where one register block takes every token (decode: 1 to MBLOCK rows) the weights stream
+ * through once: prefetched non-temporally they
+ * do not push out of the caches what the rest of the step reuses (activations, the KV
+ * cache, the interpreter's own working set), which otherwise comes back from memory every
+ * step. Measured on SmolLM2's bf16 decode (2 Zen 4 cores): steps 15-20% shorter than with
+ * the T0 prefetch or none, the kernel's own streaming rate unchanged. */
+#define NTA_PREFETCH 2048
 
 enum {
     DENSE16_BF16_DP = 0,
@@ -107,7 +114,7 @@ static void *scratch_for(size_t bytes) {
  * accumulators stay in registers. */
 static inline __attribute__((always_inline)) void block_kernel(
     const int kernel, const uint16_t *w, int64_t tile_elems, const int tb, const int mb,
-    const void *xs, const void *xs_lo, int64_t K2, float *out) {
+    const void *xs, const void *xs_lo, int64_t K2, int once, float *out) {
     vf16 acc[2][MBLOCK][2];
     for (int t = 0; t < 2; t++)
         for (int m = 0; m < MBLOCK; m++) acc[t][m][0] = acc[t][m][1] = vf16_zero();
@@ -115,7 +122,11 @@ static inline __attribute__((always_inline)) void block_kernel(
         const uint16_t *p[2];
         for (int t = 0; t < tb; t++) {
             p[t] = w + t * tile_elems + j * (kernel == DENSE16_FP32_FMA ? 64 : 32);
-            if (mb == 1) continue; /* one token: the hardware prefetchers alone stream faster */
+            if (once) { /* no other block reads these weights: see NTA_PREFETCH */
+                _mm_prefetch((const char *)p[t] + NTA_PREFETCH, _MM_HINT_NTA);
+                if (kernel == DENSE16_FP32_FMA) _mm_prefetch((const char *)p[t] + NTA_PREFETCH + 64, _MM_HINT_NTA);
+                continue;
+            }
             _mm_prefetch((const char *)p[t] + PREFETCH, _MM_HINT_T0);
             if (kernel == DENSE16_FP32_FMA) _mm_prefetch((const char *)p[t] + PREFETCH + 64, _MM_HINT_T0);
         }
@@ -175,7 +186,7 @@ static inline __attribute__((always_inline)) void block_kernel(
 
 #define BLOCK_CASE(KERNEL, TB, MB)                                                            \
     case ((KERNEL) * 4 + (TB)) * 8 + (MB):                                                    \
-        block_kernel(KERNEL, w, tile_elems, TB, MB, xs, xs_lo, K2, out);                      \
+        block_kernel(KERNEL, w, tile_elems, TB, MB, xs, xs_lo, K2, once, out);                \
         break;
 #if MBLOCK == 4
 #define BLOCK_CASES(KERNEL, TB)                                                               \
@@ -186,7 +197,7 @@ static inline __attribute__((always_inline)) void block_kernel(
 #endif
 
 static void block_dispatch(int kernel, const uint16_t *w, int64_t tile_elems, int tb, int mb,
-                           const void *xs, const void *xs_lo, int64_t K2, float *out) {
+                           const void *xs, const void *xs_lo, int64_t K2, int once, float *out) {
     switch ((kernel * 4 + tb) * 8 + mb) {
         BLOCK_CASES(DENSE16_BF16_DP, 1) BLOCK_CASES(DENSE16_BF16_DP, 2)
         BLOCK_CASES(DENSE16_BF16_FMA, 1) BLOCK_CASES(DENSE16_BF16_FMA, 2)
@@ -467,6 +478,7 @@ void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int k
             prepare_row(kernel, x + m * K, K, row, xf + m * row, hi + m * row, lo + m * row);
     }
     const int64_t pairs = (tiles + 1) / 2, mblocks = (M + MBLOCK - 1) / MBLOCK;
+    const int once = mblocks == 1; /* each weight read by one register block only */
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < pairs; p++) {
         const int tb = 2 * p + 1 < tiles ? 2 : 1;
@@ -484,11 +496,11 @@ void dense16_gemm(const float *x, int64_t M, int64_t K, const uint16_t *w, int k
              * ones (3-7% more bandwidth measured on Zen 4; a tile's sums do not depend on
              * its neighbour, so the bits are the same) */
             if (tb == 2 && ((VF16_REGS < 32 && mb > 1) || M == 1)) {
-                block_dispatch(kernel, wp, tile_elems, 1, mb, xm, xm_lo, K2, out);
-                block_dispatch(kernel, wp + tile_elems, tile_elems, 1, mb, xm, xm_lo, K2,
+                block_dispatch(kernel, wp, tile_elems, 1, mb, xm, xm_lo, K2, once, out);
+                block_dispatch(kernel, wp + tile_elems, tile_elems, 1, mb, xm, xm_lo, K2, once,
                                out + MBLOCK * TILE);
             } else {
-                block_dispatch(kernel, wp, tile_elems, tb, mb, xm, xm_lo, K2, out);
+                block_dispatch(kernel, wp, tile_elems, tb, mb, xm, xm_lo, K2, once, out);
             }
             for (int t = 0; t < tb; t++) {
                 const int64_t n0 = (2 * p + t) * TILE;
