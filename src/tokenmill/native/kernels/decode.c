@@ -116,16 +116,21 @@ static inline int64_t next_slot(SlotWalk *w) {
 }
 
 /* Prefetch the key and value rows of up to n positions from p (< len) on, advancing ``w``
- * past them: the walk over a sequence's blocks jumps, so the hardware prefetchers miss. */
+ * past them: the walk over a sequence's blocks jumps, so the hardware prefetchers miss. Into
+ * L2 (T1 / T2), not L1: a burst of 8 lines a position into L1 holds up the loads behind it
+ * (18-29% slower attention at 4-32 sequences from memory). The first kv head's pass takes
+ * the whole rows (every kv head's 64-byte lines of a slot lie together), so the passes of
+ * the next heads, on the same thread as a rule, read from L2. */
 static inline void prefetch_rows(SlotWalk *w, int64_t p, int64_t len, int n, const float *cache,
                                  int64_t kv_heads, int64_t g, int64_t d, int64_t cache_slots) {
     for (int i = 0; i < n && p + i < len; i++) {
         const int64_t slot = next_slot(w);
+        const int64_t width = g == 0 ? kv_heads * d : d; /* floats from head g on */
         const char *k = (const char *)(cache + (slot * kv_heads + g) * d);
         const char *v = (const char *)(cache + ((cache_slots + slot) * kv_heads + g) * d);
-        for (int64_t b = 0; b < d * (int64_t)sizeof(float); b += 64) {
-            _mm_prefetch(k + b, _MM_HINT_T0);
-            _mm_prefetch(v + b, _MM_HINT_T1);
+        for (int64_t b = 0; b < width * (int64_t)sizeof(float); b += 64) {
+            _mm_prefetch(k + b, _MM_HINT_T1);
+            _mm_prefetch(v + b, _MM_HINT_T2);
         }
     }
 }
@@ -207,9 +212,10 @@ static void softmax_in_place(float *x, int64_t n) {
  * max(0, len - window) .. len - 1 (window <= 0: all) of its blocks in block_tables[b], then
  * (a draft tree's node) the cache slots extra_slots[b * max_extra ..] that are >= 0: its
  * ancestors and itself, stored past its context (extra_slots NULL: none). When d % 16 == 0
- * the scores go 16 keys at a time (key_scores) and the weighted values of up to 3 heads of
- * a group at once (value_sum), with the bits of the scalar loops kept for other d; at 9
- * rows x 65 keys that is 1.7x faster. Each row's result depends on its own inputs only, so
+ * the scores go 16 keys at a time (key_scores; each block of keys serves every q head of
+ * its kv head while in L1) and the weighted values of up to 3 heads of a group at once
+ * (value_sum), with the bits of the scalar loops kept for other d; at 9 rows x 65 keys
+ * that is 1.7x faster. Each row's result depends on its own inputs only, so
  * a verify step's rows equal one-token decode steps bit for bit. */
 void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q_heads,
                       int64_t kv_heads, int64_t d, const float *cache, int64_t cache_slots,
@@ -229,37 +235,43 @@ void decode_attention(const float *q, int64_t batch, int64_t q_stride, int64_t q
             int64_t n_extra = 0;
             while (n_extra < extras && extra[n_extra] >= 0) n_extra++;
             const SlotWalk walk0 = {table, first / block_size, first % block_size, block_size};
-            for (int64_t j = 0; j < group; j++) {
+            float *const scores0 = scratch + (b * q_heads + g * group) * stride;
+            if (d % 16 == 0) {
+                /* scores[first .. len) for the context, then scores[len .. len + n_extra):
+                 * each block of 16 keys serves every head of the group while in L1 */
+                const float *keys[16];
+                SlotWalk walk = walk0, ahead = walk0;
+                prefetch_rows(&ahead, first, len, 16, cache, kv_heads, g, d, cache_slots);
+                for (int64_t p0 = first; p0 < len; p0 += 16) {
+                    const int n = len - p0 < 16 ? (int)(len - p0) : 16;
+                    prefetch_rows(&ahead, p0 + 16, len, 16, cache, kv_heads, g, d, cache_slots);
+                    for (int p = 0; p < n; p++)
+                        keys[p] = cache + (next_slot(&walk) * kv_heads + g) * d;
+                    for (int64_t j = 0; j < group; j++)
+                        key_scores(q + b * q_stride + (g * group + j) * d, keys, n, d, scale,
+                                   scores0 + j * stride + p0);
+                }
+                for (int64_t e0 = 0; e0 < n_extra; e0 += 16) {
+                    const int n = n_extra - e0 < 16 ? (int)(n_extra - e0) : 16;
+                    for (int p = 0; p < n; p++)
+                        keys[p] = cache + (extra[e0 + p] * kv_heads + g) * d;
+                    for (int64_t j = 0; j < group; j++)
+                        key_scores(q + b * q_stride + (g * group + j) * d, keys, n, d, scale,
+                                   scores0 + j * stride + len + e0);
+                }
+                for (int64_t j = 0; j < group; j++)
+                    softmax_in_place(scores0 + j * stride + first, len + n_extra - first);
+            }
+            for (int64_t j = 0; j < group && d % 16; j++) { /* other d: one head at a time */
                 const float *qh = q + b * q_stride + (g * group + j) * d;
                 float *o = out + b * q_heads * d + (g * group + j) * d;
-                float *scores = scratch + (b * q_heads + g * group + j) * stride;
+                float *scores = scores0 + j * stride;
                 SlotWalk walk = walk0;
-                /* scores[first .. len) for the context, then scores[len .. len + n_extra) */
-                if (d % 16 == 0) {
-                    const float *keys[16];
-                    SlotWalk ahead = walk; /* the first head's pass brings the rows in early */
-                    if (j == 0) prefetch_rows(&ahead, first, len, 16, cache, kv_heads, g, d, cache_slots);
-                    for (int64_t p0 = first; p0 < len; p0 += 16) {
-                        const int n = len - p0 < 16 ? (int)(len - p0) : 16;
-                        if (j == 0) prefetch_rows(&ahead, p0 + 16, len, 16, cache, kv_heads, g, d, cache_slots);
-                        for (int p = 0; p < n; p++)
-                            keys[p] = cache + (next_slot(&walk) * kv_heads + g) * d;
-                        key_scores(qh, keys, n, d, scale, scores + p0);
-                    }
-                    for (int64_t e0 = 0; e0 < n_extra; e0 += 16) {
-                        const int n = n_extra - e0 < 16 ? (int)(n_extra - e0) : 16;
-                        for (int p = 0; p < n; p++)
-                            keys[p] = cache + (extra[e0 + p] * kv_heads + g) * d;
-                        key_scores(qh, keys, n, d, scale, scores + len + e0);
-                    }
-                } else {
-                    for (int64_t p = first; p < len; p++)
-                        scores[p] = vf16_dot(qh, cache + (next_slot(&walk) * kv_heads + g) * d, d) * scale;
-                    for (int64_t e = 0; e < n_extra; e++)
-                        scores[len + e] = vf16_dot(qh, cache + (extra[e] * kv_heads + g) * d, d) * scale;
-                }
+                for (int64_t p = first; p < len; p++)
+                    scores[p] = vf16_dot(qh, cache + (next_slot(&walk) * kv_heads + g) * d, d) * scale;
+                for (int64_t e = 0; e < n_extra; e++)
+                    scores[len + e] = vf16_dot(qh, cache + (extra[e] * kv_heads + g) * d, d) * scale;
                 softmax_in_place(scores + first, len + n_extra - first);
-                if (d % 16 == 0) continue; /* the sums below, for all heads at once */
                 for (int64_t i = 0; i < d; i++) o[i] = 0.f;
                 walk = walk0;
                 for (int64_t p = first; p < len + n_extra; p++) {
