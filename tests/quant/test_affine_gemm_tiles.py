@@ -206,3 +206,14 @@ def test_amx_blocks_give_the_vnni_bits(bits, m, bf16, terms):
     finally:
         lib.affine_set_amx(1)
     assert torch.equal(native.affine_gemm(x, tiles, bits, 96, terms), vnni)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_embedding_rows_are_the_dequantized_weights(bits):
+    """unpack_rows (an embedding lookup; the native reader and the tensor-op fallback)
+    gives the dequantized rows bit for bit, in the order asked, repeats included."""
+    tiles, deq = _weights(bits, 48, 96, seed=bits)
+    ids = torch.tensor([0, 47, 17, 16, 15, 5, 17])
+    assert torch.equal(native.unpack_rows(tiles, ids, bits, 96), deq[ids])
+    with native.use(None):
+        assert torch.equal(native.unpack_rows(tiles, ids, bits, 96), deq[ids])

@@ -235,6 +235,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.decode_layers.argtypes = [ctypes.POINTER(LayerDesc), i64, ctypes.POINTER(StepArgs)]
     lib.dense16_rows.argtypes = [ptr, ctypes.c_int, i64, ptr, i64, ptr]
     lib.argmax_rows.argtypes = [ptr, i64, i64, ptr]
+    lib.affine_rows.argtypes = [ptr, ctypes.c_int, i64, ptr, i64, ptr]
     lib.dense16_gemm.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, ptr]
     lib.dense16_has_bf16.argtypes = []
     lib.dense16_has_bf16.restype = ctypes.c_int
@@ -252,6 +253,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
         lib.dense16_gemm,
         lib.dense16_rows,
         lib.argmax_rows,
+        lib.affine_rows,
         lib.delta_rule_step,
         lib.ssd_step,
         lib.whisper_decode_layer,
@@ -451,7 +453,13 @@ def pack_tiles(
 
 
 def unpack_rows(tiles: torch.Tensor, rows: torch.Tensor, bits: int, k: int) -> torch.Tensor:
-    """Dequantized float32 [len(rows), k] of the given rows (an embedding lookup)."""
+    """Dequantized float32 [len(rows), k] of the given rows (an embedding lookup): one
+    native call where the kernels run (a decode step's row: ~5 us against ~0.15 ms of the
+    tensor ops below, the same bits)."""
+    if available() and rows.dtype == torch.int64 and rows.is_contiguous():
+        out = torch.empty(len(rows), k, dtype=torch.float32)
+        _need().affine_rows(tiles.data_ptr(), bits, k, rows.data_ptr(), len(rows), out.data_ptr())
+        return out
     g = k // GROUP
     steps = 4 if bits == 4 else 8
     t = tiles.view(tiles.shape[0], g, steps * 64 + 64)

@@ -851,3 +851,38 @@ void affine_gemm_rows(const void *x, _Bool bf16, int64_t M, int64_t K, const uin
     }
 }
 #endif
+
+/* Rows ``rows[0 .. R)`` of the weight dequantized to float32 out [R, K] (an embedding
+ * lookup): code * scale + offset, the product and the sum each rounded (not fused), as the
+ * tensor expression this replaces computed them. A tile's group holds ``steps`` x 64 code
+ * bytes ([step][16 rows][4 bytes]; 4-bit: input 8 step + j in byte j's low nibble, 8 step +
+ * 4 + j in its high one; 8-bit: input 4 step + j) and then the rows' float16 scales and
+ * offsets. */
+__attribute__((optimize("fp-contract=off"))) void affine_rows(const uint8_t *w, int bits,
+                                                              int64_t K, const int64_t *rows,
+                                                              int64_t R, float *out) {
+    const int steps = bits == 4 ? 4 : 8;
+    const int64_t groups = K / GROUP, group_bytes = (int64_t)steps * 64 + 64;
+    for (int64_t i = 0; i < R; i++) {
+        const int64_t r = rows[i], lane = r % TILE;
+        const uint8_t *tile = w + r / TILE * groups * group_bytes;
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *gw = tile + g * group_bytes;
+            const uint16_t *so = (const uint16_t *)(gw + steps * 64);
+            const float scale = _cvtsh_ss(so[lane]), offset = _cvtsh_ss(so[TILE + lane]);
+            float *o = out + i * K + g * GROUP;
+            for (int s = 0; s < steps; s++)
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t byte = gw[(s * TILE + lane) * 4 + j];
+                    if (bits == 4) {
+                        const float lo = (float)(byte & 0x0f) * scale, hi = (float)(byte >> 4) * scale;
+                        o[8 * s + j] = lo + offset;
+                        o[8 * s + 4 + j] = hi + offset;
+                    } else {
+                        const float v = (float)byte * scale;
+                        o[4 * s + j] = v + offset;
+                    }
+                }
+        }
+    }
+}
