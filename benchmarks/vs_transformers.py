@@ -132,10 +132,10 @@ def run_transformers(
     return res
 
 
-def decode_vs_bandwidth(llm: LLM, args, wbytes: int) -> tuple[float, float, float]:
-    """(decode tok/s, fraction of the bandwidth limit, the limit in tok/s), medians over
-    ``args.repeat`` runs of ``decode_rate``'s decode; each run's limit from the higher of
-    the copy bandwidths sampled right before and right after it."""
+def decode_vs_bandwidth(llm: LLM, args, wbytes: int) -> tuple[float, list[float], float]:
+    """(decode tok/s, each run's fraction of the bandwidth limit, the limit in tok/s), the
+    rate and limit medians over ``args.repeat`` runs of ``decode_rate``'s decode; each run's
+    limit from the higher of the copy bandwidths sampled right before and right after it."""
     short, n = [prompt_ids(32, 1)], args.decode_tokens
     t_first = best_of(lambda: tm_run(llm, short, 1), args.repeat)
     rates, fractions, limits = [], [], []
@@ -148,19 +148,17 @@ def decode_vs_bandwidth(llm: LLM, args, wbytes: int) -> tuple[float, float, floa
         rates.append(rate)
         fractions.append(rate / limit)
         limits.append(limit)
-    return statistics.median(rates), statistics.median(fractions), statistics.median(limits)
+    return statistics.median(rates), sorted(fractions), statistics.median(limits)
 
 
-def run_tokenmill(
-    path: str, dtype: str, args, prompts: list[list[int]], n_out: int
-) -> dict[str, float]:
+def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: int) -> dict:
     dtype, _, precision = dtype.partition(":")
     options = {"activation_precision": precision} if precision else {}
     # no prefix caching: measure compute, not cache hits
     with LLM(path, dtype=dtype, enable_prefix_caching=False, **options) as llm:
         wbytes = decode_weight_bytes(llm.engine.loaded.model)
-        res: dict[str, float | str] = {"prefill": prefill_rate(tm_run, llm, args)}
-        res["decode"], res["fraction"], res["limit"] = decode_vs_bandwidth(llm, args, wbytes)
+        res: dict = {"prefill": prefill_rate(tm_run, llm, args)}
+        res["decode"], res["fractions"], res["limit"] = decode_vs_bandwidth(llm, args, wbytes)
         res["format"] = f"{llm.engine.loaded.quantization}/{str(llm.engine.loaded.dtype)[6:]}"
         res["agg"] = (
             len(prompts) * n_out / best_of(lambda: tm_run(llm, prompts, n_out), args.repeat)
@@ -232,7 +230,9 @@ def main() -> None:
         ["single-stream decode tok/s"]
         + [f"{p['decode']:.1f}" for p in peers.values()]
         + [
-            f"{r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x; {r['fraction']:.0%} of bw limit {r['limit']:.0f})"
+            f"{r['decode']:.1f} ({r['decode'] / ref['decode']:.2f}x; "
+            f"{statistics.median(r['fractions']):.0%} of bw limit {r['limit']:.0f}, runs "
+            f"{'/'.join(f'{f:.0%}' for f in r['fractions'])})"
             for r in results.values()
         ]
     )
