@@ -20,15 +20,21 @@
     ... [--draft-quantization int4]    # the pair's draft requantized at load
 
 Rates are medians over ``--repeat`` rounds, the configurations alternating within a round.
+llama.cpp runs in a fresh process each round: in this one its threads slowed tokenmill's
+speculative engines by ~20% (copy workload, 2 cores), not its plain decode.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
+import multiprocessing
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,17 +107,60 @@ def llama_cpp_rate(llama, ids: list[int], max_tokens: int, eos: int) -> tuple[fl
     return n / (time.perf_counter() - start), n
 
 
-def run_workload(runners: dict, ids_list: list[list[int]], max_tokens: int, repeat: int):
+def workload_rate(run, ids_list: list[list[int]], max_tokens: int) -> float:
+    """Total tokens / total seconds of ``run`` over the prompts, one at a time."""
+    total_tokens, total_s = 0, 0.0
+    for ids in ids_list:
+        rate, n = run(ids, max_tokens)
+        total_tokens += n
+        total_s += n / rate if rate else 0.0
+    return total_tokens / total_s if total_s else 0.0
+
+
+def run_workload(
+    runners: dict,
+    ids_list: list[list[int]],
+    max_tokens: int,
+    repeat: int,
+    per_round: Callable[[], dict[str, float]] | None = None,
+):
+    """Median rates over ``repeat`` rounds; ``per_round`` adds other columns each round."""
     rates: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(repeat):
         for name, run in runners.items():  # alternating: noise hits every configuration
-            total_tokens, total_s = 0, 0.0
-            for ids in ids_list:
-                rate, n = run(ids, max_tokens)
-                total_tokens += n
-                total_s += n / rate if rate else 0.0
-            rates[name].append(total_tokens / total_s if total_s else 0.0)
+            rates[name].append(workload_rate(run, ids_list, max_tokens))
+        for name, rate in (per_round() if per_round else {}).items():
+            rates.setdefault(name, []).append(rate)
     return {name: statistics.median(r) for name, r in rates.items()}
+
+
+def llama_cpp_round(
+    path: str, k: int, ids_list: list[list[int]], max_tokens: int, eos: int
+) -> dict[str, float]:
+    """llama.cpp plain and with prompt lookup over the workload, in the process this runs in
+    (a fresh one per round: llama.cpp's threads must not share a process with tokenmill's
+    OpenMP pool, where they slowed tokenmill's speculative engines by ~20%)."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    from llama_server import NO_EXTRA_BUFTS
+
+    exec(NO_EXTRA_BUFTS, {})
+    common = dict(model_path=path, n_threads=2, n_threads_batch=2, n_ctx=2048, verbose=False)
+    engines = {
+        "llama.cpp": Llama(**common),
+        "llama.cpp lookup": Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k)),
+    }  # fmt: skip
+    out = {}
+    for name, llama in engines.items():
+        llama_cpp_rate(llama, ids_list[0], 16, eos)  # warm-up
+        run = functools.partial(llama_cpp_rate, llama, eos=eos)
+        out[name] = workload_rate(run, ids_list, max_tokens)
+    return out
+
+
+def in_fresh_process(fn: Callable[..., dict[str, float]], *args) -> dict[str, float]:
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
 
 
 def mean_acceptance(llm: LLM) -> float:
@@ -169,26 +218,17 @@ def main() -> None:
         "suffix": lambda ids, n: tm_rate(suffix, ids, n),
         "suffix tree": lambda ids, n: tm_rate(tree, ids, n),
     }
-    try:
-        from llama_cpp import Llama
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-        from llama_server import NO_EXTRA_BUFTS
-
-        exec(NO_EXTRA_BUFTS, {})
-        common = dict(model_path=path, n_threads=2, n_threads_batch=2, n_ctx=2048, verbose=False)
-        lc_plain = Llama(**common)
-        lc_lookup = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=k))
-        eos = plain.tokenizer.eos_token_ids
-        eos_id = min(eos) if eos else -1
-        runners["llama.cpp"] = lambda ids, n: llama_cpp_rate(lc_plain, ids, n, eos_id)
-        runners["llama.cpp lookup"] = lambda ids, n: llama_cpp_rate(lc_lookup, ids, n, eos_id)
-    except ImportError:
-        print("llama-cpp-python is not installed: no llama.cpp columns", file=sys.stderr)
-
     copy_ids = prompts(plain, COPY_TASKS)
+    llama_cpp = None
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("llama-cpp-python is not installed: no llama.cpp columns", file=sys.stderr)
+    else:
+        eos = plain.tokenizer.eos_token_ids
+        lc_args = (path, k, copy_ids, args.max_tokens, min(eos) if eos else -1)
+        llama_cpp = functools.partial(in_fresh_process, llama_cpp_round, *lc_args)
     for run in runners.values():  # warm-up (and the suffix index sees one pass)
         run(copy_ids[0], 16)
-    copy = run_workload(runners, copy_ids, args.max_tokens, args.repeat)
+    copy = run_workload(runners, copy_ids, args.max_tokens, args.repeat, llama_cpp)
     chat = run_workload(
         {n: runners[n] for n in ("off", "ngram", "suffix", "suffix tree")},
         prompts(plain, CHAT_TASKS), args.max_tokens, args.repeat,
