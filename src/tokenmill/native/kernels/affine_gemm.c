@@ -639,7 +639,8 @@ static inline __attribute__((always_inline)) void unit_kernel(
     for (int m = 0; m < mb; m++) y[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *gw = w + g * group_bytes;
-        /* the hardware prefetchers stop at 4 KB pages: keep PREFETCH bytes in flight */
+        /* the hardware prefetchers stop at 4 KB pages: keep PREFETCH bytes in flight (at one
+         * token they alone measured as fast, within 1%) */
         if (h == 0 && mb > 1)
             for (int s = 0; s <= steps; s++) _mm_prefetch((const char *)gw + PREFETCH + s * 64, _MM_HINT_T0);
         __m256i a[MAX_MB][2][2]; /* int16 sums [token][term][low / high nibble of 8-bit codes] */
