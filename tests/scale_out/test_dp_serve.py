@@ -63,6 +63,18 @@ async def _complete_all(url: str) -> list[str]:
         return await asyncio.gather(*(one(p) for p in PROMPTS))
 
 
+def _metrics_once(url: str, pattern: str, timeout: float = 15.0) -> str:
+    """/metrics once it shows ``pattern`` (else as it is at ``timeout``): the replicas'
+    counters reach the router with their engines' snapshots and its monitor thread's merge,
+    a little after the responses (a loaded CI machine once read the sum before it landed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = httpx.get(url + "/metrics").text
+        if re.search(pattern, metrics) or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.1)
+
+
 def test_serve_dp2_routes_and_reports_replicas(tmp_path, smollm2_hf_tokenizer):
     path = save_family("qwen2", tmp_path / "m", smollm2_hf_tokenizer)
     greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
@@ -73,12 +85,13 @@ def test_serve_dp2_routes_and_reports_replicas(tmp_path, smollm2_hf_tokenizer):
         assert asyncio.run(_complete_all(url)) == [o.outputs[0].text for o in outs]
         health = httpx.get(url + "/health").json()
         assert health == {"status": "ok", "replicas": 2, "replicas_up": 2}
-        metrics = httpx.get(url + "/metrics").text
+        summed = r"tokenmill:generation_tokens_total\{.*\} 48"  # the replicas' sum
+        metrics = _metrics_once(url, summed)
         routed = [float(m) for m in re.findall(r'tokenmill:router_requests_total\{.*\} (\S+)',
                                                metrics)]  # fmt: skip
         assert len(routed) == 2 and sum(routed) == len(PROMPTS)
         assert 'tokenmill:replica_up{model_name="m",replica="1"} 1.0' in metrics
-        assert re.search(r"tokenmill:generation_tokens_total\{.*\} 48", metrics)  # the sum
+        assert re.search(summed, metrics)
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
