@@ -111,11 +111,21 @@ def hf_run(model, prompts: list[list[int]], max_tokens: int) -> int:
     return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
 
-def decode_rate(run, model, args) -> float:
-    """Single-stream decode tok/s: ``decode_tokens`` from a 32-token prompt, less the first."""
+def decode_runs(run, model, args, probe=None) -> tuple[list[float], list[float]]:
+    """Single-stream decode tok/s of each of ``args.repeat`` runs (``decode_tokens`` from a
+    32-token prompt, less the time of the first) and, with ``probe``, the higher of its
+    values right before and right after each run (else an empty list)."""
     short, n = [prompt_ids(32, 1)], args.decode_tokens
     t_first = best_of(lambda: run(model, short, 1), args.repeat)
-    return (n - 1) / (best_of(lambda: run(model, short, n), args.repeat) - t_first)
+    rates, probed = [], []
+    for _ in range(args.repeat):
+        before = probe() if probe else None
+        start = time.perf_counter()
+        run(model, short, n)
+        rates.append((n - 1) / (time.perf_counter() - start - t_first))
+        if probe:
+            probed.append(max(before, probe()))
+    return rates, probed
 
 
 def prefill_rate(run, model, args) -> float:
@@ -127,28 +137,10 @@ def run_transformers(
     path: str, dtype: str, args, prompts: list[list[int]], n_out: int
 ) -> dict[str, float]:
     hf = load_hf(path, dtype)
-    res = {"decode": decode_rate(hf_run, hf, args), "prefill": prefill_rate(hf_run, hf, args)}
+    rates, _ = decode_runs(hf_run, hf, args)
+    res = {"decode": statistics.median(rates), "prefill": prefill_rate(hf_run, hf, args)}
     res["agg"] = len(prompts) * n_out / best_of(lambda: hf_run(hf, prompts, n_out), args.repeat)
     return res
-
-
-def decode_vs_bandwidth(llm: LLM, args, wbytes: int) -> tuple[float, list[float], float]:
-    """(decode tok/s, each run's fraction of the bandwidth limit, the limit in tok/s), the
-    rate and limit medians over ``args.repeat`` runs of ``decode_rate``'s decode; each run's
-    limit from the higher of the copy bandwidths sampled right before and right after it."""
-    short, n = [prompt_ids(32, 1)], args.decode_tokens
-    t_first = best_of(lambda: tm_run(llm, short, 1), args.repeat)
-    rates, fractions, limits = [], [], []
-    for _ in range(args.repeat):
-        before = copy_bandwidth()
-        start = time.perf_counter()
-        tm_run(llm, short, n)
-        rate = (n - 1) / (time.perf_counter() - start - t_first)
-        limit = max(before, copy_bandwidth()) / wbytes
-        rates.append(rate)
-        fractions.append(rate / limit)
-        limits.append(limit)
-    return statistics.median(rates), sorted(fractions), statistics.median(limits)
 
 
 def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: int) -> dict:
@@ -158,7 +150,11 @@ def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: 
     with LLM(path, dtype=dtype, enable_prefix_caching=False, **options) as llm:
         wbytes = decode_weight_bytes(llm.engine.loaded.model)
         res: dict = {"prefill": prefill_rate(tm_run, llm, args)}
-        res["decode"], res["fractions"], res["limit"] = decode_vs_bandwidth(llm, args, wbytes)
+        # each run held to the copy bandwidth sampled around it (the VM's moves in minutes)
+        rates, bandwidths = decode_runs(tm_run, llm, args, probe=copy_bandwidth)
+        limits = [bw / wbytes for bw in bandwidths]
+        res["decode"], res["limit"] = statistics.median(rates), statistics.median(limits)
+        res["fractions"] = sorted(r / lim for r, lim in zip(rates, limits))
         res["format"] = f"{llm.engine.loaded.quantization}/{str(llm.engine.loaded.dtype)[6:]}"
         res["agg"] = (
             len(prompts) * n_out / best_of(lambda: tm_run(llm, prompts, n_out), args.repeat)

@@ -55,6 +55,15 @@ class NativeDecode:
         """(KV cache addresses, their ``LayerDesc`` array)"""
         self._keep: list[torch.Tensor] = []  # tensors the descriptors point into
         self._scratch: dict[str, torch.Tensor] = {}  # the layers' buffers, kept across steps
+        self._addresses: dict[str, int] = {}  # their data pointers, remade when one grows
+        attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+        hidden, inter = attn.spec.hidden_size, mlp.down_proj.in_features
+        widest = max(hidden, inter)
+        self._per_row = {  # elements per row (the scores: per row and head, times slots)
+            "normed": hidden, "qkv": attn.qkv_proj.out_features, "attn": attn.q_size,
+            "gate_up": 2 * inter, "act": inter, "scores": attn.spec.num_heads,
+            "qx": 2 * widest, "dx": widest // 32, "sx": widest // 32,
+        }  # fmt: skip
 
     @classmethod
     def build(cls, model: CausalLM) -> NativeDecode | None:
@@ -83,9 +92,10 @@ class NativeDecode:
         extra = meta.extra_slots  # a draft tree's ancestors past each row's context
         extras = 0 if extra is None else extra.shape[1]
         residual = torch.empty_like(hidden)
-        scratch = self._buffers(batch, max(meta.seq_lens) + extras)
+        max_len = max(meta.seq_lens)
+        scratch = self._buffers(batch, max_len + extras)
         step = native.StepArgs(
-            tokens=batch, table_width=meta.block_tables.stride(0), max_len=max(meta.seq_lens),
+            tokens=batch, table_width=meta.block_tables.stride(0), max_len=max_len,
             first_layer=1, hidden=hidden.data_ptr(), residual=residual.data_ptr(),
             cos=tables.cos.data_ptr(), sin=tables.sin.data_ptr(),
             slots=meta.slot_mapping.data_ptr(), block_tables=meta.block_tables.data_ptr(),
@@ -107,21 +117,14 @@ class NativeDecode:
     def _buffers(self, batch: int, slots: int) -> dict[str, int]:
         """Addresses of the layers' scratch for ``batch`` rows whose attention scores take
         ``slots`` per row and head; each buffer grown (to a power of two) and kept."""
-        attn, mlp = self.model.layers[0].self_attn, self.model.layers[0].mlp
-        hidden, inter = attn.spec.hidden_size, mlp.down_proj.in_features
-        widest = max(hidden, inter)
-        sizes = {  # elements per row (the scores: per row, head and slot)
-            "normed": hidden, "qkv": attn.qkv_proj.out_features, "attn": attn.q_size,
-            "gate_up": 2 * inter, "act": inter, "scores": attn.spec.num_heads * slots,
-            "qx": 2 * widest, "dx": widest // 32, "sx": widest // 32,
-        }  # fmt: skip
-        for name, per_row in sizes.items():
-            need = batch * per_row
+        for name, per_row in self._per_row.items():
+            need = batch * per_row * (slots if name == "scores" else 1)
             held = self._scratch.get(name)
             if held is None or held.numel() < need:
                 dtype = torch.int8 if name == "qx" else torch.float32
                 self._scratch[name] = torch.empty(_pow2(need, 4096), dtype=dtype)
-        return {name: t.data_ptr() for name, t in self._scratch.items()}
+                self._addresses = {n: t.data_ptr() for n, t in self._scratch.items()}
+        return self._addresses
 
     def _layer_descs(self, kv_caches) -> ctypes.Array:
         key = tuple(c.data_ptr() for c in kv_caches)
