@@ -1,12 +1,14 @@
 """The whole-layer CPU decode keeps its scratch buffers across steps (models/native_decode.py):
 after they grow for a larger batch and longer contexts, and when a step needs less than they
-hold, every request's tokens and logprobs are those of a fresh engine."""
+hold, every request's tokens and logprobs are those of a fresh engine; a large buffer is given
+back once the steps need a small part of it."""
 
 from __future__ import annotations
 
 import pytest
 
 from tokenmill import LLM, SamplingParams, native
+from tokenmill.models import native_decode
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
 
@@ -38,3 +40,17 @@ def test_kept_scratch_gives_a_fresh_engines_results(smollm2_gguf):
         assert _run(llm, short) == first  # a small step in the grown buffers
     with LLM(str(smollm2_gguf), enable_prefix_caching=False) as fresh:
         assert _run(fresh, wide) == grown
+
+
+def test_a_large_buffer_is_given_back(smollm2_gguf, monkeypatch):
+    # the real floor (16 MB) needs a long context; the rule is the same at any size
+    monkeypatch.setattr(native_decode, "KEEP_BYTES", 0)
+    monkeypatch.setattr(native_decode, "SHRINK", 2)
+    short, wide = _prompts(1, 9), _prompts(5, 300)
+    with LLM(str(smollm2_gguf), enable_prefix_caching=False) as llm:
+        decode = llm.engine.runner.decode.decode
+        first = _run(llm, short)
+        _run(llm, wide)
+        grown = decode._scratch["scores"].numel()
+        assert _run(llm, short) == first
+        assert decode._scratch["scores"].numel() * 2 <= grown

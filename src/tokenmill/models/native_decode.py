@@ -116,13 +116,14 @@ class NativeDecode:
 
     def _buffers(self, batch: int, slots: int) -> dict[str, int]:
         """Addresses of the layers' scratch for ``batch`` rows whose attention scores take
-        ``slots`` per row and head; each buffer grown (to a power of two) and kept."""
+        ``slots`` per row and head; each buffer grown (to a power of two) and kept, and given
+        back once steps need a small part of a large one (after a long context finished)."""
         for name, per_row in self._per_row.items():
-            need = batch * per_row * (slots if name == "scores" else 1)
+            size = _pow2(batch * per_row * (slots if name == "scores" else 1), 4096)
             held = self._scratch.get(name)
-            if held is None or held.numel() < need:
+            if held is None or held.numel() < size or _oversized(held, size):
                 dtype = torch.int8 if name == "qx" else torch.float32
-                self._scratch[name] = torch.empty(_pow2(need, 4096), dtype=dtype)
+                self._scratch[name] = torch.empty(size, dtype=dtype)
                 self._addresses = {n: t.data_ptr() for n, t in self._scratch.items()}
         return self._addresses
 
@@ -166,6 +167,17 @@ class NativeDecode:
             bits=code, out=linear.out_features, in_=linear.in_features,
             terms=linear.method.activation_terms,
         )  # fmt: skip
+
+
+KEEP_BYTES = 16 << 20
+"""A scratch buffer up to this size is kept whatever the steps need; a larger one is
+replaced once a step needs less than 1 / SHRINK of it (no reallocation while sizes move
+within that factor, as they do from step to step)."""
+SHRINK = 8
+
+
+def _oversized(held: torch.Tensor, size: int) -> bool:
+    return held.numel() * held.element_size() > KEEP_BYTES and held.numel() >= SHRINK * size
 
 
 def _pow2(n: int, least: int = 1) -> int:
