@@ -37,8 +37,9 @@ def measure_cost_curve(
     max_seqs: int,
 ) -> CostCurve:
     """c(T) for T = 1 .. max_drafts + 1, then doubling up to ``max_tokens`` (the step
-    budget, at most 256) with at most ``max_seqs`` sequences; points whose KV blocks do
-    not fit are left out (the curve extrapolates)."""
+    budget, at most 256) with at most ``max_seqs`` sequences, each point the fastest of
+    ``REPEATS`` rounds over all shapes; points whose KV blocks do not fit are left out
+    (the curve extrapolates)."""
     width = max_drafts + 1
     shapes = [(1, t) for t in range(1, width + 1)]
     seqs = 2
@@ -48,15 +49,14 @@ def measure_cost_curve(
     points: dict[int, float] = {}
     params = SamplingParams(temperature=0, max_tokens=1)
     _step(runner, kv, params, 1, 1)  # warm-up (first-call allocations)
-    for num_seqs, tokens in shapes:
-        best = None
-        for _ in range(REPEATS):
+    for _ in range(REPEATS):  # rounds over every shape: a slow spell of the machine
+        for num_seqs, tokens in list(shapes):  # raises all of a round, not one shape
             took = _step(runner, kv, params, num_seqs, tokens)
-            if took is None:
-                break
-            best = took if best is None else min(best, took)
-        if best is not None:
-            points[num_seqs * tokens] = best
+            if took is None:  # its blocks do not fit: left out
+                shapes.remove((num_seqs, tokens))
+                continue
+            t = num_seqs * tokens
+            points[t] = min(points.get(t, took), took)
     if not points:
         return CostCurve.linear()
     curve = CostCurve.from_points(points)
