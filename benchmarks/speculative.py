@@ -29,17 +29,15 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import multiprocessing
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from common import table
+from common import in_fresh_process, table
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.spec_decode.adaptive import DraftLength
@@ -156,11 +154,6 @@ def llama_cpp_round(
         run = functools.partial(llama_cpp_rate, llama, eos=eos)
         out[name] = workload_rate(run, ids_list, max_tokens)
     return out
-
-
-def in_fresh_process(fn: Callable[..., dict[str, float]], *args) -> dict[str, float]:
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(fn, *args).result()
 
 
 def mean_acceptance(llm: LLM) -> float:
