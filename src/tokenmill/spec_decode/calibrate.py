@@ -49,8 +49,10 @@ def measure_cost_curve(
     points: dict[int, float] = {}
     params = SamplingParams(temperature=0, max_tokens=1)
     _step(runner, kv, params, 1, 1)  # warm-up (first-call allocations)
-    for _ in range(REPEATS):  # rounds over every shape: a slow spell of the machine
-        for num_seqs, tokens in list(shapes):  # raises all of a round, not one shape
+    # rounds over all shapes, each point its best: a slow spell of the machine then raises
+    # every shape of one round, not all the tries of one shape
+    for _ in range(REPEATS):
+        for num_seqs, tokens in list(shapes):
             took = _step(runner, kv, params, num_seqs, tokens)
             if took is None:  # its blocks do not fit: left out
                 shapes.remove((num_seqs, tokens))
