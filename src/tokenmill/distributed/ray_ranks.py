@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import signal
 import threading
 from typing import Any
 
@@ -36,8 +37,11 @@ class RankActor:
             args = dataclasses.replace(args, device_index=0)
         worker_main(args, _Reports(reports))
 
-    def pid(self) -> int:
-        return os.getpid()
+    def place(self) -> tuple[int, str]:
+        """(its process id, its Ray node's id)."""
+        import ray
+
+        return os.getpid(), ray.get_runtime_context().get_node_id()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,10 +77,11 @@ class RayPipe:
 
 
 class RayProc:
-    """A rank's actor as ``launch.Workers`` watches a process."""
+    """A rank's actor as ``launch.Workers`` watches a process. ``local``: its process runs
+    on the driver's Ray node (``pid`` is one of this machine's)."""
 
-    def __init__(self, actor: Any, call: Any, pid: int) -> None:
-        self.actor, self.call, self.pid = actor, call, pid
+    def __init__(self, actor: Any, call: Any, pid: int, local: bool = False) -> None:
+        self.actor, self.call, self.pid, self.local = actor, call, pid, local
 
     def is_alive(self) -> bool:
         import ray
@@ -103,9 +108,27 @@ class RayProc:
         ray.wait([self.call], timeout=timeout)
 
     def kill(self) -> None:
+        """``ray.kill`` marks the actor dead at once but may end its process later (a full
+        CI run saw a killed rank's sockets stay open for the 120 s collective timeout, the
+        driver waiting on them): on this node its process is sent SIGKILL too, so its
+        sockets close now and every peer's collective fails at once."""
         import ray
 
+        if self.local:
+            _kill_rank_process(self.pid)
         ray.kill(self.actor, no_restart=True)
+
+
+def _kill_rank_process(pid: int) -> None:
+    """SIGKILL ``pid`` if it is still a rank actor's process (Ray titles it
+    ``ray::RankActor.<method>``; a pid reused by another process is left alone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if not f.read().startswith(b"ray::RankActor"):
+                return
+        os.kill(pid, signal.SIGKILL)
+    except OSError:  # gone already, or no /proc here
+        pass
 
 
 class RayOwner:
@@ -161,12 +184,13 @@ def start_actors(
     host = "127.0.0.1" if len(ray.nodes()) == 1 else ray.util.get_node_ip_address()
     group_address = f"tcp://{host}:{port}"
     actors = [cls.options(name=None).remote() for _ in range(1, world)]
-    pids = ray.get([a.pid.remote() for a in actors])  # before run: an actor runs one call at a time
+    places = ray.get([a.place.remote() for a in actors])  # before run: one call at a time
+    here = ray.get_runtime_context().get_node_id()
     procs, pipes = [], []
-    for rank, actor, pid in zip(range(1, world), actors, pids):
+    for rank, actor, (pid, node) in zip(range(1, world), actors, places):
         queue = Queue()
         call = actor.run.remote(WorkerArgs(config, rank, world, group_address, threads), queue)
-        procs.append(RayProc(actor, call, pid))
+        procs.append(RayProc(actor, call, pid, local=node == here))
         pipes.append(RayPipe(queue))
     logger.info("%d ranks started as Ray actors (process group at %s)", world - 1, group_address)
     return procs, pipes, group_address, owner
