@@ -108,10 +108,11 @@ class RayProc:
         ray.wait([self.call], timeout=timeout)
 
     def kill(self) -> None:
-        """``ray.kill`` marks the actor dead at once but may end its process later (a full
-        CI run saw a killed rank's sockets stay open for the 120 s collective timeout, the
-        driver waiting on them): on this node its process is sent SIGKILL too, so its
-        sockets close now and every peer's collective fails at once."""
+        """``ray.kill`` marks the actor dead at once but may end its process later, and a
+        live process keeps its sockets open (a full CI run saw the driver's next step reach
+        a killed rank and then wait out the 120 s collective timeout): on this node the
+        process is sent SIGKILL too, so its sockets close now and every peer's collective
+        fails at once."""
         import ray
 
         if self.local:
