@@ -21,6 +21,25 @@ def best_of(fn: Callable[[], object], repeat: int = 3) -> float:
     return statistics.median(times)
 
 
+def decode_runs(
+    generate: Callable[[int], object], n: int, repeat: int, probe: Callable[[], float] | None = None
+) -> tuple[list[float], list[float]]:
+    """Single-stream decode tok/s of each of ``repeat`` runs of ``generate(n)`` (n tokens from
+    a fixed prompt), less the time of ``generate(1)`` (the prefill and first token), and, with
+    ``probe``, the higher of its values right before and right after each run (this VM's
+    bandwidth moves within minutes: one sample for all runs can be far from what a run saw)."""
+    t_first = best_of(lambda: generate(1), repeat)
+    rates, probed = [], []
+    for _ in range(repeat):
+        before = probe() if probe else 0.0
+        start = time.perf_counter()
+        generate(n)
+        rates.append((n - 1) / (time.perf_counter() - start - t_first))
+        if probe:
+            probed.append(max(before, probe()))
+    return rates, probed
+
+
 def in_fresh_process(fn: Callable[..., dict], *args) -> dict:
     """fn(*args) in a new (spawned) process: a peer library loaded there (llama.cpp and its
     thread pool) leaves nothing behind in this one (in-process, llama.cpp's threads slowed

@@ -8,8 +8,8 @@ Offline (llama.cpp in a fresh process of its own first, then tokenmill in this o
 single-stream decode tokens/s (128 tokens after a 32-token prompt), prefill tokens/s (32-
 and 200-token prompts), load time and, for tokenmill, the peak resident memory of loading
 the weights against their in-memory size and the decode rate's fraction of the bandwidth
-limit (the copy bandwidth sampled right before and after its decode runs: this VM's moves
-by 30-60% within minutes). Online
+limit (each decode run held to the copy bandwidth sampled right before and after it, the
+medians reported: this VM's moves by 30-60% within minutes). Online
 (each server in its own process, as deployed): 16 concurrent requests (128-token
 prompts, 64 greedy output tokens each, EOS suppressed) against `tokenmill serve` and
 llama-cpp-python's server; reported as output tokens/s. Every tokenmill figure is
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import copy_bandwidth, in_fresh_process, table  # noqa: E402
+from common import copy_bandwidth, decode_runs, in_fresh_process, table  # noqa: E402
 from llama_server import NO_EXTRA_BUFTS, start_llama_cpp  # noqa: E402
 
 DECODE_PROMPT, PREFILL_LENS = 32, (32, 200)
@@ -51,13 +52,6 @@ def fastest(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
-
-
-def decode_rate(generate, prompt: list[int], n: int, repeat: int) -> float:
-    """Tokens/s of the n - 1 tokens after the first (whose time includes the prefill)."""
-    t_first = fastest(lambda: generate(prompt, 1), repeat)
-    t_all = fastest(lambda: generate(prompt, n), repeat)
-    return (n - 1) / (t_all - t_first) if t_all > t_first else float("nan")
 
 
 def prompt_ids(n: int, seed: int, vocab: int = 20000) -> list[int]:
@@ -169,9 +163,10 @@ def run_tokenmill(path: str, quantization: str, repeat: int, n: int) -> dict[str
         res["decode_bytes"] = tm_decode_weight_bytes(loaded.model)
         short = prompt_ids(DECODE_PROMPT, 1)
         tm_generate(llm, short, 8)  # warm-up
-        before = copy_bandwidth()  # the VM's bandwidth moves within minutes: sampled around
-        res["decode"] = decode_rate(lambda p, k: tm_generate(llm, p, k), short, n, repeat)
-        res["bw"] = max(before, copy_bandwidth())  # the run, the higher of the two held
+        rates, bandwidths = decode_runs(
+            lambda k: tm_generate(llm, short, k), n, repeat, probe=copy_bandwidth
+        )
+        res["decode"], res["bw"] = statistics.median(rates), statistics.median(bandwidths)
         for length in PREFILL_LENS:
             p = prompt_ids(length, 2)
             res[f"prefill{length}"] = length / fastest(lambda p=p: tm_generate(llm, p, 1), repeat)
@@ -208,7 +203,7 @@ def run_llama_cpp(
 
     short = prompt_ids(DECODE_PROMPT, 1)
     generate(short, 8)
-    res["decode"] = decode_rate(generate, short, n, repeat)
+    res["decode"] = statistics.median(decode_runs(lambda k: generate(short, k), n, repeat)[0])
     for length in PREFILL_LENS:
         p = prompt_ids(length, 2)
         res[f"prefill{length}"] = length / fastest(lambda p=p: prefill(p), repeat)
@@ -377,7 +372,7 @@ def main() -> None:
     online = {} if args.no_server else run_servers(path, args, have_peer, threads)
     print(
         "bandwidth limit: weight bytes per decode step against the copy bandwidth (read +"
-        " write) sampled right before and after tokenmill's decode runs, the higher held\n"
+        " write) sampled around each of tokenmill's decode runs (the higher of the two; medians)\n"
     )
     report(results, peer, online, args)
 

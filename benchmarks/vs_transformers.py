@@ -26,13 +26,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import best_of, copy_bandwidth, table  # noqa: E402
+from common import best_of, copy_bandwidth, decode_runs, table  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 
@@ -111,21 +110,10 @@ def hf_run(model, prompts: list[list[int]], max_tokens: int) -> int:
     return (out.shape[1] - ids.shape[1]) * ids.shape[0]
 
 
-def decode_runs(run, model, args, probe=None) -> tuple[list[float], list[float]]:
-    """Single-stream decode tok/s of each of ``args.repeat`` runs (``decode_tokens`` from a
-    32-token prompt, less the time of the first) and, with ``probe``, the higher of its
-    values right before and right after each run (else an empty list)."""
-    short, n = [prompt_ids(32, 1)], args.decode_tokens
-    t_first = best_of(lambda: run(model, short, 1), args.repeat)
-    rates, probed = [], []
-    for _ in range(args.repeat):
-        before = probe() if probe else None
-        start = time.perf_counter()
-        run(model, short, n)
-        rates.append((n - 1) / (time.perf_counter() - start - t_first))
-        if probe:
-            probed.append(max(before, probe()))
-    return rates, probed
+def decode_runs_of(run, model, args, probe=None) -> tuple[list[float], list[float]]:
+    """``common.decode_runs`` of ``run`` on ``model`` from a 32-token prompt."""
+    short = [prompt_ids(32, 1)]
+    return decode_runs(lambda k: run(model, short, k), args.decode_tokens, args.repeat, probe)
 
 
 def prefill_rate(run, model, args) -> float:
@@ -137,7 +125,7 @@ def run_transformers(
     path: str, dtype: str, args, prompts: list[list[int]], n_out: int
 ) -> dict[str, float]:
     hf = load_hf(path, dtype)
-    rates, _ = decode_runs(hf_run, hf, args)
+    rates, _ = decode_runs_of(hf_run, hf, args)
     res = {"decode": statistics.median(rates), "prefill": prefill_rate(hf_run, hf, args)}
     res["agg"] = len(prompts) * n_out / best_of(lambda: hf_run(hf, prompts, n_out), args.repeat)
     return res
@@ -151,7 +139,7 @@ def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: 
         wbytes = decode_weight_bytes(llm.engine.loaded.model)
         res: dict = {"prefill": prefill_rate(tm_run, llm, args)}
         # each run held to the copy bandwidth sampled around it (the VM's moves in minutes)
-        rates, bandwidths = decode_runs(tm_run, llm, args, probe=copy_bandwidth)
+        rates, bandwidths = decode_runs_of(tm_run, llm, args, probe=copy_bandwidth)
         limits = [bw / wbytes for bw in bandwidths]
         res["decode"], res["limit"] = statistics.median(rates), statistics.median(limits)
         res["fractions"] = sorted(r / lim for r, lim in zip(rates, limits))
