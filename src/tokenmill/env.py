@@ -123,6 +123,20 @@ TOKENMILL_BF16_KERNEL: EnvVar[str] = _declare(
 )
 
 
+TOKENMILL_GREEDY_HEAD: EnvVar[bool] = _declare(
+    EnvVar(
+        "TOKENMILL_GREEDY_HEAD",
+        default="1",
+        parse=lambda raw: _one_of("0", "1")(raw) == "1",
+        doc="1 (the default): on CPU, a step whose every row is plain greedy (no logprobs, "
+        "penalties, bias, grammar or other processor) takes its tokens from a bfloat16 "
+        "output head in one native call: logits with one bfloat16 activation term, then the "
+        "exact kernel on the few tokens that could be the maximum; the same tokens as the "
+        "full head, bit for bit (sampling/greedy_head.py). 0: always the full head.",
+    )
+)
+
+
 TOKENMILL_SCAN_KERNEL: EnvVar[str] = _declare(
     EnvVar(
         "TOKENMILL_SCAN_KERNEL",

@@ -49,6 +49,12 @@ class CausalLM(nn.Module, ABC):
         """hidden [N, hidden_size] -> logits [N, vocab_size] in float32, a new tensor (the
         runner's sampler edits it in place)."""
 
+    def logits_layer(self) -> nn.Module | None:
+        """The layer whose ``method.apply(layer, hidden, None)`` is ``compute_logits``
+        exactly (no scaling, capping or cast after it), for a fused head and argmax
+        (``sampling/greedy_head.py``); None (the default): no such layer."""
+        return None
+
     @abstractmethod
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Consume a stream of (HF name, tensor); return the parameter names loaded."""

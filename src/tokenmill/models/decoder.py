@@ -325,6 +325,17 @@ class DecoderForCausalLM(CausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def logits_layer(self) -> nn.Module | None:
+        """The head (``lm_head``, or the tied embedding table) when ``compute_logits`` is
+        this class's without a soft cap: then the logits are its output as it is."""
+        if self.spec.final_softcap is not None:
+            return None
+        if type(self).compute_logits is not DecoderForCausalLM.compute_logits:
+            return None
+        if self.lm_head is not None and self.lm_head.bias is not None:
+            return None
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         skip = ("lm_head.weight",) if self.lm_head is None else ()
         return load_weights(self, weights, skip=skip)

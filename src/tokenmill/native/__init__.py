@@ -237,6 +237,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.argmax_rows.argtypes = [ptr, i64, i64, ptr]
     lib.affine_rows.argtypes = [ptr, ctypes.c_int, i64, ptr, i64, ptr]
     lib.dense16_gemm.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, ptr]
+    lib.dense16_greedy.argtypes = [ptr, i64, i64, ptr, ctypes.c_int, i64, f32, ptr, ptr]
     lib.dense16_has_bf16.argtypes = []
     lib.dense16_has_bf16.restype = ctypes.c_int
     lib.dense16_amx_enable.argtypes = []
@@ -251,6 +252,7 @@ def _load(isa: str) -> ctypes.CDLL | None:
         lib.decode_layer,
         lib.decode_layers,
         lib.dense16_gemm,
+        lib.dense16_greedy,
         lib.dense16_rows,
         lib.argmax_rows,
         lib.affine_rows,

@@ -170,3 +170,30 @@ def gemm(x: torch.Tensor, tiles: torch.Tensor, kernel: int, n: int) -> torch.Ten
     y = torch.empty(m, n, dtype=torch.float32)
     native._need().dense16_gemm(x.data_ptr(), m, k, tiles.data_ptr(), kernel, n, y.data_ptr())
     return y
+
+
+def greedy(
+    x: torch.Tensor, tiles: torch.Tensor, kernel: int, n: int, wnorm: float, approx: torch.Tensor
+) -> torch.Tensor:
+    """x [M, K] float32 contiguous, bfloat16 tiles of an [n, K] head, ``kernel`` its exact
+    kernel (bf16-fma or bf16-avx512bf16), ``wnorm`` >= every row's norm (``max_row_norm``),
+    ``approx`` >= M * n float32 scratch -> [M] int64: each row's ``gemm(...).argmax(-1)``
+    bit for bit, or -1 where the row must be computed in full (``dense16_greedy``)."""
+    m, k = x.shape
+    assert approx.numel() >= m * n and approx.dtype == torch.float32 and approx.is_contiguous()
+    ids = torch.empty(m, dtype=torch.int64)
+    native._need().dense16_greedy(
+        x.data_ptr(), m, k, tiles.data_ptr(), kernel, n, wnorm, approx.data_ptr(), ids.data_ptr()
+    )
+    return ids
+
+
+def max_row_norm(tiles: torch.Tensor, n: int, chunk: int = 256) -> float:
+    """The largest Euclidean norm of the [n, K] weight's rows in ``tiles`` (float64 sums,
+    rounded up to a float32 that bounds it: ``greedy``'s error bound)."""
+    top = 0.0
+    for start in range(0, tiles.shape[0], chunk):
+        part = tiles[start : start + chunk].double().square().sum(dim=(1, 3))  # [t, 16]
+        top = max(top, float(part.max()))
+    bound = torch.tensor(top**0.5 * (1 + 2**-40), dtype=torch.float32)
+    return float(torch.nextafter(bound, torch.tensor(float("inf"))))

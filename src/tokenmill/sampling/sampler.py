@@ -160,6 +160,17 @@ class Sampler:
         self.processors = tuple(processors) + tuple(extra_processors)
         self.plans = PlanCache()
 
+    def argmax_only(self, rows: Sequence[SamplingRow], device: torch.device) -> bool:
+        """Whether this sampler would take every row's argmax of the raw logits: all
+        greedy, no logprobs, no processor touching any row (``greedy_head.py`` then
+        computes the tokens without the logits)."""
+        plan = self.plans.get(rows, self.processors, device)
+        return (
+            plan.random is None
+            and plan.max_logprobs is None
+            and not any(only is None or only for only in plan.only)
+        )
+
     def __call__(
         self, logits: torch.Tensor, rows: Sequence[SamplingRow], in_place: bool = False
     ) -> SamplerOutput:

@@ -25,6 +25,7 @@ from tokenmill.kv_cache.spec import FullAttention, allocate_caches
 from tokenmill.models.base import CausalLM
 from tokenmill.multimodal.step import MultiModalStep, multimodal_step
 from tokenmill.sampling import LogprobsTensors, Sampler, compute_logprobs
+from tokenmill.sampling.greedy_head import GreedyHead
 from tokenmill.sampling.in_flight import InFlightRow
 from tokenmill.sampling.logits_processors import upload
 from tokenmill.sampling.sampler import RowState, SamplingRow
@@ -190,6 +191,9 @@ class ModelRunner:
         per-position states (``state_rollback.py``); None: no rollback (attention only)."""
         self._rollback: StateRollback | None = None
         """The step being launched's rollback rows, handed to its ``LaunchedStep``."""
+        self.greedy_head = GreedyHead.of(model, device)
+        """The model's head and argmax in one call for all-greedy steps on CPU; None: the
+        logits are always computed in full."""
         self.mirror_rollback: Callable[[RollbackCopies], None] | None = None
         """Set by a parallel executor: each verify step's rollback copies, which the
         workers make on their own shards of the state (``distributed/worker.py``)."""
@@ -290,9 +294,12 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, LogprobsTensors | None]:
         """Logits of hidden's rows ``sample_rows`` -> (ids [R], logprobs); ``rows`` are
         their sampling states (a request, or a request with drafts appended)."""
-        states = hidden  # every row samples (a decode step): no gather, hence no index copy
+        states, device = hidden, hidden.device  # every row samples (a decode step): no gather
         if len(sample_rows) != hidden.shape[0]:
-            states = hidden.index_select(0, upload(sample_rows, torch.int64, hidden.device))
+            states = hidden.index_select(0, upload(sample_rows, torch.int64, device))
+        head = self.greedy_head
+        if head is not None and head.takes(states) and self.sampler.argmax_only(rows, device):
+            return head(states), None  # the tokens without the logits (greedy_head.py)
         logits = self.model.compute_logits(states)
         out = self.sampler(logits, rows, in_place=True)
         return out.token_ids, out.logprobs
