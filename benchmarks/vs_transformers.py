@@ -10,7 +10,11 @@ first of ``--hf-dtypes``) and to the memory-bandwidth limit (weight bytes read p
 decode step vs a copy bandwidth measured next to each decode run: this VM's bandwidth
 moves by 30-60% within minutes, so one sample taken before the runs can be far from what
 a run saw; each run is bracketed by two samples and held to the higher, and the median
-fraction over the runs is reported). Default model: the embedded
+fraction over the runs is reported). The concurrent throughput is also measured in
+back-to-back pairs of runs, tokenmill (its first dtype) and transformers (the base), both
+loaded, the order alternating: the median of the pairs' ratios, which a slow spell of the
+VM moves far less than the ratio of the two engines' separate measurements (transformers'
+bf16 concurrent run read 164-225 tok/s on different days here). Default model: the embedded
 SmolLM2-135M (GGUF Q4_1), dequantized to float32 for both engines. ``--hf16 bf16``
 (or fp16, fp32) runs an HF folder of the same model saved in that dtype (made once from
 the GGUF with transformers, cached under ``--cache``): tokenmill's ``dtype=auto`` keeps its
@@ -151,6 +155,31 @@ def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: 
     return res
 
 
+def paired_concurrent(
+    path: str, hf_dtype: str, tm_dtype: str, args, same: list[list[int]],
+    varied: list[list[int]], n_out: int,
+) -> list[float]:  # fmt: skip
+    """tokenmill's concurrent rate over transformers' in back-to-back pairs, both engines
+    loaded, the order alternating: a slow spell of the VM then falls on both sides of a
+    ratio instead of on one engine's whole measurement."""
+    hf = load_hf(path, hf_dtype)
+    dtype, _, precision = tm_dtype.partition(":")
+    options = {"activation_precision": precision} if precision else {}
+    ratios = []
+    with LLM(path, dtype=dtype, enable_prefix_caching=False, **options) as llm:
+        tm_run(llm, varied[:2], 4)  # warm-up
+        for r in range(args.repeat):
+            runs = {
+                "hf": lambda: hf_run(hf, same, n_out),
+                "tm": lambda: tm_run(llm, varied, n_out),
+            }
+            rate = {}
+            for name in ("hf", "tm") if r % 2 == 0 else ("tm", "hf"):
+                rate[name] = len(same) * n_out / best_of(runs[name], 1)
+            ratios.append(rate["tm"] / rate["hf"])
+    return ratios
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -229,6 +258,16 @@ def main() -> None:
         [f"{c} concurrent x {n_out} out, tok/s"]
         + [f"{p['agg']:.0f}" for p in peers.values()]
         + [f"{r['agg']:.0f} ({r['agg'] / ref['agg']:.2f}x)" for r in results.values()]
+    )
+    paired = paired_concurrent(
+        path, next(iter(peers)), next(iter(results)), args, same, varied, n_out
+    )
+    runs = "/".join(f"{x:.2f}" for x in paired)
+    rows.append(
+        [f"{c} concurrent, paired runs (ratio)"]
+        + [""] * len(peers)
+        + [f"{statistics.median(paired):.2f}x (runs {runs})"]
+        + [""] * (len(results) - 1)
     )
     print(table(rows))
     print(

@@ -16,7 +16,8 @@ static int64_t first_nan(const float *x, int64_t n) {
     return -1;
 }
 
-static int64_t argmax_row(const float *x, int64_t n) {
+/* Also the first step of dense16_greedy (dense16_gemm.c). */
+int64_t argmax_row(const float *x, int64_t n) {
     int64_t i = 0;
     float top = -INFINITY;
 #ifdef __AVX512F__

@@ -48,6 +48,8 @@
 
 #include "simd.h"
 
+int64_t argmax_row(const float *x, int64_t n); /* argmax.c */
+
 #define TILE 16
 /* tokens per register block: 4 x 2 tiles on AVX-512; 2 x 1 tile or 1 x 2 tiles on AVX2,
  * where 8 x 2 halves are the 16 ymm registers */
@@ -581,27 +583,9 @@ static int64_t greedy_row(const float *x, int64_t K, const uint16_t *w, int kern
                           double wnorm, const float *approx) {
     double ss = 0;
     for (int64_t k = 0; k < K; k++) ss += (double)x[k] * x[k];
-    float top = -INFINITY;
-    int nan = 0;
-    int64_t n = 0;
-#ifdef __AVX512F__
-    __m512 vtop = _mm512_set1_ps(-INFINITY);
-    __mmask16 unordered = 0;
-    for (; n + 16 <= N; n += 16) {
-        const __m512 v = _mm512_loadu_ps(approx + n);
-        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        vtop = _mm512_max_ps(vtop, v);
-    }
-    nan = unordered != 0;
-    top = _mm512_reduce_max_ps(vtop);
-#endif
-    for (; n < N; n++) {
-        const float v = approx[n];
-        nan |= v != v;
-        top = v > top ? v : top;
-    }
+    const float top = approx[argmax_row(approx, N)]; /* a NaN if the row has one */
     const double norm = sqrt(ss);
-    if (nan || !(fabsf(top) <= FLT_MAX) || !(norm <= 1e30)) return -1;
+    if (!(fabsf(top) <= FLT_MAX) || !(norm <= 1e30)) return -1;
     const double rel = ldexp(1, -9) + 4.0 * (double)(K + 2) * ldexp(1, -24);
     const double slack = 1.01 * (norm * (wnorm * rel + ldexp(1, -120) * sqrt((double)K)) +
                                  (double)(K + 2) * ldexp(1, -124));
