@@ -14,8 +14,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from tokenmill.env import TOKENMILL_HOST_MALLOC
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +28,19 @@ MMAP_BYTES = 32 << 20
 """Blocks at least this big still get their own map (glibc's largest threshold)."""
 TRIM_BYTES = 256 << 20
 """Free memory the heap keeps at its top before returning it to the OS."""
+
+KEEP_BYTES = 16 << 20
+"""A scratch buffer kept across steps (the decode layers', the greedy head's) up to this
+size whatever the steps need; a larger one is replaced once a step needs less than
+1 / SHRINK of it (no reallocation while sizes move within that factor, as they do from
+step to step), so one long or wide step does not hold its buffers for the engine's life."""
+SHRINK = 8
+
+
+def oversized(held: torch.Tensor, size: int) -> bool:
+    """Whether the kept buffer ``held`` is to be replaced by one of ``size`` elements."""
+    return held.numel() * held.element_size() > KEEP_BYTES and held.numel() >= SHRINK * size
+
 
 _done = False
 

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill import LLM, SamplingParams, native
-from tokenmill.models import native_decode
+from tokenmill import LLM, SamplingParams, host_memory, native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no native CPU kernels here")
 
@@ -44,8 +43,8 @@ def test_kept_scratch_gives_a_fresh_engines_results(smollm2_gguf):
 
 def test_a_large_buffer_is_given_back(smollm2_gguf, monkeypatch):
     # the real floor (16 MB) needs a long context; the rule is the same at any size
-    monkeypatch.setattr(native_decode, "KEEP_BYTES", 0)
-    monkeypatch.setattr(native_decode, "SHRINK", 2)
+    monkeypatch.setattr(host_memory, "KEEP_BYTES", 0)
+    monkeypatch.setattr(host_memory, "SHRINK", 2)
     short, wide = _prompts(1, 9), _prompts(5, 300)
     with LLM(str(smollm2_gguf), enable_prefix_caching=False) as llm:
         decode = llm.engine.runner.decode.decode

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill import LLM, SamplingParams, native
+from tokenmill import LLM, SamplingParams, host_memory, native
 from tokenmill.layers.linear import Linear
 from tokenmill.native import dense16
 from tokenmill.quant.dense16 import Dense16Method
@@ -93,6 +93,21 @@ def test_a_non_finite_row_is_left_to_the_full_head() -> None:
     assert ids[1] == -1 and ids[2] == -1 and ids[0] == full[0]
     head = GreedyHead(layer, method)
     assert torch.equal(head(x), full)
+
+
+@needs_bf16
+def test_its_scratch_is_given_back_after_a_wide_step(monkeypatch) -> None:
+    monkeypatch.setattr(host_memory, "KEEP_BYTES", 0)  # the rule of 16 MB+ buffers, small
+    monkeypatch.setattr(host_memory, "SHRINK", 2)
+    method = Dense16Method("bf16-fma")
+    layer = Linear(32, 500, method=method)
+    layer.load_weight(torch.randn(500, 32))
+    head = GreedyHead(layer, method)
+    wide, narrow = torch.randn(40, 32), torch.randn(3, 32)
+    head(wide)
+    assert head._approx.numel() == 40 * 500
+    assert torch.equal(head(narrow), method.apply(layer, narrow, None).argmax(dim=-1))
+    assert head._approx.numel() == 3 * 500
 
 
 @pytest.mark.skipif(not native.available(), reason="no native kernels here")

@@ -22,6 +22,7 @@ import torch
 
 from tokenmill import native
 from tokenmill.attention import StepContext
+from tokenmill.host_memory import oversized
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.rotary import RopeTables
 from tokenmill.models.base import CausalLM
@@ -121,7 +122,7 @@ class NativeDecode:
         for name, per_row in self._per_row.items():
             size = _pow2(batch * per_row * (slots if name == "scores" else 1), 4096)
             held = self._scratch.get(name)
-            if held is None or held.numel() < size or _oversized(held, size):
+            if held is None or held.numel() < size or oversized(held, size):
                 dtype = torch.int8 if name == "qx" else torch.float32
                 self._scratch[name] = torch.empty(size, dtype=dtype)
                 self._addresses = {n: t.data_ptr() for n, t in self._scratch.items()}
@@ -167,17 +168,6 @@ class NativeDecode:
             bits=code, out=linear.out_features, in_=linear.in_features,
             terms=linear.method.activation_terms,
         )  # fmt: skip
-
-
-KEEP_BYTES = 16 << 20
-"""A scratch buffer up to this size is kept whatever the steps need; a larger one is
-replaced once a step needs less than 1 / SHRINK of it (no reallocation while sizes move
-within that factor, as they do from step to step)."""
-SHRINK = 8
-
-
-def _oversized(held: torch.Tensor, size: int) -> bool:
-    return held.numel() * held.element_size() > KEEP_BYTES and held.numel() >= SHRINK * size
 
 
 def _pow2(n: int, least: int = 1) -> int:

@@ -18,6 +18,7 @@ turns it off.
 
 from __future__ import annotations
 
+import logging
 from typing import cast
 
 import torch
@@ -25,9 +26,12 @@ from torch import nn
 
 from tokenmill import native
 from tokenmill.env import TOKENMILL_GREEDY_HEAD
+from tokenmill.host_memory import oversized
 from tokenmill.native import dense16
 from tokenmill.quant.dense16 import Dense16Method
 from tokenmill.sampling.argmax import argmax_rows
+
+logger = logging.getLogger(__name__)
 
 MIN_ROWS = 2
 """Below this the head reads its weights once for one row, bound by memory, not
@@ -50,7 +54,8 @@ class GreedyHead:
         self.wnorm = dense16.max_row_norm(self.tiles, self.vocab)
         """The largest norm of a head row: the error bound's weight factor."""
         self._approx = torch.empty(0)
-        """The one-term logits' scratch, kept across steps ([rows x vocab] float32)."""
+        """The one-term logits' scratch ([rows x vocab] float32), kept across steps
+        (``host_memory.oversized``: replaced when far too big)."""
 
     @classmethod
     def of(cls, model: nn.Module, device: torch.device) -> GreedyHead | None:
@@ -64,6 +69,12 @@ class GreedyHead:
             return None
         if layer is None or not dense16.has_avx512_bf16():
             return None
+        logger.info(
+            "greedy head: all-greedy steps of %d+ rows take one-term logits, then %s on the "
+            "candidates ($TOKENMILL_GREEDY_HEAD=0: off)",
+            MIN_ROWS,
+            method.kernel,
+        )
         return cls(layer, method)
 
     def takes(self, hidden: torch.Tensor) -> bool:
@@ -75,7 +86,7 @@ class GreedyHead:
         """hidden [M, hidden] float32 (``takes``) -> [M] int64 token ids."""
         x = hidden.contiguous()
         need = x.shape[0] * self.vocab
-        if self._approx.numel() < need:
+        if self._approx.numel() < need or oversized(self._approx, need):
             self._approx = torch.empty(need)
         ids = dense16.greedy(
             x, self.tiles, self.method.kernel_id, self.vocab, self.wnorm, self._approx
