@@ -50,6 +50,15 @@ def test_the_full_heads_argmax(kernel, m, n, k) -> None:
     assert torch.equal(ids, full)
 
 
+@pytest.mark.parametrize("n,k", [(37, 19), (4099, 576), (300, 3000)])
+def test_max_row_norm_bounds_every_row(n, k) -> None:
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g) * 3).bfloat16()
+    true = float(w.double().norm(dim=1).max())
+    got = dense16.max_row_norm(_tiles(w), n)
+    assert true <= got <= true * (1 + 1e-3)
+
+
 @needs_bf16
 @pytest.mark.parametrize("kernel", EXACT)
 def test_an_order_that_one_term_gets_wrong(kernel) -> None:

@@ -188,12 +188,14 @@ def greedy(
     return ids
 
 
-def max_row_norm(tiles: torch.Tensor, n: int, chunk: int = 256) -> float:
-    """The largest Euclidean norm of the [n, K] weight's rows in ``tiles`` (float64 sums,
-    rounded up to a float32 that bounds it: ``greedy``'s error bound)."""
+def max_row_norm(tiles: torch.Tensor, n: int, chunk: int = 64) -> float:
+    """An upper bound of the largest Euclidean norm of the [n, K] weight's rows in
+    ``tiles``, as a float32 (``greedy``'s error bound): float32 sums of squares (a tenth of
+    float64's time: 0.08 s for a 49k x 576 head here), raised by their rounding's bound."""
     top = 0.0
     for start in range(0, tiles.shape[0], chunk):
-        part = tiles[start : start + chunk].double().square().sum(dim=(1, 3))  # [t, 16]
+        part = tiles[start : start + chunk].float().square_().sum(dim=(1, 3))  # [t, 16]
         top = max(top, float(part.max()))
-    bound = torch.tensor(top**0.5 * (1 + 2**-40), dtype=torch.float32)
+    k = 2 * tiles.shape[1]
+    bound = torch.tensor((top * (1 + (k + 2) * 2.0**-23)) ** 0.5, dtype=torch.float32)
     return float(torch.nextafter(bound, torch.tensor(float("inf"))))
