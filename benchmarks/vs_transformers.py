@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -135,11 +136,16 @@ def run_transformers(
     return res
 
 
-def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: int) -> dict:
+def open_tokenmill(path: str, dtype: str) -> LLM:
+    """tokenmill on ``path`` with ``dtype`` (``auto:low``: with activation_precision="low"),
+    without prefix caching: measure compute, not cache hits."""
     dtype, _, precision = dtype.partition(":")
     options = {"activation_precision": precision} if precision else {}
-    # no prefix caching: measure compute, not cache hits
-    with LLM(path, dtype=dtype, enable_prefix_caching=False, **options) as llm:
+    return LLM(path, dtype=dtype, enable_prefix_caching=False, **options)
+
+
+def run_tokenmill(path: str, dtype: str, args, prompts: list[list[int]], n_out: int) -> dict:
+    with open_tokenmill(path, dtype) as llm:
         wbytes = decode_weight_bytes(llm.engine.loaded.model)
         res: dict = {"prefill": prefill_rate(tm_run, llm, args)}
         # each run held to the copy bandwidth sampled around it (the VM's moves in minutes)
@@ -163,20 +169,17 @@ def paired_concurrent(
     loaded, the order alternating: a slow spell of the VM then falls on both sides of a
     ratio instead of on one engine's whole measurement."""
     hf = load_hf(path, hf_dtype)
-    dtype, _, precision = tm_dtype.partition(":")
-    options = {"activation_precision": precision} if precision else {}
     ratios = []
-    with LLM(path, dtype=dtype, enable_prefix_caching=False, **options) as llm:
+    with open_tokenmill(path, tm_dtype) as llm:
         tm_run(llm, varied[:2], 4)  # warm-up
+        runs = {"hf": lambda: hf_run(hf, same, n_out), "tm": lambda: tm_run(llm, varied, n_out)}
         for r in range(args.repeat):
-            runs = {
-                "hf": lambda: hf_run(hf, same, n_out),
-                "tm": lambda: tm_run(llm, varied, n_out),
-            }
-            rate = {}
+            seconds = {}
             for name in ("hf", "tm") if r % 2 == 0 else ("tm", "hf"):
-                rate[name] = len(same) * n_out / best_of(runs[name], 1)
-            ratios.append(rate["tm"] / rate["hf"])
+                start = time.perf_counter()
+                runs[name]()
+                seconds[name] = time.perf_counter() - start
+            ratios.append(seconds["hf"] / seconds["tm"])  # the same 32 x n_out tokens each
     return ratios
 
 

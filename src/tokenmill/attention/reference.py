@@ -118,8 +118,10 @@ def _attend_new(
     # bits of the heads repeated, without the copies (3.5x faster at 16 tokens, ~10% at 256)
     grouped = causal and q.device.type == "cpu"
     repeat = 1 if grouped else heads // kv.shape[2]
-    keys = kv[:, 0].repeat_interleave(repeat, dim=1).transpose(0, 1)  # [H or KVH, L, D]
-    values = kv[:, 1].repeat_interleave(repeat, dim=1).transpose(0, 1)
+    keys, values = kv[:, 0], kv[:, 1]  # views [L, KVH, D]; repeat_interleave(1) would copy
+    if repeat > 1:
+        keys, values = keys.repeat_interleave(repeat, 1), values.repeat_interleave(repeat, 1)
+    keys, values = keys.transpose(0, 1), values.transpose(0, 1)  # [H or KVH, L, D]
     qh = q.transpose(0, 1)
     if causal:
         # 4-D: PyTorch's CPU flash kernel (3-D inputs fall back to the O(L^2) math path)
