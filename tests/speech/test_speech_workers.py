@@ -29,15 +29,26 @@ def test_lowest_key_first_and_errors():
         pool.submit((0,), lambda: None)
 
 
-def test_close_cancels_the_waiting_tasks():
-    pool = TaskPool(1)
-    gate, started = threading.Event(), threading.Event()
+def test_close_cancels_the_waiting_tasks_and_waits_for_the_running_one():
+    pool = TaskPool(2)
+    gate, started, second = threading.Event(), threading.Event(), threading.Event()
     running = pool.submit((0,), lambda: started.set() or gate.wait())
+    blocker = pool.submit((0,), lambda: second.set() or gate.wait())  # both workers busy
+    assert started.wait(10) and second.wait(10)
     waiting = pool.submit((1,), lambda: "ran")
-    assert started.wait(10)
-    pool.close()
-    gate.set()
-    assert running.result(10) is True and waiting.cancelled()
+    threading.Timer(0.2, gate.set).start()
+    pool.close()  # returns once the running tasks are done and the workers have ended
+    assert running.done() and running.result() is True and blocker.result() is True
+    assert waiting.cancelled()
+    assert not any(t.is_alive() for t in pool._threads)
+
+
+def test_close_from_a_worker_does_not_wait_for_itself():
+    pool = TaskPool(2)
+    assert pool.submit((0,), lambda: pool.close() or "closed").result(10) == "closed"
+    for t in pool._threads:
+        t.join(10)
+        assert not t.is_alive()
 
 
 def test_workers_run_one_thread_and_leave_the_default():

@@ -75,10 +75,18 @@ class TaskPool:
         return future
 
     def close(self) -> None:
-        """Cancel the waiting tasks; the running ones finish."""
+        """Cancel the waiting tasks, let the running ones finish and wait for the workers to
+        end (unless called from one). A worker still alive when the interpreter exits is
+        stopped wherever it is: one waking inside a torch call (whose GIL release is
+        noexcept C++) aborts the process ("terminate called without an active exception",
+        seen after a close just before exit)."""
         with self._cond:
             self._closed = True
             for *_, future in self._heap:
                 future.cancel()
             self._heap.clear()
             self._cond.notify_all()
+        me = threading.current_thread()
+        for t in self._threads:
+            if t is not me:
+                t.join()
