@@ -96,6 +96,11 @@ def _one_of(*values: str) -> Callable[[str], str]:
     return parse
 
 
+def _flag(raw: str) -> bool:
+    """A parser taking 0 or 1."""
+    return _one_of("0", "1")(raw) == "1"
+
+
 TOKENMILL_FP32_GEMM: EnvVar[str] = _declare(
     EnvVar(
         "TOKENMILL_FP32_GEMM",
@@ -127,7 +132,7 @@ TOKENMILL_GREEDY_HEAD: EnvVar[bool] = _declare(
     EnvVar(
         "TOKENMILL_GREEDY_HEAD",
         default="1",
-        parse=lambda raw: _one_of("0", "1")(raw) == "1",
+        parse=_flag,
         doc="1 (the default): on CPU, a step whose every row is plain greedy (no logprobs, "
         "penalties, bias, grammar or other processor) takes its tokens from a bfloat16 "
         "output head in one native call: logits with one bfloat16 activation term, then the "
@@ -160,7 +165,7 @@ TOKENMILL_HOST_MALLOC: EnvVar[bool] = _declare(
     EnvVar(
         "TOKENMILL_HOST_MALLOC",
         default="1",
-        parse=lambda raw: _one_of("0", "1")(raw) == "1",
+        parse=_flag,
         doc="1 (the default): on Linux, tokenmill raises glibc malloc's map and trim "
         "thresholds (32 MB, 256 MB) when an engine starts, so a step's multi-megabyte "
         "tensors reuse freed heap memory instead of taking a page fault per 4 KB; up to "

@@ -65,9 +65,9 @@ class GreedyHead:
         find = getattr(model, "logits_layer", None)
         layer = find() if find is not None else None
         method = getattr(layer, "method", None)
-        if not isinstance(method, Dense16Method) or method.kernel not in EXACT_KERNELS:
+        if layer is None or not isinstance(method, Dense16Method):
             return None
-        if layer is None or not dense16.has_avx512_bf16():
+        if method.kernel not in EXACT_KERNELS or not dense16.has_avx512_bf16():
             return None
         logger.info(
             "greedy head: all-greedy steps of %d+ rows take one-term logits, then %s on the "
